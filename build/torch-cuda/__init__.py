@@ -1,0 +1,16 @@
+"""flash-attn-4-sm120: FlashAttention for consumer Blackwell (SM120/SM121) on mma.sync.
+
+Load it through the Hugging Face ``kernels`` library::
+
+    fa = kernels.get_kernel("<org>/flash-attn-4-sm120", version=1)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+Importing this package has no side effects: CuTe-DSL is imported, and kernels are compiled,
+on the first call that needs them.
+"""
+
+from .features import FEATURES
+
+__version__ = "1.0.0"
+
+__all__ = ["FEATURES", "__version__"]

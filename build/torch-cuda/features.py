@@ -1,0 +1,70 @@
+"""The one table of what this bundle supports.
+
+FEATURES drives three things, so they never drift apart:
+  * the dispatcher: ``require(name)`` raises NotImplementedError for a feature that is not available yet;
+  * the tests: GPU tests skip features whose status is not "supported";
+  * the README support matrix: ``support_matrix_markdown()`` renders it (``scripts/gen_readme_matrix.py``).
+
+Host-only module: no CuTe-DSL import, no side effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED = "supported"
+PLANNED = "planned"
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    status: str
+    api: str
+    notes: str = ""
+
+    @property
+    def supported(self) -> bool:
+        return self.status == SUPPORTED
+
+
+FEATURES: dict[str, Feature] = {
+    f.name: f
+    for f in (
+        Feature("forward", SUPPORTED, "flash_attn_func", "fp16/bf16, out in the input dtype"),
+        Feature("varlen", SUPPORTED, "flash_attn_varlen_func(cu_seqlens_q/k, seqused_q/k)",
+                "zero-length sequences allowed"),
+        Feature("gqa", SUPPORTED, "Hq % Hkv == 0", "MHA, any GQA ratio, MQA; K/V never copied"),
+        Feature("causal", SUPPORTED, "causal=True", "bottom-right aligned when Sq != Sk"),
+        Feature("sliding_window", SUPPORTED, "window_size=(left, right)", "KV blocks outside the window are skipped"),
+        Feature("softcap", SUPPORTED, "softcap>0", "tanh soft-capping of the scores"),
+        Feature("learnable_sink", SUPPORTED, "learnable_sink=(Hq,) fp32", "per-head sink logit in the denominator"),
+        Feature("return_lse", SUPPORTED, "return_lse=True", "fp32 (B, Hq, Sq) / (Hq, total_q)"),
+        Feature("head_dim", SUPPORTED, "D in {32, 64, 96, 128, 192, 256}", "Dv != D where it fits (see README)"),
+        Feature("backward", PLANNED, "autograd", "forward only in this release; backward raises"),
+        Feature("deterministic", PLANNED, "deterministic=True", "needs the backward"),
+        Feature("paged_kv", PLANNED, "page_table=", "raises NotImplementedError"),
+        Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
+        Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
+        Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
+        Feature("tma_forward", PLANNED, "(automatic)", "cp.async forward is used"),
+    )
+}
+
+
+def require(name: str, what: str | None = None) -> None:
+    """Raise NotImplementedError when feature ``name`` is not available in this release."""
+    feat = FEATURES[name]
+    if not feat.supported:
+        raise NotImplementedError(
+            f"{what or feat.api}: the '{name}' feature is not implemented in flash-attn-4-sm120 yet "
+            f"(status: {feat.status}). Leave it at its default or use another attention backend for this call."
+        )
+
+
+def support_matrix_markdown() -> str:
+    rows = ["| feature | status | how to use | notes |", "|---|---|---|---|"]
+    for f in FEATURES.values():
+        mark = "yes" if f.supported else "not yet"
+        rows.append(f"| {f.name} | {mark} | `{f.api}` | {f.notes} |")
+    return "\n".join(rows) + "\n"
