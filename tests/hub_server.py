@@ -40,9 +40,9 @@ def git_blob_sha1(data: bytes) -> str:
 
 
 class HubError(Exception):
-    def __init__(self, status: int, code: str | None, message: str):
+    def __init__(self, status: int, code: str | None, message: str, extra: dict | None = None):
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.extra = status, code, message, extra or {}
 
 
 class HubStore:
@@ -216,7 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Error-Message": err.message}
         if err.code:
             headers["X-Error-Code"] = err.code
-        self._send(err.status, json.dumps({"error": err.message}).encode(), headers, head=head)
+        self._send(err.status, json.dumps({"error": err.message, **err.extra}).encode(), headers, head=head)
 
     def _body(self) -> bytes:
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -304,8 +304,13 @@ class _Handler(BaseHTTPRequestHandler):
             if payload.get("type") != "kernel":
                 raise HubError(400, None, f"This local hub only creates kernel repos, got type {payload.get('type')!r}")
             repo_id = f"{payload['organization']}/{payload['name']}"
-            store.create_repo(repo_id)
-            return self._json(200, {"url": f"{self.server.hub.endpoint}/kernels/{repo_id}", "name": repo_id})
+            url = f"{self.server.hub.endpoint}/kernels/{repo_id}"
+            try:
+                store.create_repo(repo_id)
+            except HubError as err:  # the Hub's 409 names the existing repo, and huggingface_hub reads it
+                err.extra["url"] = url
+                raise
+            return self._json(200, {"url": url, "name": repo_id})
         if p[:2] == ["api", "kernels"] and len(p) >= 6:
             repo_id, action, revision = f"{p[2]}/{p[3]}", p[4], "/".join(p[5:])
             if action == "branch":
