@@ -222,12 +222,12 @@ def render_variant(root: Path, dest: Path) -> dict:
     """Write the variant into the empty directory `dest`; return its metadata."""
     config = read_build_config(root)
     pkg = root / config.package_rel
+    rels = source_files(root, config.package_rel)
     pkg_version = _package_version(pkg / "__init__.py")
     if pkg_version is not None and pkg_version.split(".")[0] != str(config.version):
         raise BuildError(f"{config.package_rel}/__init__.py has __version__ = {pkg_version!r} but build.toml has "
                          f"version = {config.version}; the major version is the Hub branch v<version>. "
                          "Make them agree.")
-    rels = source_files(root, config.package_rel)
     if "metadata.json" in rels:
         raise BuildError(f"{config.package_rel}/metadata.json would be overwritten by the build's metadata; "
                          "rename it.")
