@@ -167,6 +167,18 @@ class HubStore:
         (repo / "refs" / branch).write_text(commit + "\n")
         return commit
 
+    def seed_build(self, repo_id: str, build_dir: Path, readme: bytes, branch: str = "v1") -> str:
+        """Lay out a kernel repo as publish.py does: README on main, README + build/ on `branch`."""
+        with self._lock:
+            if not self.exists(repo_id):
+                self.create_repo(repo_id)
+            self.commit(repo_id, "main", {"README.md": readme}, message="card")
+            if branch not in self.branches(repo_id):
+                self.create_branch(repo_id, branch)
+            files = {f"build/{p.relative_to(build_dir).as_posix()}": p.read_bytes()
+                     for p in sorted(Path(build_dir).rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+            return self.commit(repo_id, branch, files, message="build")
+
     # -- tree listings ------------------------------------------------------------------------------------------
     def tree(self, repo_id: str, commit: str, path: str, recursive: bool) -> list[dict]:
         files = self.files(repo_id, commit)
@@ -409,12 +421,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trusted", action="append", default=[], help="org whose overview says trusted (repeat)")
     parser.add_argument("--untrusted", action="append", default=[], help="org whose overview says untrusted")
     parser.add_argument("--write-token", default=None, help="require 'Authorization: Bearer TOKEN' on POST")
+    parser.add_argument("--seed", action="append", default=[], metavar="ORG/NAME=BUILD_DIR",
+                        help="before serving, publish BUILD_DIR (a build/ directory) to branch v1 of ORG/NAME")
     args = parser.parse_args(argv)
     hub = LocalHub(args.root, write_token=args.write_token)
     for org in args.trusted:
         hub.store.set_trust(org, True)
     for org in args.untrusted:
         hub.store.set_trust(org, False)
+    for seed in args.seed:
+        repo_id, sep, build_dir = seed.partition("=")
+        if not sep or not (Path(build_dir) / "torch-cuda" / "metadata.json").is_file():
+            parser.error(f"--seed {seed!r}: expected ORG/NAME=BUILD_DIR with BUILD_DIR/torch-cuda/metadata.json")
+        hub.store.seed_build(repo_id, Path(build_dir), b"---\nlibrary_name: kernels\n---\n\nSeeded test repo.\n")
     hub.start()
     print(hub.endpoint, flush=True)
     try:

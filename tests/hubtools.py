@@ -98,11 +98,7 @@ def seed_bundle(store: HubStore, repo_id: str, build_dir: Path = BUILD, *, trust
     """Publish `build_dir` the way publish.py lays it out: README on main, README + build/ on branch v1."""
     store.create_repo(repo_id)
     store.set_trust(repo_id.split("/")[0], trusted)
-    store.commit(repo_id, "main", {"README.md": README}, message="card")
-    store.create_branch(repo_id, "v1")
-    files = {f"build/{p.relative_to(build_dir).as_posix()}": p.read_bytes()
-             for p in sorted(build_dir.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
-    return store.commit(repo_id, "v1", files, message="build")
+    return store.seed_build(repo_id, build_dir, README)
 
 
 @pytest.fixture(scope="module")
