@@ -1,0 +1,216 @@
+"""Forward benchmark: ours vs the same-instruction peers, in one process on one GPU.
+
+    python benchmarks/bench_fwd.py --out benchmarks/results/fwd_h100.jsonl
+
+Peers (each skipped, with a note, when not installed):
+  sdpa_flash   PyTorch SDPA, FLASH backend (FlashAttention-2); GQA K/V expanded outside the timed region
+  fa4_sm120    upstream flash-attn-4 (flash_attn.cute) with its SM120 path forced (_get_device_arch -> 120)
+  cudnn_sm80   NVIDIA cuDNN-frontend's CuTe-DSL mma.sync kernel (sdpa_fwd_wrapper_sm80), run by presenting
+               compute capability 8.0 during the call
+TFLOPS by the FlashAttention convention: 4*B*Hq*S^2*D (halved when causal) / median time of CUDA-event
+timed calls after warm-up.  Grid: llama3-8b 32/8/128, qwen2.5-7b 28/4/128, mha-d64 16/16/64, mha-d256 8/8/256,
+S in {1024, 4096, 16384}, B*S = 16384, causal off/on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "llama3-8b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "mha-d64": (16, 16, 64),
+    "mha-d256": (8, 8, 256),
+}
+SEQLENS = (1024, 4096, 16384)
+TOKENS = 16384
+
+
+def load_ours():
+    import flash_attn_4_sm120 as fa
+
+    return fa
+
+
+def time_fn(fn, warmup=3, iters=20) -> float:
+    """Median milliseconds of ``iters`` CUDA-event timed calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def flops(b, hq, s, d, causal):
+    f = 4.0 * b * hq * s * s * d
+    return f / 2 if causal else f
+
+
+@contextlib.contextmanager
+def capability(cap):
+    orig = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *a, **k: cap
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = orig
+
+
+def make_peers(notes: list[str]):
+    peers = {}
+
+    def sdpa(q, k, v, causal):
+        hq, hkv = q.shape[2], k.shape[2]
+        qt = q.transpose(1, 2)
+        kt = k.repeat_interleave(hq // hkv, dim=2).transpose(1, 2) if hq != hkv else k.transpose(1, 2)
+        vt = v.repeat_interleave(hq // hkv, dim=2).transpose(1, 2) if hq != hkv else v.transpose(1, 2)
+
+        def run():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+        return run
+
+    peers["sdpa_flash"] = sdpa
+    try:
+        import flash_attn.cute.interface as fi
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        fi._get_device_arch = lambda: 120  # force upstream's SM120 path (its SM80 kernel) on any GPU
+
+        def fa4(q, k, v, causal):
+            return lambda: fa4_func(q, k, v, causal=causal)
+
+        peers["fa4_sm120"] = fa4
+    except Exception as exc:  # noqa: BLE001 - report and skip the peer
+        notes.append(f"fa4_sm120 skipped: flash-attn-4 not importable ({type(exc).__name__}: {exc})")
+    try:
+        from cudnn.sdpa.fwd import sdpa_fwd_wrapper_sm80
+
+        def cudnn80(q, k, v, causal):
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+            def run():
+                with capability((8, 0)):
+                    return sdpa_fwd_wrapper_sm80(qt, kt, vt, is_causal=causal)
+
+            return run
+
+        peers["cudnn_sm80"] = cudnn80
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"cudnn_sm80 skipped: nvidia-cudnn-frontend not importable ({type(exc).__name__}: {exc})")
+    return peers
+
+
+def check_same(out, ref, name):
+    err = (out.float() - ref.float()).abs().max().item()
+    if not math.isfinite(err) or err > 0.05:
+        raise RuntimeError(f"{name} disagrees with SDPA: max abs diff {err}")
+
+
+def run_grid(args, fa, peers, notes):
+    rows = []
+    dev = torch.cuda.get_device_name()
+    for shape_name, (hq, hkv, d) in SHAPES.items():
+        if args.only and shape_name not in args.only:
+            continue
+        for s in args.seqlens:
+            b = max(1, TOKENS // s)
+            for causal in (False, True):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                fl = flops(b, hq, s, d, causal)
+                row = dict(shape=shape_name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal, device=dev)
+                ours = lambda: fa.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+                ref = peers["sdpa_flash"](q, k, v, causal)().transpose(1, 2)
+                check_same(ours()[0], ref, "ours")
+                row["ours_ms"] = time_fn(ours)
+                row["ours_tflops"] = fl / row["ours_ms"] / 1e9
+                for name, make in peers.items():
+                    try:
+                        fn = make(q, k, v, causal)
+                        out = fn()
+                        out = out[0] if isinstance(out, (tuple, list)) else out
+                        if hasattr(out, "get") and not isinstance(out, torch.Tensor):
+                            out = out["o_tensor"]
+                        if name != "sdpa_flash":
+                            check_same(out if out.shape == ref.shape else out.transpose(1, 2), ref, name)
+                        ms = time_fn(fn)
+                        row[f"{name}_ms"] = ms
+                        row[f"{name}_tflops"] = fl / ms / 1e9
+                    except Exception as exc:  # noqa: BLE001 - a peer failing one cell is recorded, not fatal
+                        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                peer_best = max((row[f"{n}_tflops"] for n in peers if f"{n}_tflops" in row), default=None)
+                if peer_best:
+                    row["ratio_vs_best_peer"] = row["ours_tflops"] / peer_best
+                if "sdpa_flash_tflops" in row:
+                    row["ratio_vs_sdpa_flash"] = row["ours_tflops"] / row["sdpa_flash_tflops"]
+                rows.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+                del q, k, v
+    return rows
+
+
+def summary(rows):
+    def geo(xs):
+        xs = [x for x in xs if x]
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    out = {
+        "geomean_vs_best_peer": geo([r.get("ratio_vs_best_peer") for r in rows]),
+        "min_vs_best_peer": min((r["ratio_vs_best_peer"] for r in rows if "ratio_vs_best_peer" in r), default=None),
+        "geomean_vs_sdpa_flash": geo([r.get("ratio_vs_sdpa_flash") for r in rows]),
+        "best_cell_tflops": max((r["ours_tflops"] for r in rows), default=None),
+    }
+    for name in ("sdpa_flash", "fa4_sm120", "cudnn_sm80"):
+        out[f"geomean_vs_{name}"] = geo([r["ours_tflops"] / r[f"{name}_tflops"] for r in rows if f"{name}_tflops" in r])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="shape names")
+    ap.add_argument("--seqlens", nargs="*", type=int, default=list(SEQLENS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fwd: no CUDA GPU; nothing to measure", file=sys.stderr)
+        return 2
+    notes: list[str] = []
+    fa = load_ours()
+    peers = make_peers(notes)
+    for n in notes:
+        print("note:", n, flush=True)
+    t0 = time.time()
+    rows = run_grid(args, fa, peers, notes)
+    summ = summary(rows)
+    summ.update(kind="summary", device=torch.cuda.get_device_name(), notes=notes, seconds=round(time.time() - t0, 1),
+                torch=torch.__version__)
+    print(json.dumps(summ), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows + [summ]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

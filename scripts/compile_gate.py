@@ -1,0 +1,138 @@
+"""SM120 compile gate: build every forward kernel configuration the dispatcher can select for sm_120a on a CPU
+(fake tensors, no GPU) and check its SASS.
+
+    python scripts/compile_gate.py                 # all configurations, table on stdout, exit 1 on a failure
+    python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
+    python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
+    python scripts/compile_gate.py --arch sm_90a   # same check for another target
+
+A configuration passes when its cubin has HMMA (mma.sync) instructions, none of the instructions SM120 lacks
+(wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
+at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile table, each at its
+lightest and heaviest feature set (config.gate_configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _package():
+    """Import the bundle from torch-ext/ (the gate checks the sources, before any build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "flash_attn_4_sm120", ROOT / "torch-ext" / "flash_attn_4_sm120" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "torch-ext" / "flash_attn_4_sm120")],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["flash_attn_4_sm120"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _worklist(pattern: str | None):
+    _package()
+    from flash_attn_4_sm120 import config
+
+    items = []
+    for dtype, d, dv, tile in config.all_fwd_tile_configs():
+        for cfg in config.gate_configs(dtype, d, dv, tile):
+            if pattern is None or pattern in cfg.name():
+                items.append(cfg)
+    return items
+
+
+def _check_one(cfg, arch: str) -> dict:
+    """Runs in a worker process: compile for ``arch`` and inspect the cubin."""
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ["CUTE_DSL_KEEP"] = "cubin"
+    dump = tempfile.mkdtemp(prefix="fa4sm120_gate_")
+    os.environ["CUTE_DSL_DUMP_DIR"] = dump
+    _package()
+    sys.path.insert(0, str(ROOT))
+    from flash_attn_4_sm120 import config, jit
+    from scripts.sass_check import inspect_cubin
+
+    t0 = time.time()
+    row = {"config": cfg.name(), "arch": arch}
+    try:
+        fn, kernel = jit.compile_fwd(cfg, with_kernel=True)
+        cubin = fn.__cubin__
+        if isinstance(cubin, str):
+            cubin = Path(cubin).read_bytes()
+        rep = inspect_cubin(cubin)
+        row.update(
+            compile_s=round(time.time() - t0, 1), regs=rep.registers, frame=rep.frame_bytes, spills=rep.spills,
+            hmma=rep.counts["HMMA"], ex2=rep.counts["MUFU.EX2"], smem=kernel.launch_smem_bytes,
+            cubin_arch=rep.arch, forbidden=rep.forbidden,
+        )
+        problems = []
+        if rep.counts["HMMA"] == 0:
+            problems.append("no HMMA")
+        if rep.forbidden:
+            problems.append("forbidden: " + ",".join(rep.forbidden))
+        if rep.spills or rep.frame_bytes:
+            problems.append(f"spills ({rep.spills} STL/LDL, frame {rep.frame_bytes} B)")
+        if kernel.launch_smem_bytes > config.SMEM_LIMIT_BYTES:
+            problems.append(f"smem {kernel.launch_smem_bytes} > {config.SMEM_LIMIT_BYTES}")
+        if kernel.launch_smem_bytes != config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile):
+            problems.append("smem differs from config.fwd_smem_bytes")
+        if not rep.arch.startswith(arch.rstrip("af")):
+            problems.append(f"cubin is {rep.arch}, expected {arch}")
+        row["problems"] = problems
+    except Exception as exc:  # report, never hide, a compile failure
+        row.update(compile_s=round(time.time() - t0, 1), problems=[f"compile failed: {type(exc).__name__}: {exc}"])
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_120a")
+    ap.add_argument("--limit", type=int, default=None, help="check only the first N configurations")
+    ap.add_argument("--filter", default=None, help="substring of the configuration name")
+    ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON lines")
+    args = ap.parse_args(argv)
+
+    work = _worklist(args.filter)
+    if args.limit is not None:
+        work = work[: args.limit]
+    if not work:
+        print("compile gate: no configuration matches", file=sys.stderr)
+        return 2
+    print(f"compile gate: {len(work)} configurations for {args.arch}, {args.jobs} jobs", flush=True)
+    rows = []
+    with cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futs = {pool.submit(_check_one, cfg, args.arch): cfg for cfg in work}
+        for fut in cf.as_completed(futs):
+            rows.append(fut.result())
+            r = rows[-1]
+            print(f"  {'ok  ' if not r['problems'] else 'FAIL'} {r['config']} ({r.get('compile_s', '?')} s)", flush=True)
+    rows.sort(key=lambda r: r["config"])
+    hdr = f"| {'configuration':<58} | regs | spills | frame | HMMA | EX2 | smem (B) | result |"
+    print("\n" + hdr + "\n|" + "|".join("-" * (len(c) + 0) for c in hdr.split("|")[1:-1]) + "|")
+    for r in rows:
+        res = "ok" if not r["problems"] else "; ".join(r["problems"])
+        print(
+            f"| {r['config']:<58} | {r.get('regs', '-'):>4} | {r.get('spills', '-'):>6} | {r.get('frame', '-'):>5} "
+            f"| {r.get('hmma', '-'):>4} | {r.get('ex2', '-'):>3} | {r.get('smem', '-'):>8} | {res} |"
+        )
+    if args.json:
+        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = [r for r in rows if r["problems"]]
+    print(f"\ncompile gate: {len(rows) - len(bad)}/{len(rows)} configurations pass for {args.arch}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Read a CUDA cubin without a GPU: register count, stack frame, SASS instruction census.
+
+Used by the sm_120a compile gate.  Only the standard library plus ``nvdisasm`` (pip: nvidia-cuda-nvdisasm).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sysconfig
+from dataclasses import dataclass, field
+
+# Instructions SM120/SM121 lack (wgmma / tcgen05 / tensor memory / 2-CTA TMA); any of them fails the gate.
+FORBIDDEN_SASS = ("HGMMA", "GMMA", "UTC", "UTMALDG.2CTA", ".2CTA", "TCGEN05", "UTMACCTL")
+
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
+_EIFMT_SVAL = 4
+_EIFMT_HVAL = 3
+_EIFMT_BVAL = 2
+_EIFMT_NVAL = 1
+
+
+def find_nvdisasm() -> str:
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for cand in glob.glob(os.path.join(root, "nvidia", "cu*", "bin", "nvdisasm")) + glob.glob(
+            os.path.join(root, "nvidia", "cuda_nvdisasm", "bin", "nvdisasm")
+        ):
+            return cand
+    raise FileNotFoundError(
+        "nvdisasm not found: install it with `pip install nvidia-cuda-nvdisasm` (see requirements-dev.txt)"
+    )
+
+
+def _sections(data: bytes) -> dict[str, tuple[int, int]]:
+    if data[:4] != b"\x7fELF":
+        raise ValueError("not an ELF cubin")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    raw = []
+    for i in range(shnum):
+        name, _typ, _flags, _addr, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+        raw.append((name, offset, size))
+    strtab = raw[shstrndx][1]
+    out = {}
+    for name, offset, size in raw:
+        end = data.index(b"\0", strtab + name)
+        out[data[strtab + name : end].decode()] = (offset, size)
+    return out
+
+
+def _nv_info_attrs(data: bytes, offset: int, size: int):
+    p, end = offset, offset + size
+    while p < end:
+        fmt, attr = data[p], data[p + 1]
+        if fmt == _EIFMT_SVAL:
+            n = struct.unpack_from("<H", data, p + 2)[0]
+            yield attr, data[p + 4 : p + 4 + n]
+            p += 4 + n
+        elif fmt == _EIFMT_HVAL:
+            yield attr, data[p + 2 : p + 4]
+            p += 4
+        elif fmt == _EIFMT_BVAL:
+            yield attr, data[p + 2 : p + 3]
+            p += 4
+        elif fmt == _EIFMT_NVAL:
+            yield attr, b""
+            p += 2
+        else:
+            return
+
+
+@dataclass
+class CubinReport:
+    arch: str
+    registers: int
+    frame_bytes: int
+    counts: dict[str, int] = field(default_factory=dict)
+    forbidden: list[str] = field(default_factory=list)
+
+    @property
+    def spills(self) -> int:
+        return self.counts.get("STL", 0) + self.counts.get("LDL", 0)
+
+
+_CENSUS = {
+    "HMMA": r"\bHMMA\.",
+    "LDSM": r"\bLDSM\b",
+    "LDGSTS": r"\bLDGSTS\b",
+    "MUFU.EX2": r"\bMUFU\.EX2\b",
+    "MUFU.TANH": r"\bMUFU\.TANH\b",
+    "STL": r"\bSTL\b",
+    "LDL": r"\bLDL\b",
+    "BAR": r"\bBAR\.SYNC\b",
+}
+
+
+def inspect_cubin(cubin: bytes) -> CubinReport:
+    secs = _sections(cubin)
+    regs = frame = 0
+    info = secs.get(".nv.info")
+    if info:
+        for attr, val in _nv_info_attrs(cubin, *info):
+            if attr == _EIATTR_REGCOUNT:
+                regs = max(regs, struct.unpack_from("<II", val)[1])
+            elif attr == _EIATTR_FRAME_SIZE:
+                frame = max(frame, struct.unpack_from("<II", val)[1])
+    arch = "?"
+    m = re.search(rb"sm_\d+[af]?", cubin)
+    if m:
+        arch = m.group().decode()
+    sass = disassemble(cubin)
+    counts = {k: len(re.findall(p, sass)) for k, p in _CENSUS.items()}
+    forbidden = sorted({tok for tok in FORBIDDEN_SASS for line in sass.splitlines() if tok in line.split("//")[0]})
+    return CubinReport(arch, regs, frame, counts, forbidden)
+
+
+def disassemble(cubin: bytes) -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([find_nvdisasm(), "-c", f.name], check=True, capture_output=True, text=True).stdout

@@ -1,0 +1,81 @@
+"""Reference attention in plain PyTorch for the tests: fp32 (the ground truth) or the input dtype (the
+"PyTorch in the same dtype" error yardstick)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, None), softcap=0.0, sink=None,
+                  upcast=True):
+    """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D|Dv) -> out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) fp32.
+
+    Masks follow FlashAttention: query i sees key j iff j <= i + Sk - Sq (+ right) and j >= i + Sk - Sq - left.
+    Rows that see nothing give out = 0 and lse = -inf (or the sink logit).
+    """
+    dtype = q.dtype
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q * scale if not upcast else q, k)
+    if upcast:
+        s = s * scale
+    s = s.float()
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    shift = sk - sq
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right is not None and right >= 0:
+        allowed &= j <= i + shift + right
+    if left is not None and left >= 0:
+        allowed &= j >= i + shift - left
+    s = s.masked_fill(~allowed, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
+    if sink is not None:
+        p = p[..., :sk]
+    p = p if upcast else p.to(dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out.to(dtype), lse
+
+
+def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
+    """Reference for packed (total, H, D) inputs: the dense reference per sequence.  Rows past seqused_q are
+    not compared (returned as NaN); lse is (Hq, total_q)."""
+    total_q, hq = q.shape[0], q.shape[1]
+    out = torch.full((total_q, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((hq, total_q), float("nan"), dtype=torch.float32, device=q.device)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for bi in range(len(cu_q) - 1):
+        q0, k0 = cu_q[bi], cu_k[bi]
+        lq = cu_q[bi + 1] - q0 if used_q is None else int(used_q[bi])
+        lk = cu_k[bi + 1] - k0 if used_k is None else int(used_k[bi])
+        if lq == 0:
+            continue
+        qb = q[q0:q0 + lq][None]
+        kb, vb = k[k0:k0 + lk][None], v[k0:k0 + lk][None]
+        if lk == 0:
+            o = torch.zeros_like(out[q0:q0 + lq])
+            sink = kw.get("sink")
+            l_ = (sink.float()[:, None].expand(hq, lq) if sink is not None
+                  else torch.full((hq, lq), -math.inf, device=q.device))
+            out[q0:q0 + lq], lse[:, q0:q0 + lq] = o, l_
+            continue
+        o, l_ = attention_ref(qb, kb, vb, **kw)
+        out[q0:q0 + lq] = o[0]
+        lse[:, q0:q0 + lq] = l_[0]
+    return out, lse

@@ -1,0 +1,158 @@
+"""Host-only layer: tile table, SM120 budgets, argument normalisation, FEATURES.  Runs on a CPU."""
+
+import inspect
+import math
+
+import pytest
+
+from flash_attn_4_sm120 import FEATURES, config, features, interface
+from flash_attn_4_sm120 import validate as V
+from flash_attn_4_sm120.config import FwdTile
+
+
+def test_every_selected_tile_fits_sm120():
+    for dtype, d, dv, tile in config.all_fwd_tile_configs():
+        assert config.fwd_smem_bytes(d, dv, tile) <= config.SMEM_LIMIT_BYTES, (d, dv, tile)
+        assert config.fwd_tile_problems(d, dv, tile) == []
+
+
+def test_supported_pairs_cover_the_issue_examples():
+    pairs = config.supported_head_dim_pairs()
+    for d in config.HEAD_DIMS:
+        assert (d, d) in pairs
+    assert (192, 128) in pairs and (128, 64) in pairs
+
+
+def test_tile_problems_name_value_and_limit():
+    problems = config.fwd_tile_problems(256, 256, FwdTile(128, 128, 8, 2, True))
+    text = "; ".join(problems)
+    assert "101376" in text and "shared memory" in text
+
+
+def test_select_raises_with_reasons(monkeypatch):
+    monkeypatch.setitem(config._TILE_PREFERENCE, 256, (FwdTile(256, 256, 8, 2),))
+    with pytest.raises(ValueError, match=r"head_dim=256.*no forward tile fits"):
+        config.select_fwd_tile(256, 256, False)
+
+
+def test_smem_formula_matches_known_value():
+    # Q 128x128 + 2 stages of K and V 64x128, bf16 = 32 KiB * 3
+    assert config.fwd_smem_bytes(128, 128, FwdTile(128, 64, 8, 2, True)) == 98304
+
+
+def test_copy_threads_per_row():
+    assert config.copy_threads_per_row(128, 16) == 16
+    assert config.copy_threads_per_row(96, 16) == 4
+    assert config.copy_threads_per_row(192, 16) == 8
+
+
+def test_config_name_and_hash_are_stable():
+    a = config.FwdKernelConfig("bf16", 128, 128, FwdTile(128, 64, 8, 2, True), windowed=True)
+    b = config.FwdKernelConfig("bf16", 128, 128, FwdTile(128, 64, 8, 2, True), windowed=True)
+    assert a == b and hash(a) == hash(b) and a.name() == "fwd_bf16_d128v128_128x64w8s2q_win"
+
+
+def test_gate_configs_light_and_heavy():
+    light, heavy = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    assert not light.windowed and heavy.windowed and heavy.has_sink and heavy.varlen_q
+
+
+@pytest.mark.parametrize(
+    "causal,window,expected",
+    [
+        (False, (None, None), (config.WINDOW_UNBOUNDED, config.WINDOW_UNBOUNDED)),
+        (True, (None, None), (config.WINDOW_UNBOUNDED, 0)),
+        (True, (10, None), (10, 0)),
+        (True, (10, 0), (10, 0)),
+        (False, (-1, -1), (config.WINDOW_UNBOUNDED, config.WINDOW_UNBOUNDED)),
+        (False, (5, 3), (5, 3)),
+        (False, (1 << 40, 3), (config.WINDOW_UNBOUNDED, 3)),
+    ],
+)
+def test_resolve_window(causal, window, expected):
+    assert V.resolve_window(causal, window) == expected
+
+
+@pytest.mark.parametrize("window", [(None, 1), (3, 2)])
+def test_causal_with_right_window_raises(window):
+    with pytest.raises(ValueError, match="conflicts"):
+        V.resolve_window(True, window)
+
+
+@pytest.mark.parametrize("bad", [(1,), "ab", (None, 2.5), (True, None)])
+def test_bad_window_raises(bad):
+    with pytest.raises(ValueError, match="window_size"):
+        V.resolve_window(False, bad)
+
+
+def test_scalars():
+    assert V.check_scalars(None, 0.0, 64) == (1 / 8, 0.0)
+    for scale in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            V.check_scalars(scale, 0.0, 64)
+    with pytest.raises(ValueError, match="softcap"):
+        V.check_scalars(None, -1.0, 64)
+
+
+def test_head_dim_errors_name_value_and_list():
+    with pytest.raises(ValueError, match=r"head_dim=80 .*\(32, 64, 96, 128, 192, 256\)"):
+        V.check_head_dims(80, 80)
+    with pytest.raises(ValueError, match="head_dim_v=128"):
+        V.check_head_dims(64, 128)
+
+
+def test_heads_error():
+    with pytest.raises(ValueError, match=r"query heads \(6\).*KV heads \(4\)"):
+        V.check_heads(6, 4, 4)
+
+
+def test_lengths_and_batch_limits():
+    with pytest.raises(ValueError, match=str(config.MAX_SEQLEN)):
+        V.check_lengths(seqlen_q=config.MAX_SEQLEN + 1)
+    with pytest.raises(ValueError, match="65535"):
+        V.check_batch(70000)
+
+
+def test_features_table_drives_errors():
+    assert FEATURES["forward"].supported and not FEATURES["paged_kv"].supported
+    with pytest.raises(NotImplementedError, match="paged_kv"):
+        features.require("paged_kv", "page_table")
+    features.require("forward")  # supported: no error
+
+
+def test_support_matrix_lists_every_feature():
+    md = features.support_matrix_markdown()
+    for name in FEATURES:
+        assert f"| {name} |" in md
+
+
+def test_api_is_keyword_compatible_with_upstream():
+    upstream_fwd = ["softmax_scale", "causal", "window_size", "learnable_sink", "softcap", "num_splits",
+                    "pack_gqa", "deterministic", "block_sparse_tensors", "return_lse"]
+    upstream_varlen = upstream_fwd + ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                      "seqused_q", "seqused_k", "page_table"]
+    for fn, names in ((interface.flash_attn_func, upstream_fwd), (interface.flash_attn_varlen_func, upstream_varlen)):
+        params = inspect.signature(fn).parameters
+        assert list(params)[:3] == ["q", "k", "v"]
+        for n in names:
+            assert params[n].kind is inspect.Parameter.KEYWORD_ONLY, n
+
+
+def test_choose_pack():
+    assert interface._choose_pack(None, 1, 10, 128) == 1
+    assert interface._choose_pack(None, 8, 1, 128) == 8
+    assert interface._choose_pack(False, 8, 1, 128) == 1
+    assert interface._choose_pack(True, 8, 4096, 128) == 8
+    with pytest.raises(ValueError, match="pack_gqa"):
+        interface._choose_pack("yes", 8, 1, 128)
+
+
+def test_import_has_no_cutlass_side_effect():
+    import subprocess
+    import sys
+
+    code = ("import sys; import flash_attn_4_sm120 as m; "
+            "print('cutlass' in sys.modules, hasattr(m, 'flash_attn_func'), m.__version__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__('os').environ, "PYTHONPATH": "torch-ext"})
+    assert res.stdout.split() == ["False", "True", "1.0.0"]

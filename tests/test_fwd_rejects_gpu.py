@@ -1,0 +1,103 @@
+"""Every rejected input raises a clear error before any kernel launch (GPU: the inputs must be CUDA tensors)."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+fa = pytest.importorskip("flash_attn_4_sm120")
+
+
+def t(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+def qkv(b=1, s=16, hq=4, hkv=4, d=64, dv=64, dtype=torch.bfloat16):
+    return t(b, s, hq, d, dtype=dtype), t(b, s, hkv, d, dtype=dtype), t(b, s, hkv, dv, dtype=dtype)
+
+
+CASES = {
+    "fp32 inputs": (lambda: qkv(dtype=torch.float32), {}, ValueError, "dtype"),
+    "mixed dtypes": (lambda: (t(1, 16, 4, 64), t(1, 16, 4, 64, dtype=torch.float16), t(1, 16, 4, 64)), {},
+                     ValueError, "one dtype"),
+    "cpu tensor": (lambda: (t(1, 16, 4, 64).cpu(), t(1, 16, 4, 64), t(1, 16, 4, 64)), {}, ValueError, "CUDA"),
+    "rank 3 q": (lambda: (t(16, 4, 64), t(1, 16, 4, 64), t(1, 16, 4, 64)), {}, ValueError, "4 dimensions"),
+    "head_dim 80": (lambda: qkv(d=80, dv=80), {}, ValueError, "head_dim=80"),
+    "head_dim 512": (lambda: qkv(d=512, dv=512), {}, ValueError, "head_dim=512"),
+    "dv > d": (lambda: qkv(d=64, dv=128), {}, ValueError, "head_dim_v=128"),
+    "k head_dim mismatch": (lambda: (t(1, 16, 4, 64), t(1, 16, 4, 128), t(1, 16, 4, 64)), {}, ValueError,
+                            "k.shape[-1]"),
+    "heads not multiple": (lambda: qkv(hq=6, hkv=4), {}, ValueError, "multiple"),
+    "k/v head mismatch": (lambda: (t(1, 16, 4, 64), t(1, 16, 2, 64), t(1, 16, 4, 64)), {}, ValueError, "heads"),
+    "batch mismatch": (lambda: (t(2, 16, 4, 64), t(1, 16, 4, 64), t(1, 16, 4, 64)), {}, ValueError, "batch"),
+    "last dim strided": (lambda: (t(1, 16, 4, 128)[..., ::2], t(1, 16, 4, 64), t(1, 16, 4, 64)), {}, ValueError,
+                         "contiguous"),
+    "misaligned rows": (lambda: (t(1, 16, 4, 68)[..., :64], t(1, 16, 4, 64), t(1, 16, 4, 64)), {}, ValueError,
+                        "16-byte"),
+    "negative scale": (lambda: qkv(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    "nan softcap": (lambda: qkv(), {"softcap": float("nan")}, ValueError, "softcap"),
+    "causal + right window": (lambda: qkv(), {"causal": True, "window_size": (None, 5)}, ValueError, "conflicts"),
+    "bad window": (lambda: qkv(), {"window_size": (1.5, None)}, ValueError, "window_size"),
+    "sink shape": (lambda: qkv(), {"learnable_sink": torch.zeros(3, device="cuda")}, ValueError, "(4,)"),
+    "sink dtype": (lambda: qkv(), {"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.int32)},
+                   ValueError, "dtype"),
+    "split kv": (lambda: qkv(), {"num_splits": 4}, NotImplementedError, "split_kv"),
+    "block sparse": (lambda: qkv(), {"block_sparse_tensors": object()}, NotImplementedError, "block_sparse"),
+    "dropout": (lambda: qkv(), {"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    "score_mod": (lambda: qkv(), {"score_mod": lambda *a: a[0]}, NotImplementedError, "score_mod"),
+    "pack_gqa type": (lambda: qkv(hq=8, hkv=2), {"pack_gqa": "yes"}, ValueError, "pack_gqa"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rejects(name):
+    make, kwargs, exc, needle = CASES[name]
+    q, k, v = make()
+    with pytest.raises(exc, match=None) as info:
+        fa.flash_attn_func(q, k, v, **kwargs)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_positional_args_after_v_rejected():
+    q, k, v = qkv()
+    with pytest.raises(TypeError):
+        fa.flash_attn_func(q, k, v, None, True)
+
+
+def test_requires_grad_rejected_until_backward_lands():
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backward"):
+        fa.flash_attn_func(q, k, v)
+    with torch.no_grad():
+        fa.flash_attn_func(q, k, v)
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+VARLEN_CASES = {
+    "cu int64": (dict(cu_seqlens_q=_cu([8, 8]).long(), cu_seqlens_k=_cu([8, 8])), ValueError, "int32"),
+    "cu not monotonic": (dict(cu_seqlens_q=torch.tensor([0, 10, 4], dtype=torch.int32, device="cuda"),
+                              cu_seqlens_k=_cu([8, 8])), ValueError, "non-decreasing"),
+    "cu past total": (dict(cu_seqlens_q=_cu([8, 9]), cu_seqlens_k=_cu([8, 8])), ValueError, "16"),
+    "cu batch mismatch": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([4, 4, 8])), ValueError, "shape (3,)"),
+    "max_seqlen too small": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]), max_seqlen_q=4),
+                             ValueError, "max_seqlen_q"),
+    "seqused too long": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
+                              seqused_k=torch.tensor([9, 1], dtype=torch.int32, device="cuda")), ValueError,
+                         "seqused_k[0]"),
+    "page table": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
+                        page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda")), NotImplementedError,
+                   "paged_kv"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_varlen_rejects(name):
+    kwargs, exc, needle = VARLEN_CASES[name]
+    q, k, v = t(16, 4, 64), t(16, 4, 64), t(16, 4, 64)
+    with pytest.raises(exc) as info:
+        fa.flash_attn_varlen_func(q, k, v, **kwargs)
+    assert needle in str(info.value), str(info.value)
