@@ -10,7 +10,8 @@ on the first call that needs them.
 """
 
 from .features import FEATURES
+from .interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = "1.0.0"
 
-__all__ = ["FEATURES", "__version__"]
+__all__ = ["FEATURES", "__version__", "flash_attn_func", "flash_attn_varlen_func"]

@@ -1,0 +1,217 @@
+"""Host-only configuration layer: tile table, resource budgets, and the frozen compile key of the forward kernel.
+
+Nothing here imports CuTe-DSL, so it is cheap to import and fully testable on a CPU.
+
+Limits are those of SM120/SM121 (RTX 5090, RTX PRO 6000, DGX Spark), kept on every kernel even when it runs on the
+H100 proxy: at most 101376 B of shared memory per CTA, mma.sync m16n8k16 only, no clusters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# ---- hardware budget (SM120 / SM121) -------------------------------------------------------------------------
+SMEM_LIMIT_BYTES = 101376  # max dynamic shared memory per block on SM12x (99 KB)
+MAX_REGS_PER_THREAD = 255
+# Registers a thread needs beyond the accumulators and operand fragments (addresses, softmax state, loop
+# counters, predicates): measured from the sm_120a compile gate (0 spills at this margin).
+REG_OVERHEAD = 48
+# Largest register estimate (fwd_register_estimate) accepted for a tile: the sm_120a compile gate showed the
+# first spills (8 B of stack) at an estimate of 240 (d=192/dv=192, Q in registers, heaviest feature set).
+REG_ESTIMATE_BUDGET = 232
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = ("bf16", "fp16")
+# Sequence lengths, batch and heads are limited so that every index the kernel forms fits in int32 without
+# overflow, and so that the grid fits CUDA's limits (gridDim.y/z <= 65535).
+MAX_SEQLEN = (1 << 28) - 1
+MAX_GRID_YZ = 65535
+# Stand-in for an unbounded sliding-window side (kernel arithmetic stays in int32 range with MAX_SEQLEN).
+WINDOW_UNBOUNDED = 1 << 29
+
+
+def copy_threads_per_row(k_dim: int, elem_bits: int) -> int:
+    """Threads that share one row in the 16-byte-vector gmem<->smem copies: largest power of two dividing the
+    number of vectors per row, at most 16."""
+    vectors = k_dim * elem_bits // 128
+    tpr = 1
+    while tpr < 16 and vectors % (tpr * 2) == 0:
+        tpr *= 2
+    return tpr
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """Structural choice of the forward kernel: CTA tile, warps (stacked along M), K/V pipeline depth, and
+    whether Q fragments stay in registers for the whole CTA."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    q_in_regs: bool = False
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def name(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}{'q' if self.q_in_regs else ''}"
+
+
+@dataclass(frozen=True)
+class FwdKernelConfig:
+    """The compile key of one forward kernel.  Batch, sequence lengths, head counts, GQA ratio, window sizes,
+    softmax scale and softcap value are runtime arguments: they never trigger a recompile."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    head_dim_v: int
+    tile: FwdTile
+    windowed: bool = False  # causal or sliding window (runtime left/right bounds)
+    has_softcap: bool = False
+    has_sink: bool = False
+    varlen_q: bool = False  # q/o are (total_q, H, D) with cu_seqlens_q
+    varlen_k: bool = False  # k/v are (total_k, H, D) with cu_seqlens_k
+    seqused_q: bool = False
+    seqused_k: bool = False
+
+    def name(self) -> str:
+        flags = [
+            n
+            for n, on in (
+                ("win", self.windowed),
+                ("softcap", self.has_softcap),
+                ("sink", self.has_sink),
+                ("vq", self.varlen_q),
+                ("vk", self.varlen_k),
+                ("uq", self.seqused_q),
+                ("uk", self.seqused_k),
+            )
+            if on
+        ]
+        return f"fwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile.name()}" + (
+            "_" + "_".join(flags) if flags else ""
+        )
+
+
+def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: int = 2) -> int:
+    """Shared memory of the forward kernel: Q tile + K and V stages, each region 1024-byte aligned.
+    The O staging buffer of the epilogue aliases this space (it needs tile_m*head_dim_v elements)."""
+
+    def align(n: int) -> int:
+        return (n + 1023) // 1024 * 1024
+
+    q = align(tile.tile_m * head_dim * elem_bytes)
+    k = align(tile.num_stages * tile.tile_n * head_dim * elem_bytes)
+    v = align(tile.num_stages * tile.tile_n * head_dim_v * elem_bytes)
+    return q + k + v
+
+
+def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
+    threads = tile.num_threads
+    acc_o = tile.tile_m * head_dim_v // threads
+    acc_s = tile.tile_m * tile.tile_n // threads
+    q_regs = tile.tile_m * head_dim // (2 * threads) if tile.q_in_regs else 0
+    # P in 16-bit (half of acc_s) lives while acc_s is reused; fragments of K/V for one k-step are small.
+    return acc_o + acc_s + acc_s // 2 + q_regs + REG_OVERHEAD
+
+
+def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str]:
+    """Reasons a tile cannot run this head-dim pair within SM120's budget (empty list: it can)."""
+    problems = []
+    if tile.num_warps not in (4, 8):
+        problems.append(f"num_warps={tile.num_warps} (supported: 4, 8)")
+    if tile.tile_m % (16 * tile.num_warps) != 0:
+        problems.append(f"tile_m={tile.tile_m} is not a multiple of 16*num_warps={16 * tile.num_warps}")
+    if tile.tile_n % 16 != 0 or tile.tile_n < 16:
+        problems.append(f"tile_n={tile.tile_n} is not a positive multiple of 16")
+    if tile.num_stages not in (1, 2):
+        problems.append(f"num_stages={tile.num_stages} (supported: 1, 2)")
+    for dim in (head_dim, head_dim_v):
+        rows_per_pass = tile.num_threads // copy_threads_per_row(dim, 16)
+        for rows, what in ((tile.tile_m, "tile_m"), (tile.tile_n, "tile_n")):
+            if rows % rows_per_pass != 0:
+                problems.append(f"{what}={rows} is not a multiple of the copy's {rows_per_pass} rows per pass (d={dim})")
+    smem = fwd_smem_bytes(head_dim, head_dim_v, tile)
+    if tile.tile_m * head_dim_v * 2 > smem:
+        problems.append("the O staging tile does not fit in the kernel's shared memory")
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    regs = fwd_register_estimate(head_dim, head_dim_v, tile)
+    if regs > REG_ESTIMATE_BUDGET:
+        problems.append(f"needs ~{regs} registers per thread (budget {REG_ESTIMATE_BUDGET} of {MAX_REGS_PER_THREAD})")
+    return problems
+
+
+# ---- tile table --------------------------------------------------------------------------------------------
+# Preference order per head dim (first that fits wins).  16 query rows per warp, 8 warps: the accumulators of a
+# 128-row tile fit in registers without spills for every head dim (4-warp 128-row tiles spill at d=128 on
+# sm_120a: 255 registers + 152 B of stack).  Initial table from the sm_120a compile gate; tuned by measurement
+# (benchmarks/tile_sweep.py) on the H100 proxy, see README "Performance".
+_TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
+    32: (FwdTile(128, 128, 8, 2, True),),
+    64: (FwdTile(128, 128, 8, 2, True), FwdTile(128, 64, 8, 2, True)),
+    96: (FwdTile(128, 64, 8, 2, True), FwdTile(128, 64, 8, 1, True)),
+    128: (FwdTile(128, 64, 8, 2, True), FwdTile(128, 64, 8, 2, False)),
+    192: (FwdTile(128, 64, 8, 1, True), FwdTile(128, 64, 8, 1, False), FwdTile(128, 32, 8, 1, False)),
+    256: (FwdTile(128, 32, 8, 1, False), FwdTile(64, 32, 4, 1, False)),
+}
+
+
+def candidate_tiles(head_dim: int, head_dim_v: int) -> tuple[FwdTile, ...]:
+    return _TILE_PREFERENCE[max(head_dim, head_dim_v)]
+
+
+def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+    """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120."""
+    reasons = []
+    for tile in candidate_tiles(head_dim, head_dim_v):
+        problems = fwd_tile_problems(head_dim, head_dim_v, tile)
+        if not problems:
+            return tile
+        reasons.append(f"{tile.name()}: {'; '.join(problems)}")
+    raise ValueError(
+        f"head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile fits SM120's limits "
+        f"({SMEM_LIMIT_BYTES} B smem, {MAX_REGS_PER_THREAD} registers/thread): " + " | ".join(reasons)
+    )
+
+
+def supported_head_dim_pairs() -> list[tuple[int, int]]:
+    """(head_dim, head_dim_v) pairs served: head_dim_v <= head_dim, both from HEAD_DIMS, when a tile fits."""
+    pairs = []
+    for d in HEAD_DIMS:
+        for dv in HEAD_DIMS:
+            if dv > d:
+                continue
+            try:
+                select_fwd_tile(d, dv, False)
+            except ValueError:
+                continue
+            pairs.append((d, dv))
+    return pairs
+
+
+def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
+    """Every (dtype, head_dim, head_dim_v, tile) the dispatcher can select — the compile gate's worklist."""
+    out = []
+    for dtype in DTYPES:
+        for d, dv in supported_head_dim_pairs():
+            for windowed in (False, True):
+                tile = select_fwd_tile(d, dv, windowed)
+                item = (dtype, d, dv, tile)
+                if item not in out:
+                    out.append(item)
+    return out
+
+
+def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
+    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code.
+    Feature flags only add code on boundary tiles, the epilogue or the prologue; the heaviest variant bounds
+    register pressure from above."""
+    base = FwdKernelConfig(dtype, d, dv, tile)
+    heavy = replace(
+        base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
+        seqused_k=True,
+    )
+    return [base, heavy]

@@ -1,0 +1,450 @@
+"""Forward attention kernel for SM120/SM121 (and SM80/SM90, which run the same instructions).
+
+Layouts (torch order, last dim contiguous, rows 16-byte aligned):
+    q, out  (B, Sq, Hq, D|Dv)   or varlen (total_q, Hq, D|Dv) with cu_seqlens_q (B+1,) int32
+    k, v    (B, Sk, Hkv, D|Dv)  or varlen (total_k, Hkv, D|Dv) with cu_seqlens_k (B+1,) int32
+    lse     (B, Hq, Sq) fp32    or varlen (Hq, total_q)
+    seqused_q/k (B,) int32 (optional), sink (Hq,) fp32 (optional)
+
+Algorithm (FlashAttention-2 on mma.sync m16n8k16):
+    one CTA = one tile of ``tile_m`` query rows of one (batch, head group); warps are stacked along M.
+    Q is loaded once (cp.async) and, if ``q_in_regs``, kept in registers as mma A fragments.
+    KV blocks stream through ``num_stages`` smem stages with cp.async, last block first; V(j) loads while
+    S = Q K(j)^T runs, K(j-1) loads while softmax and O += P V(j) run.  P stays in registers (the S accumulator
+    is re-read as the A operand).  Only boundary blocks are masked (see masking.py).  The epilogue stages O in
+    smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the natural-log LSE.
+    Packed GQA (runtime ``pack`` = 1 or Hq/Hkv): tile rows enumerate (position, head-in-group) pairs.
+
+Constraints: fp16/bf16; head dims from config.HEAD_DIMS; smem <= 101376 B (config.fwd_tile_problems).
+
+Profile:  ncu --set full -k regex:kernel_cutlass python benchmarks/bench_fwd.py --only llama3-8b --seqlen 4096
+"""
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import cute_utils as cu
+from .config import FwdKernelConfig, fwd_smem_bytes
+from .masking import apply_mask, kv_block_plan
+from .softmax import online_softmax_step, softmax_finalize
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+class FlashFwdSm80:
+    """One compiled forward kernel; every static choice comes from the frozen ``FwdKernelConfig``."""
+
+    def __init__(self, cfg: FwdKernelConfig):
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.d = cfg.head_dim
+        self.dv = cfg.head_dim_v
+        t = cfg.tile
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
+        self.num_threads = t.num_threads
+        self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+
+    # ------------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        pack: Int32,
+        qheads_per_kvhead: Int32,
+        num_m_blocks: Int32,
+        num_head_groups: Int32,
+        num_batch: Int32,
+        stream,
+    ):
+        dt = self.dtype
+        atom_q = cu.smem_layout_atom(dt, self.d)
+        atom_v = cu.smem_layout_atom(dt, self.dv)
+        sQ_layout = cute.tile_to_shape(atom_q, (self.tile_m, self.d), (0, 1))
+        sK_layout = cute.tile_to_shape(atom_q, (self.tile_n, self.d, self.num_stages), (0, 1, 2))
+        sV_layout = cute.tile_to_shape(atom_v, (self.tile_n, self.dv, self.num_stages), (0, 1, 2))
+        sO_layout = cute.tile_to_shape(atom_v, (self.tile_m, self.dv), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
+        copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True)
+        copy_v = cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True)
+        copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=False)
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+            scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
+        ).launch(
+            grid=(num_m_blocks, num_head_groups, num_batch),
+            block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        pack: Int32,
+        qheads_per_kvhead: Int32,
+        num_m_blocks: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        copy_q: cute.TiledCopy,
+        copy_v: cute.TiledCopy,
+        copy_o: cute.TiledCopy,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head_group, batch = cute.arch.block_idx()
+        # Causal/windowed tiles near the end of the sequence have the most work: schedule them first.
+        if const_expr(cfg.windowed):
+            m_block = num_m_blocks - 1 - bx
+        else:
+            m_block = bx
+
+        # ---- sequence bounds of this batch entry
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        if const_expr(cfg.varlen_q):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        else:
+            seqlen_q = mQ.shape[1]
+        if const_expr(cfg.varlen_k):
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        else:
+            seqlen_k = mK.shape[1]
+        if const_expr(cfg.seqused_q):
+            seqlen_q = mSeqUsedQ[batch]
+        if const_expr(cfg.seqused_k):
+            seqlen_k = mSeqUsedK[batch]
+        num_rows = seqlen_q * pack
+
+        if m_block * self.tile_m < num_rows:
+            self.process_tile(
+                mQ, mK, mV, mO, mLSE, mSink, scale_log2, softcap_prescale, window_left, window_right, pack,
+                qheads_per_kvhead, batch, head_group, m_block, offset_q, offset_k, seqlen_q, seqlen_k, num_rows,
+                sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
+                tidx,
+            )
+
+    @cute.jit
+    def process_tile(
+        self, mQ, mK, mV, mO, mLSE, mSink, scale_log2, softcap_prescale, window_left, window_right, pack,
+        qheads_per_kvhead, batch, head_group, m_block, offset_q, offset_k, seqlen_q, seqlen_k, num_rows,
+        sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o,
+        SharedStorage: cutlass.Constexpr, tidx,
+    ):
+        cfg = self.cfg
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)
+        sVt = cu.transpose_view(sV)
+
+        kv_head = (head_group * pack) // qheads_per_kvhead
+        if const_expr(cfg.varlen_k):
+            mK_cur = cute.domain_offset((offset_k, 0), mK[None, kv_head, None])
+            mV_cur = cute.domain_offset((offset_k, 0), mV[None, kv_head, None])
+        else:
+            mK_cur = mK[batch, None, kv_head, None]
+            mV_cur = mV[batch, None, kv_head, None]
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.dv), (None, 0))
+
+        thr_copy_k = copy_q.get_slice(tidx)
+        thr_copy_v = copy_v.get_slice(tidx)
+        tKgK, tKsK = thr_copy_k.partition_S(gK), thr_copy_k.partition_D(sK)
+        tVgV, tVsV = thr_copy_v.partition_S(gV), thr_copy_v.partition_D(sV)
+        cK = cute.make_identity_tensor((self.tile_n, self.d))
+        cV = cute.make_identity_tensor((self.tile_n, self.dv))
+        tKcK, t0KcK = thr_copy_k.partition_S(cK), copy_q.get_slice(0).partition_S(cK)
+        tVcV, t0VcV = thr_copy_v.partition_S(cV), copy_v.get_slice(0).partition_S(cV)
+
+        # ---- mma partitions
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
+        acc_O.fill(0.0)
+        ldsm_copy_q = cute.make_tiled_copy_A(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ldsm_copy_k = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ldsm_copy_v = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
+        tSsQ = ldsm_copy_q.partition_S(sQ)
+        tSsK = ldsm_copy_k.partition_S(sK)
+        tOsVt = ldsm_copy_v.partition_S(sVt)
+
+        # ---- row bookkeeping: coordinates of this thread's accumulator rows
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = cu.acc_mn_view(thr_mma.partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
+        num_my_rows = cute.size(tScS_mn, mode=[0])
+        row_qpos = cute.make_rmem_tensor(num_my_rows, Int32)
+        for r in cutlass.range_constexpr(num_my_rows):
+            row_qpos[r] = (m_block * self.tile_m + tScS_mn[r, 0][0]) // pack
+
+        state_max = cute.make_rmem_tensor(num_my_rows, Float32)
+        state_sum = cute.make_rmem_tensor(num_my_rows, Float32)
+        state_max.fill(-Float32.inf)
+        state_sum.fill(0.0)
+
+        n_min, n_max, count_a, count_b, count_c = kv_block_plan(
+            seqlen_q, seqlen_k, m_block, pack, window_left, window_right, self.tile_m, self.tile_n, cfg.windowed
+        )
+
+        if n_max > n_min:
+            # ---- prologue: Q, then the first stages of K/V
+            self.load_q(mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows)
+            cute.arch.cp_async_commit_group()
+            load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
+            load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
+            n_first = n_max - 1
+            for s in cutlass.range_constexpr(self.num_stages):
+                if const_expr(s == 0):
+                    load_k(n_first, 0, True)
+                else:
+                    if n_first - s >= n_min:
+                        load_k(n_first - s, s, False)
+                cute.arch.cp_async_commit_group()
+                if const_expr(s < self.num_stages - 1):
+                    if const_expr(s == 0):
+                        load_v(n_first, 0, True)
+                    else:
+                        if n_first - s >= n_min:
+                            load_v(n_first - s, s, False)
+                    cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(self.num_stages * 2 - 1)
+            if const_expr(self.q_in_regs):
+                cute.arch.barrier()
+                cute.copy(ldsm_copy_q, tSsQ, ldsm_copy_q.retile(tSrQ))
+
+            step = partial(
+                self.kv_step,
+                tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
+                ldsm_copy_q=ldsm_copy_q, ldsm_copy_k=ldsm_copy_k, ldsm_copy_v=ldsm_copy_v, acc_O=acc_O,
+                state_max=state_max, state_sum=state_sum, load_k=load_k, load_v=load_v, n_min=n_min,
+                scale_log2=scale_log2, softcap_prescale=softcap_prescale, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
+                row_qpos=row_qpos, seqlen_k=seqlen_k, diag=seqlen_k - seqlen_q, window_left=window_left,
+                window_right=window_right,
+            )
+            # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
+            stage = Int32(0)
+            step(n_first, stage, is_first=True, mask_seqlen=True, mask_right=cfg.windowed, mask_left=cfg.windowed)
+            stage = self.next_stage(stage)
+            if const_expr(cfg.windowed):
+                for i in cutlass.range(count_a, unroll=1):
+                    step(n_first - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=True, mask_left=True)
+                    stage = self.next_stage(stage)
+            start_b = n_first - count_a
+            for i in cutlass.range(count_b, unroll=1):
+                step(start_b - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=False, mask_left=False)
+                stage = self.next_stage(stage)
+            if const_expr(cfg.windowed):
+                start_c = start_b - count_b
+                for i in cutlass.range(count_c, unroll=1):
+                    step(start_c - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=False, mask_left=True)
+                    stage = self.next_stage(stage)
+            # drain the (empty) groups still in flight before smem is reused by the epilogue
+            cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue
+        lse = cute.make_rmem_tensor(num_my_rows, Float32)
+        sink = cute.make_rmem_tensor(num_my_rows, Float32)
+        if const_expr(cfg.has_sink):
+            for r in cutlass.range_constexpr(num_my_rows):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                h = head_group * pack + row % pack
+                sink[r] = Float32(mSink[h])
+        softmax_finalize(acc_O, state_max, state_sum, scale_log2, lse, sink, cfg.has_sink)
+        self.store_lse(mLSE, lse, tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
+        cute.arch.barrier()  # every warp is done reading sQ/sK/sV before O overwrites them
+        self.store_o(mO, acc_O, sQ, sO_layout, tiled_mma, copy_o, tidx, batch, head_group, m_block, offset_q, pack,
+                     num_rows)
+
+    @cute.jit
+    def next_stage(self, stage: Int32) -> Int32:
+        if const_expr(self.num_stages == 1):
+            return stage
+        else:
+            return 1 - stage
+
+    @cute.jit
+    def kv_step(
+        self,
+        n_block: Int32,
+        stage: Int32,
+        tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_copy_q, ldsm_copy_k, ldsm_copy_v, acc_O,
+        state_max, state_sum, load_k, load_v, n_min, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos,
+        seqlen_k, diag, window_left, window_right,
+        is_first: cutlass.Constexpr[bool],
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_right: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool],
+    ):
+        """One KV block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
+        cfg = self.cfg
+        stages = self.num_stages
+        rd = stage if const_expr(stages > 1) else 0
+        wr = (1 - stage) if const_expr(stages > 1) else 0
+        acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+
+        # K(n) has landed (and, with one stage, everyone finished reading V(n+1))
+        cute.arch.cp_async_wait_group(stages * 2 - 2)
+        cute.arch.barrier()
+        if const_expr(stages == 1):
+            load_v(n_block, 0, is_first)
+        else:
+            if n_block - 1 >= n_min:
+                load_v(n_block - 1, wr, False)
+        cute.arch.cp_async_commit_group()
+
+        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, rd], ldsm_copy_q, ldsm_copy_k,
+                  self.q_in_regs)
+
+        if const_expr(stages == 1):
+            cute.arch.cp_async_wait_group(0)  # V(n) landed; all warps done with K(n)
+            cute.arch.barrier()
+            if n_block - 1 >= n_min:
+                load_k(n_block - 1, 0, False)
+            cute.arch.cp_async_commit_group()
+
+        if const_expr(cfg.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
+        if const_expr(mask_seqlen or mask_right or mask_left):
+            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
+                       self.tile_n, mask_seqlen, mask_right, mask_left)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tOrP = cu.acc_as_operand_a(rP)
+
+        if const_expr(stages > 1):
+            cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed
+            cute.arch.barrier()  # all warps done with K(n): its stage takes K(n-2)
+            if n_block - 2 >= n_min:
+                load_k(n_block - 2, rd, False)
+            cute.arch.cp_async_commit_group()
+
+        cu.mma_rs(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, rd], ldsm_copy_v)
+
+    @cute.jit
+    def load_kv(self, tiled_copy, tXgX, tXsX, tXcX, t0XcX, seqlen_k: Int32, zero_fill: cutlass.Constexpr[bool],
+                block: Int32, stage, need_pred: cutlass.Constexpr[bool]):
+        """cp.async one K or V block into ``stage``.  Rows past seqlen_k are skipped (K: masked later) or
+        zero-filled (V: P is 0 there, but 0 * garbage could be NaN)."""
+        if const_expr(need_pred):
+            limit = seqlen_k - block * self.tile_n - tXcX[0][0]
+            for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+                if t0XcX[0, n, 0][0] < limit:
+                    cute.copy(tiled_copy, tXgX[None, n, None, block], tXsX[None, n, None, stage])
+                else:
+                    if const_expr(zero_fill):
+                        tXsX[None, n, None, stage].fill(0)
+        else:
+            cute.copy(tiled_copy, tXgX[None, None, None, block], tXsX[None, None, None, stage])
+
+    @cute.jit
+    def row_tensor(self, mX: cute.Tensor, varlen: cutlass.Constexpr[bool], batch, offset, pos, head):
+        """The (D,) gmem row of token ``pos`` of ``head`` in this batch entry."""
+        if const_expr(varlen):
+            return mX[offset + pos, head, None]
+        else:
+            return mX[batch, pos, head, None]
+
+    @cute.jit
+    def load_q(self, mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows):
+        thr = copy_q.get_slice(tidx)
+        cQ = cute.make_identity_tensor((self.tile_m, self.d))
+        tQsQ, tQcQ = thr.partition_D(sQ), thr.partition_S(cQ)
+        vec = cute.size(tQsQ.shape[0][0])
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            row = m_block * self.tile_m + tQcQ[0, m, 0][0]
+            if row < num_rows:
+                pos = row // pack
+                head = head_group * pack + (row - pos * pack)
+                gq = cute.tiled_divide(self.row_tensor(mQ, self.cfg.varlen_q, batch, offset_q, pos, head), (vec,))
+                for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
+                    cute.copy(copy_q, gq[None, tQcQ[0, 0, k][1] // vec], tQsQ[None, m, k])
+
+    @cute.jit
+    def store_lse(self, mLSE, lse, tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows):
+        if tScS_mn[0, 0][1] == 0:  # one lane of each quad owns the row
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                if row < num_rows:
+                    pos = row // pack
+                    head = head_group * pack + (row - pos * pack)
+                    if const_expr(self.cfg.varlen_q):
+                        mLSE[head, offset_q + pos] = lse[r]
+                    else:
+                        mLSE[batch, head, pos] = lse[r]
+
+    @cute.jit
+    def store_o(self, mO, acc_O, sQ, sO_layout, tiled_mma, copy_o, tidx, batch, head_group, m_block, offset_q,
+                pack, num_rows):
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sO_layout)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        st_thr = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
+        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO))
+        cute.arch.barrier()
+        thr = copy_o.get_slice(tidx)
+        cO = cute.make_identity_tensor((self.tile_m, self.dv))
+        tOsO, tOcO = thr.partition_S(sO), thr.partition_S(cO)
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        vec = cute.size(tOrO.shape[0][0])
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            row = m_block * self.tile_m + tOcO[0, m, 0][0]
+            if row < num_rows:
+                pos = row // pack
+                head = head_group * pack + (row - pos * pack)
+                go = cute.tiled_divide(self.row_tensor(mO, self.cfg.varlen_q, batch, offset_q, pos, head), (vec,))
+                for k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+                    cute.copy(copy_o, tOrO[None, m, k], go[None, tOcO[0, 0, k][1] // vec])

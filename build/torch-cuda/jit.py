@@ -1,0 +1,191 @@
+"""Compile cache: frozen config -> compiled kernel, in memory and on disk.
+
+* Kernels are compiled from fake tensors whose batch, lengths, head counts and strides are symbolic, so a new
+  sequence length, batch size or model never recompiles; the key is (kernel class, frozen config, target arch).
+* The disk cache holds exported objects (CuTe-DSL AOT export) under a fingerprint of this package's sources,
+  the cutlass-dsl and tvm-ffi versions and the Python version.  Files are written to a temporary name and
+  renamed, so concurrent processes never see a half-written object.
+* ``FA4_SM120_CACHE_DIR`` moves the disk cache (default ``~/.cache/flash_attn_4_sm120``);
+  ``FA4_SM120_DISK_CACHE=0`` turns it off.
+
+CuTe-DSL is imported on first use, never at package import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from .config import FwdKernelConfig
+
+log = logging.getLogger("flash_attn_4_sm120")
+
+_MEMORY: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+_FINGERPRINT: str | None = None
+_RUNTIME_LIBS_LOADED = False
+
+
+def disk_cache_dir() -> Path | None:
+    if os.environ.get("FA4_SM120_DISK_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("FA4_SM120_CACHE_DIR") or os.path.join(Path.home(), ".cache", "flash_attn_4_sm120")
+    return Path(root)
+
+
+def _source_fingerprint() -> str:
+    global _FINGERPRINT
+    if _FINGERPRINT is None:
+        import cutlass
+        import tvm_ffi
+
+        h = hashlib.sha256()
+        h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+        h.update(f"cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__}".encode())
+        pkg = Path(__file__).resolve().parent
+        for src in sorted(pkg.glob("*.py")):
+            h.update(src.name.encode())
+            h.update(src.read_bytes())
+        _FINGERPRINT = h.hexdigest()[:16]
+    return _FINGERPRINT
+
+
+def target_arch() -> str:
+    """The arch CuTe-DSL compiles for: CUTE_DSL_ARCH if set, else the current device's."""
+    forced = os.environ.get("CUTE_DSL_ARCH")
+    if forced:
+        return forced
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def fake_fwd_args(cfg: FwdKernelConfig):
+    """Fake tensors and scalars matching FlashFwdSm80.__call__, with every length/stride symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .fwd_kernel import _DTYPES
+
+    dt = _DTYPES[cfg.dtype]
+    vec = 128 // dt.width
+
+    def act(shape_dims, last):  # (…, last) with last contiguous and 16-byte aligned rows
+        shape = tuple(cute.sym_int() for _ in range(shape_dims)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(shape_dims)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    def vec_i32():
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
+    q_rank = 2 if cfg.varlen_q else 3
+    k_rank = 2 if cfg.varlen_k else 3
+    mQ, mO = act(q_rank, cfg.head_dim), act(q_rank, cfg.head_dim_v)
+    mK, mV = act(k_rank, cfg.head_dim), act(k_rank, cfg.head_dim_v)
+    if cfg.varlen_q:
+        mLSE = cute.runtime.make_fake_tensor(
+            Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+        )
+    else:
+        mLSE = cute.runtime.make_fake_tensor(
+            Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4,
+        )
+    cu_q = vec_i32() if cfg.varlen_q else None
+    cu_k = vec_i32() if cfg.varlen_k else None
+    used_q = vec_i32() if cfg.seqused_q else None
+    used_k = vec_i32() if cfg.seqused_k else None
+    sink = (
+        cute.runtime.make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        if cfg.has_sink
+        else None
+    )
+    scalars = (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (mQ, mK, mV, mO, mLSE, cu_q, cu_k, used_q, used_k, sink, *scalars, stream)
+
+
+def compile_fwd(cfg: FwdKernelConfig, with_kernel: bool = False):
+    """Compile (no cache) and return the CuTe-DSL compiled function (and the kernel object, whose
+    ``launch_smem_bytes`` is set at trace time); runs on a CPU-only machine too."""
+    import cutlass.cute as cute
+
+    from .fwd_kernel import FlashFwdSm80
+
+    kernel = FlashFwdSm80(cfg)
+    fn = cute.compile(kernel, *fake_fwd_args(cfg), options="--enable-tvm-ffi")
+    return (fn, kernel) if with_kernel else fn
+
+
+def _load_runtime_libs():
+    """Exported objects resolve CuTe-DSL runtime symbols globally; load those libraries once, on demand."""
+    global _RUNTIME_LIBS_LOADED
+    if _RUNTIME_LIBS_LOADED:
+        return
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if Path(lib).exists():
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    _RUNTIME_LIBS_LOADED = True
+
+
+def _disk_path(key: tuple) -> Path | None:
+    root = disk_cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    return root / _source_fingerprint() / f"{digest}.o"
+
+
+def get_fwd_kernel(cfg: FwdKernelConfig):
+    """Compiled kernel for ``cfg`` on the current target: memory cache, then disk cache, then compile."""
+    key = ("FlashFwdSm80", cfg, target_arch())
+    fn = _MEMORY.get(key)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _MEMORY.get(key)
+        if fn is not None:
+            return fn
+        path = _disk_path(key)
+        if path is not None and path.exists():
+            try:
+                import cutlass.cute as cute
+
+                _load_runtime_libs()
+                fn = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), "fa4sm120_fwd")
+                log.debug("loaded %s from %s", cfg.name(), path)
+            except Exception as exc:  # a corrupt or incompatible object: recompile and overwrite it
+                log.warning("ignoring unusable cached kernel %s (%s); recompiling", path, exc)
+                fn = None
+        if fn is None:
+            fn = compile_fwd(cfg)
+            if path is not None:
+                _export(fn, path)
+        _MEMORY[key] = fn
+        return fn
+
+
+def _export(fn, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
+        os.close(fd)
+        fn.export_to_c(object_file_path=tmp, function_name="fa4sm120_fwd")
+        os.replace(tmp, path)
+    except Exception as exc:  # the disk cache is an optimisation; never fail a call because of it
+        log.warning("could not write kernel cache %s: %s", path, exc)
+        try:
+            os.unlink(tmp)
+        except Exception:
+            pass

@@ -1,0 +1,171 @@
+"""Input validation for the public API (host only).
+
+Every check raises before any kernel launch, with a message that names the argument, the value and the limit.
+Nothing here uses ``assert``: the checks stay under ``python -O``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, supported_head_dim_pairs
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Normalised description of one forward call (host-side values only)."""
+
+    dtype: str
+    batch: int
+    seqlen_q: int  # max over the batch (varlen: max_seqlen_q)
+    seqlen_k: int
+    num_heads: int
+    num_heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    varlen_q: bool
+    varlen_k: bool
+    causal: bool
+    window_left: int  # WINDOW_UNBOUNDED when unbounded
+    window_right: int
+    softcap: float
+    softmax_scale: float
+
+    @property
+    def windowed(self) -> bool:
+        return self.causal or self.window_left != WINDOW_UNBOUNDED or self.window_right != WINDOW_UNBOUNDED
+
+    @property
+    def qheads_per_kvhead(self) -> int:
+        return self.num_heads // self.num_heads_kv
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def check_tensor(name: str, t, rank: int, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        _fail(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        _fail(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+    if not t.is_cuda:
+        _fail(f"{name} is on {t.device}; flash-attn-4-sm120 needs CUDA tensors")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}; put all inputs on one device")
+    if t.stride(-1) != 1:
+        _fail(f"{name} must be contiguous in its last dimension (stride(-1) = {t.stride(-1)}); call .contiguous()")
+    vec = 16 // t.element_size()
+    bad = [s for s in t.stride()[:-1] if s % vec != 0 and t.numel() > 0]
+    if bad or t.data_ptr() % 16 != 0:
+        _fail(
+            f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0 and every stride but the last a multiple of "
+            f"{vec} elements); got strides {tuple(t.stride())}, data_ptr % 16 = {t.data_ptr() % 16}; "
+            "call .contiguous()"
+        )
+
+
+def check_index_tensor(name: str, t, length: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor of dtype int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        _fail(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != length:
+        _fail(f"{name} must have shape ({length},), got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}")
+    if t.stride(0) != 1:
+        _fail(f"{name} must be contiguous")
+
+
+def check_head_dims(d: int, dv: int) -> None:
+    if d not in HEAD_DIMS:
+        _fail(f"head_dim={d} is not supported; supported head dims: {HEAD_DIMS}")
+    if dv not in HEAD_DIMS:
+        _fail(f"head_dim_v={dv} (v.shape[-1]) is not supported; supported: {HEAD_DIMS}")
+    if (d, dv) not in supported_head_dim_pairs():
+        _fail(
+            f"head_dim={d} with head_dim_v={dv} is not supported: pairs with head_dim_v <= head_dim are "
+            f"({', '.join(f'{a}/{b}' for a, b in supported_head_dim_pairs())})"
+        )
+
+
+def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
+    if hkv != hkv_v:
+        _fail(f"k has {hkv} heads but v has {hkv_v}; they must match")
+    if hkv == 0 or hq % hkv != 0:
+        _fail(f"the number of query heads ({hq}) must be a positive multiple of the number of KV heads ({hkv})")
+
+
+def resolve_window(causal: bool, window_size) -> tuple[int, int]:
+    """(left, right) with WINDOW_UNBOUNDED for an unbounded side.  None or a negative value means unbounded,
+    as in FlashAttention.  causal=True fixes right = 0; a different right bound alongside it is an error."""
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        _fail(f"window_size must be a pair (left, right), got {window_size!r}")
+    bounds = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None or (isinstance(w, int) and w < 0):
+            bounds.append(WINDOW_UNBOUNDED)
+        elif isinstance(w, bool) or not isinstance(w, int):
+            _fail(f"window_size {side} bound must be an int or None, got {w!r}")
+        else:
+            bounds.append(min(w, WINDOW_UNBOUNDED))
+    left, right = bounds
+    if causal:
+        if right not in (0, WINDOW_UNBOUNDED):
+            _fail(
+                f"causal=True conflicts with window_size right bound {window_size[1]}: causal attention has a right "
+                "bound of 0; pass causal=False with window_size=(left, right) for a non-causal window"
+            )
+        right = 0
+    return left, right
+
+
+def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    try:
+        softmax_scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        _fail(f"softmax_scale must be a number, got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        _fail(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    softcap = 0.0 if softcap is None else float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    return softmax_scale, softcap
+
+
+def check_sink(sink, num_heads: int, device: torch.device):
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        _fail(f"learnable_sink must be a torch.Tensor of shape ({num_heads},), got {type(sink).__name__}")
+    if sink.shape != (num_heads,):
+        _fail(f"learnable_sink must have shape ({num_heads},) (one logit per query head), got {tuple(sink.shape)}")
+    if sink.dtype not in _SINK_DTYPES:
+        _fail(f"learnable_sink dtype {sink.dtype} is not supported; use float32, bfloat16 or float16")
+    if sink.device != device:
+        _fail(f"learnable_sink is on {sink.device} but q is on {device}")
+    return sink.detach().to(torch.float32).contiguous()
+
+
+def check_lengths(**lengths: int) -> None:
+    for name, n in lengths.items():
+        if n > MAX_SEQLEN:
+            _fail(f"{name}={n} exceeds the supported maximum {MAX_SEQLEN}")
+
+
+def check_batch(batch: int) -> None:
+    if batch > MAX_GRID_YZ:
+        _fail(f"batch size {batch} exceeds the supported maximum {MAX_GRID_YZ} (CUDA grid limit)")
