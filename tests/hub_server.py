@@ -397,7 +397,8 @@ class LocalHub:
     def start(self) -> "LocalHub":
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.hub = self
-        self._thread = threading.Thread(target=self._server.serve_forever, name="local-hub", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="local-hub", daemon=True)
         self._thread.start()
         return self
 

@@ -58,7 +58,8 @@ def load_in_child(call: str, env: dict[str, str], *, cuda: bool = True, python: 
                   cwd: Path | None = None) -> dict:
     """Run `m = <call>` (kernels imported as `kernels`, Path available) in a fresh interpreter.
 
-    Returns {"ok": True, "name", "version", "features", "file"} or {"ok": False, "type", "message"}.
+    Returns {"ok": True, "name", "version", "features", "file", "missing_exports"} or
+    {"ok": False, "type", "message"}; both with the child's "stderr".
     """
     code = (CUDA_PRELUDE if cuda else "") + textwrap.dedent(f"""
         import json, sys
@@ -70,7 +71,8 @@ def load_in_child(call: str, env: dict[str, str], *, cuda: bool = True, python: 
             print(json.dumps({{"ok": False, "type": type(e).__name__, "message": str(e)}}))
             sys.exit(0)
         print(json.dumps({{"ok": True, "name": m.__name__, "version": m.__version__,
-                          "features": sorted(m.FEATURES), "file": m.__file__}}))
+                          "features": sorted(m.FEATURES), "file": m.__file__,
+                          "missing_exports": [n for n in getattr(m, "__all__", []) if not hasattr(m, n)]}}))
         """)
     proc = run([python, "-c", code], env, cwd=cwd)
     lines = proc.stdout.strip().splitlines()
@@ -92,6 +94,7 @@ def assert_loaded_bundle(result: dict, build_dir: Path = BUILD) -> None:
     assert result["name"] == meta["id"]
     assert result["version"].split(".")[0] == str(meta["version"])
     assert "forward" in result["features"]
+    assert result["missing_exports"] == []
 
 
 def seed_bundle(store: HubStore, repo_id: str, build_dir: Path = BUILD, *, trusted: bool = True) -> str:

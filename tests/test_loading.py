@@ -46,6 +46,13 @@ def test_get_local_kernel(tmp_path, where):
     assert Path(result["file"]) == BUILD / "torch-cuda" / "__init__.py"
 
 
+def test_get_local_kernel_without_a_variant_dir(tmp_path):
+    (tmp_path / "repo" / "build").mkdir(parents=True)
+    result = load_in_child(f"kernels.get_local_kernel(Path({str(tmp_path / 'repo')!r}))", isolated_env(tmp_path))
+    assert (result["ok"], result["type"]) == (False, "FileNotFoundError")
+    assert result["message"].startswith(f"Cannot find a build variant for this system in {tmp_path / 'repo'}")
+
+
 def test_local_kernels_env_overrides_the_hub(tmp_path, seeded_hub):
     before = len(seeded_hub.requests)
     env = isolated_env(tmp_path, endpoint=seeded_hub.endpoint, LOCAL_KERNELS=f"{REPO}={ROOT}")
