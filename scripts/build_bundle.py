@@ -27,7 +27,6 @@ import ast
 import base64
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -323,7 +322,8 @@ def stale_reasons(root: Path, out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when build/ differs from a fresh build")
-    parser.add_argument("--root", type=Path, default=ROOT, help="repository root holding build.toml (default: this repo)")
+    parser.add_argument("--root", type=Path, default=ROOT,
+                        help="repository root holding build.toml (default: this repo)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <root>/build)")
     args = parser.parse_args(argv)
     root = args.root.resolve()

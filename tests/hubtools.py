@@ -30,7 +30,8 @@ UNTRUSTED_ORG = "someone-else"
 REPO = f"{TRUSTED_ORG}/flash-attn-4-sm120"
 UNTRUSTED_REPO = f"{UNTRUSTED_ORG}/flash-attn-4-sm120"
 README = b"---\nlibrary_name: kernels\nlicense: bsd-3-clause\n---\n\n# flash-attn-4-sm120 (test card)\n"
-CUDA_PRELUDE = 'import torch\ntorch.version.cuda = "12.8"  # test-only: lets kernels pick the cuda backend on CPU torch\n'
+# test-only: lets kernels pick the cuda backend on CPU torch
+CUDA_PRELUDE = 'import torch\ntorch.version.cuda = "12.8"\n'
 # Files of the repository that a temporary copy needs to build and publish.
 PROJECT_FILES = ("build.toml", "CARD.md", ".gitignore", "torch-ext")
 

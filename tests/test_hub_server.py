@@ -64,7 +64,7 @@ def test_refs_revision_and_org_overview(hub):
 
 
 @pytest.mark.parametrize("path,code", [
-    (f"/api/kernels/org/missing/refs", "RepoNotFound"),
+    ("/api/kernels/org/missing/refs", "RepoNotFound"),
     (f"/api/kernels/{REPO}/revision/v7", "RevisionNotFound"),
     (f"/kernels/{REPO}/resolve/v1/build/torch-cuda/nope.py", "EntryNotFound"),
     (f"/kernels/{REPO}/resolve/{'a' * 40}/README.md", "RevisionNotFound"),

@@ -20,9 +20,9 @@ from hubtools import (BUILD, PYTHON, REPO, ROOT, UNTRUSTED_REPO, assert_loaded_b
 __all__ = ["seeded_hub"]  # the fixture, imported so that pytest registers it here
 
 CACHE_DIR = f"kernels--{REPO.replace('/', '--')}"
-UNTRUSTED_MESSAGE = (f"Kernel repository '{UNTRUSTED_REPO}' is not from a trusted publisher. Set trust_remote_code=True "
-                     "or add the repository ID to the trust_remote_code allowlist to allow loading kernels from "
-                     "untrusted sources.")
+UNTRUSTED_MESSAGE = (f"Kernel repository '{UNTRUSTED_REPO}' is not from a trusted publisher. "
+                     "Set trust_remote_code=True or add the repository ID to the trust_remote_code allowlist "
+                     "to allow loading kernels from untrusted sources.")
 cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU build of torch")
 
 
@@ -153,7 +153,8 @@ def test_prefetch_refuses_offline_mode(tmp_path, seeded_hub):
 
 # -- publisher trust ------------------------------------------------------------------------------------------------
 def test_trusted_org_loads_without_trust_remote_code(tmp_path, seeded_hub):
-    result = load_in_child(f"kernels.get_kernel({REPO!r}, version=1)", isolated_env(tmp_path, endpoint=seeded_hub.endpoint))
+    env = isolated_env(tmp_path, endpoint=seeded_hub.endpoint)
+    result = load_in_child(f"kernels.get_kernel({REPO!r}, version=1)", env)
     assert_loaded_bundle(result)
 
 
@@ -295,7 +296,8 @@ CPU_ONLY = [
 
 
 @cpu_torch_only
-@pytest.mark.parametrize("call,error,message", CPU_ONLY, ids=["get_kernel", "backend-cuda", "local-root", "local-variant"])
+@pytest.mark.parametrize("call,error,message", CPU_ONLY,
+                         ids=["get_kernel", "backend-cuda", "local-root", "local-variant"])
 def test_cpu_torch_is_told_there_is_no_variant(tmp_path, seeded_hub, call, error, message):
     env = isolated_env(tmp_path, endpoint=seeded_hub.endpoint)
     result = load_in_child(call.replace("REPO", repr(REPO)), env, cuda=False)

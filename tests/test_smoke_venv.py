@@ -27,7 +27,7 @@ def test_bundle_installs_builds_and_loads_in_a_clean_venv(tmp_path):
         assert "compile_gate.py --limit 1" in proc.stdout
     else:
         assert "compile_gate.py does not exist yet" in proc.stdout
-    versions = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c",
-                               "import kernels, huggingface_hub; print(kernels.__version__, huggingface_hub.__version__)"],
+    code = "import kernels, huggingface_hub; print(kernels.__version__, huggingface_hub.__version__)"
+    versions = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", code],
                               capture_output=True, text=True, check=True).stdout.split()
     assert versions == [pins()["kernels"], pins()["huggingface_hub"]]
