@@ -311,8 +311,12 @@ def test_backend_cuda_is_accepted_when_torch_reports_cuda(tmp_path, seeded_hub):
     assert_loaded_bundle(load_in_child(f"kernels.get_kernel({REPO!r}, version=1, backend='cuda')", env))
 
 
-def test_pitfall_disabling_telemetry_breaks_online_loads(tmp_path, seeded_hub):
+@pytest.mark.parametrize("trust,error,message", [
+    ("False", "ValueError", "could not verify publisher trust status"),  # the overview request failed
+    ("True", "LocalProtocolError", "Illegal header value b'kernels/0.17.2; hf_hub/2.4.0;"),  # trailing "; "
+], ids=["trust-check", "trusted"])
+def test_pitfall_disabling_telemetry_breaks_online_loads(tmp_path, seeded_hub, trust, error, message):
     env = isolated_env(tmp_path, endpoint=seeded_hub.endpoint, HF_HUB_DISABLE_TELEMETRY="1")
-    result = load_in_child(f"kernels.get_kernel({REPO!r}, version=1)", env)
-    assert (result["ok"], result["type"]) == (False, "ValueError")
-    assert "could not verify publisher trust status" in result["message"]
+    result = load_in_child(f"kernels.get_kernel({REPO!r}, version=1, trust_remote_code={trust})", env)
+    assert (result["ok"], result["type"]) == (False, error)
+    assert message in result["message"]
