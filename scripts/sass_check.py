@@ -14,8 +14,10 @@ import subprocess
 import sysconfig
 from dataclasses import dataclass, field
 
-# Instructions SM120/SM121 lack (wgmma / tcgen05 / tensor memory / 2-CTA TMA); any of them fails the gate.
-FORBIDDEN_SASS = ("HGMMA", "GMMA", "UTC", "UTMALDG.2CTA", ".2CTA", "TCGEN05", "UTMACCTL")
+# Instructions SM120/SM121 lack: wgmma (HGMMA), tcgen05 / tensor memory (UTC*: UTCHMMA, UTCBAR, UTCATOMSWS ...),
+# 2-CTA TMA and multicast (.2CTA, .MULTICAST).  CTA-scope TMA (UTMALDG, UTMACCTL.PF descriptor prefetch) is
+# present on SM120 and allowed.  Any forbidden opcode fails the gate.
+FORBIDDEN_SASS = ("HGMMA", "GMMA", "UTC", ".2CTA", ".MULTICAST", "TCGEN05")
 
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x11
@@ -118,7 +120,8 @@ def inspect_cubin(cubin: bytes) -> CubinReport:
         arch = m.group().decode()
     sass = disassemble(cubin)
     counts = {k: len(re.findall(p, sass)) for k, p in _CENSUS.items()}
-    forbidden = sorted({tok for tok in FORBIDDEN_SASS for line in sass.splitlines() if tok in line.split("//")[0]})
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
+    forbidden = sorted({op for op in opcodes for tok in FORBIDDEN_SASS if op.startswith(tok) or tok in op})
     return CubinReport(arch, regs, frame, counts, forbidden)
 
 

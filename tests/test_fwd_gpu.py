@@ -236,3 +236,30 @@ def test_large_scores_are_stable():
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_close(out, lse, q * 40, k * 40, v)
 
+
+
+@pytest.fixture
+def cpasync_tiles(monkeypatch):
+    """Force the all-warps cp.async kernel (the fallback when the TMA kernel is not selected)."""
+    from flash_attn_4_sm120 import config
+
+    for d, tiles in list(config._TILE_PREFERENCE.items()):
+        monkeypatch.setitem(config._TILE_PREFERENCE, d, tuple(t for t in tiles if not t.tma))
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(17, 113), (1023, 1023)])
+def test_cpasync_fallback_dense(cpasync_tiles, d, dv, causal, sq, sk):
+    q, k, v = _inputs(2, sq, sk, 8, 2, d, dv, torch.bfloat16, seed=14)
+    out, lse = fa.flash_attn_func(q, k, v, causal=causal, pack_gqa=True, return_lse=True)
+    assert_close(out, lse, q, k, v, causal=causal)
+
+
+def test_cpasync_fallback_varlen(cpasync_tiles):
+    lens_q, lens_k = [300, 0, 7, 129], [300, 12, 0, 500]
+    q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 8, 2, 128, 128, torch.bfloat16, seed=15)
+    sink = torch.randn(8, device="cuda")
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=(40, 0),
+                                         learnable_sink=sink, softcap=10.0, return_lse=True)
+    _varlen_compare(out, lse, q, k, v, cu_q, cu_k, window=(40, 0), sink=sink, softcap=10.0)

@@ -38,8 +38,8 @@ CASES = {
     "nan softcap": (lambda: qkv(), {"softcap": float("nan")}, ValueError, "softcap"),
     "causal + right window": (lambda: qkv(), {"causal": True, "window_size": (None, 5)}, ValueError, "conflicts"),
     "bad window": (lambda: qkv(), {"window_size": (1.5, None)}, ValueError, "window_size"),
-    "sink shape": (lambda: qkv(), {"learnable_sink": torch.zeros(3, device="cuda")}, ValueError, "(4,)"),
-    "sink dtype": (lambda: qkv(), {"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.int32)},
+    "sink shape": (lambda: qkv(), lambda: {"learnable_sink": torch.zeros(3, device="cuda")}, ValueError, "(4,)"),
+    "sink dtype": (lambda: qkv(), lambda: {"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.int32)},
                    ValueError, "dtype"),
     "split kv": (lambda: qkv(), {"num_splits": 4}, NotImplementedError, "split_kv"),
     "block sparse": (lambda: qkv(), {"block_sparse_tensors": object()}, NotImplementedError, "block_sparse"),
@@ -53,6 +53,7 @@ CASES = {
 def test_rejects(name):
     make, kwargs, exc, needle = CASES[name]
     q, k, v = make()
+    kwargs = kwargs() if callable(kwargs) else kwargs
     with pytest.raises(exc, match=None) as info:
         fa.flash_attn_func(q, k, v, **kwargs)
     assert needle in str(info.value), str(info.value)
@@ -78,17 +79,17 @@ def _cu(lens):
 
 
 VARLEN_CASES = {
-    "cu int64": (dict(cu_seqlens_q=_cu([8, 8]).long(), cu_seqlens_k=_cu([8, 8])), ValueError, "int32"),
-    "cu not monotonic": (dict(cu_seqlens_q=torch.tensor([0, 10, 4], dtype=torch.int32, device="cuda"),
+    "cu int64": (lambda: dict(cu_seqlens_q=_cu([8, 8]).long(), cu_seqlens_k=_cu([8, 8])), ValueError, "int32"),
+    "cu not monotonic": (lambda: dict(cu_seqlens_q=torch.tensor([0, 10, 4], dtype=torch.int32, device="cuda"),
                               cu_seqlens_k=_cu([8, 8])), ValueError, "non-decreasing"),
-    "cu past total": (dict(cu_seqlens_q=_cu([8, 9]), cu_seqlens_k=_cu([8, 8])), ValueError, "16"),
-    "cu batch mismatch": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([4, 4, 8])), ValueError, "shape (3,)"),
-    "max_seqlen too small": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]), max_seqlen_q=4),
+    "cu past total": (lambda: dict(cu_seqlens_q=_cu([8, 9]), cu_seqlens_k=_cu([8, 8])), ValueError, "16"),
+    "cu batch mismatch": (lambda: dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([4, 4, 8])), ValueError, "shape (3,)"),
+    "max_seqlen too small": (lambda: dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]), max_seqlen_q=4),
                              ValueError, "max_seqlen_q"),
-    "seqused too long": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
+    "seqused too long": (lambda: dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
                               seqused_k=torch.tensor([9, 1], dtype=torch.int32, device="cuda")), ValueError,
                          "seqused_k[0]"),
-    "page table": (dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
+    "page table": (lambda: dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
                         page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda")), NotImplementedError,
                    "paged_kv"),
 }
@@ -96,8 +97,8 @@ VARLEN_CASES = {
 
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_varlen_rejects(name):
-    kwargs, exc, needle = VARLEN_CASES[name]
+    make_kwargs, exc, needle = VARLEN_CASES[name]
     q, k, v = t(16, 4, 64), t(16, 4, 64), t(16, 4, 64)
     with pytest.raises(exc) as info:
-        fa.flash_attn_varlen_func(q, k, v, **kwargs)
+        fa.flash_attn_varlen_func(q, k, v, **make_kwargs())
     assert needle in str(info.value), str(info.value)
