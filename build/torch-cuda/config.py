@@ -50,13 +50,16 @@ class FwdTile:
     num_warps: int
     num_stages: int
     q_in_regs: bool = False
+    tma: bool = False  # warp-specialised: a TMA producer warp feeds the mma warps (fwd_kernel_ws.py)
 
     @property
     def num_threads(self) -> int:
+        """Threads that own accumulators (the CTA has one more warp when ``tma``)."""
         return self.num_warps * 32
 
     def name(self) -> str:
-        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}{'q' if self.q_in_regs else ''}"
+        return (f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}{'q' if self.q_in_regs else ''}"
+                f"{'t' if self.tma else ''}")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: in
     q = align(tile.tile_m * head_dim * elem_bytes)
     k = align(tile.num_stages * tile.tile_n * head_dim * elem_bytes)
     v = align(tile.num_stages * tile.tile_n * head_dim_v * elem_bytes)
-    return q + k + v
+    mbarriers = align(2 * 2 * tile.num_stages * 8) if tile.tma else 0  # full+empty for K and V
+    return mbarriers + q + k + v
 
 
 def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
@@ -115,6 +119,11 @@ def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
     q_regs = tile.tile_m * head_dim // (2 * threads) if tile.q_in_regs else 0
     # P in 16-bit (half of acc_s) lives while acc_s is reused; fragments of K/V for one k-step are small.
     return acc_o + acc_s + acc_s // 2 + q_regs + REG_OVERHEAD
+
+
+def fwd_register_budget(tile: FwdTile) -> int:
+    """Registers an mma thread may use (estimate): the TMA kernel reallocates them with setmaxnreg (240)."""
+    return 232 if tile.tma else REG_ESTIMATE_BUDGET
 
 
 def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str]:
@@ -139,22 +148,28 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
     regs = fwd_register_estimate(head_dim, head_dim_v, tile)
-    if regs > REG_ESTIMATE_BUDGET:
-        problems.append(f"needs ~{regs} registers per thread (budget {REG_ESTIMATE_BUDGET} of {MAX_REGS_PER_THREAD})")
+    if regs > fwd_register_budget(tile):
+        problems.append(f"needs ~{regs} registers per thread (budget {fwd_register_budget(tile)})")
+    if tile.tma and tile.num_warps != 8:
+        problems.append("the TMA kernel runs 8 mma warps + one producer warpgroup")
     return problems
 
 
 # ---- tile table --------------------------------------------------------------------------------------------
-# Preference order per head dim (first that fits wins).  16 query rows per warp, 8 warps: the accumulators of a
-# 128-row tile fit in registers without spills for every head dim (4-warp 128-row tiles spill at d=128 on
-# sm_120a: 255 registers + 152 B of stack).  Initial table from the sm_120a compile gate; tuned by measurement
-# (benchmarks/tile_sweep.py) on the H100 proxy, see README "Performance".
+# Preference order per head dim (first that fits wins).  16 query rows per warp, 8 mma warps: the accumulators
+# of a 128-row tile fit in registers without spills for every head dim (4-warp 128-row tiles spill at d=128
+# on sm_120a: 255 registers + 152 B of stack).  ``tma=True`` tiles add a TMA producer warp (fwd_kernel_ws.py);
+# the cp.async tiles after them are the fallback when TMA is unavailable.
+# Measured on the H100 proxy (2026-11-21): the all-warps cp.async kernel reached 0.84x the best peer (geomean),
+# which is why the warp-specialised kernel leads; see README "Performance" for the current numbers.
 _TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
-    32: (FwdTile(128, 128, 8, 2, True),),
-    64: (FwdTile(128, 128, 8, 2, True), FwdTile(128, 64, 8, 2, True)),
-    96: (FwdTile(128, 64, 8, 2, True), FwdTile(128, 64, 8, 1, True)),
-    128: (FwdTile(128, 64, 8, 2, True), FwdTile(128, 64, 8, 2, False)),
-    192: (FwdTile(128, 64, 8, 1, True), FwdTile(128, 64, 8, 1, False), FwdTile(128, 32, 8, 1, False)),
+    32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    96: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
+    128: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
+    192: (FwdTile(128, 64, 8, 1, True, True), FwdTile(128, 64, 8, 1, False, True), FwdTile(128, 64, 8, 1, False)),
+    # d=256: the TMA kernel's 240-register consumers spill under the heaviest feature set (acc_O alone is 128
+    # registers at d_v=256), so the cp.async kernel (255 registers, 0 spills) leads.
     256: (FwdTile(128, 32, 8, 1, False), FwdTile(64, 32, 4, 1, False)),
 }
 

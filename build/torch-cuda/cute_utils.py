@@ -136,7 +136,8 @@ def row_sum(row: cute.TensorSSA) -> Float32:
 
 @cute.jit
 def mma_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, copy_A, copy_B, a_in_regs: cutlass.Constexpr[bool]):
-    """acc += A @ B^T with both operands streamed from smem by ldmatrix, one k16 step ahead of the mma."""
+    """acc += A @ B^T with operands streamed from smem by ldmatrix one k16 step ahead of the mma (A already in
+    registers when ``a_in_regs``).  (Loading each step just in time instead spilled more at d_v = 256.)"""
     tCrA_view = copy_A.retile(tCrA)
     tCrB_view = copy_B.retile(tCrB)
     num_k = cute.size(tCsB.shape[2])
@@ -153,7 +154,7 @@ def mma_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, copy_A, copy_B, a_in_regs: cu
 
 @cute.jit
 def mma_rs(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B):
-    """acc += A @ B^T with A already in registers (P) and B streamed from smem."""
+    """acc += A @ B^T with A already in registers (P) and B streamed from smem one k16 step ahead."""
     tCrB_view = copy_B.retile(tCrB)
     num_k = cute.size(tCrA.shape[2])
     cute.copy(copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])

@@ -27,26 +27,17 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from . import cute_utils as cu
-from .config import FwdKernelConfig, fwd_smem_bytes
+from .fwd_common import FwdKernelBase
 from .masking import apply_mask, kv_block_plan
-from .softmax import online_softmax_step, softmax_finalize
-
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+from .softmax import online_softmax_step
 
 
-class FlashFwdSm80:
-    """One compiled forward kernel; every static choice comes from the frozen ``FwdKernelConfig``."""
+class FlashFwdSm80(FwdKernelBase):
+    """cp.async forward kernel: every warp loads, computes and stores; one compiled kernel per frozen
+    ``FwdKernelConfig``."""
 
-    def __init__(self, cfg: FwdKernelConfig):
-        self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
-        self.d = cfg.head_dim
-        self.dv = cfg.head_dim_v
-        t = cfg.tile
-        self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
-        self.num_threads = t.num_threads
-        self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+    def compute_sync(self):
+        cute.arch.barrier()
 
     # ------------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -88,9 +79,9 @@ class FlashFwdSm80:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
         tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
-        copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True)
-        copy_v = cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True)
-        copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=False)
+        copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
+        copy_v = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=True)
+        copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
@@ -98,7 +89,7 @@ class FlashFwdSm80:
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks, num_head_groups, num_batch),
-            block=(self.num_threads, 1, 1),
+            block=(self.num_mma_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
@@ -143,23 +134,9 @@ class FlashFwdSm80:
         else:
             m_block = bx
 
-        # ---- sequence bounds of this batch entry
-        offset_q = Int32(0)
-        offset_k = Int32(0)
-        if const_expr(cfg.varlen_q):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-        else:
-            seqlen_q = mQ.shape[1]
-        if const_expr(cfg.varlen_k):
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        else:
-            seqlen_k = mK.shape[1]
-        if const_expr(cfg.seqused_q):
-            seqlen_q = mSeqUsedQ[batch]
-        if const_expr(cfg.seqused_k):
-            seqlen_k = mSeqUsedK[batch]
+        offset_q, offset_k, seqlen_q, seqlen_k = self.seq_bounds(
+            mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, batch
+        )
         num_rows = seqlen_q * pack
 
         if m_block * self.tile_m < num_rows:
@@ -218,15 +195,8 @@ class FlashFwdSm80:
         tSsK = ldsm_copy_k.partition_S(sK)
         tOsVt = ldsm_copy_v.partition_S(sVt)
 
-        # ---- row bookkeeping: coordinates of this thread's accumulator rows
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = cu.acc_mn_view(thr_mma.partition_C(cS))
-        t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
-        num_my_rows = cute.size(tScS_mn, mode=[0])
-        row_qpos = cute.make_rmem_tensor(num_my_rows, Int32)
-        for r in cutlass.range_constexpr(num_my_rows):
-            row_qpos[r] = (m_block * self.tile_m + tScS_mn[r, 0][0]) // pack
-
+        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, m_block, pack)
+        num_my_rows = cute.size(row_qpos)
         state_max = cute.make_rmem_tensor(num_my_rows, Float32)
         state_sum = cute.make_rmem_tensor(num_my_rows, Float32)
         state_max.fill(-Float32.inf)
@@ -272,38 +242,14 @@ class FlashFwdSm80:
                 window_right=window_right,
             )
             # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
-            stage = Int32(0)
-            step(n_first, stage, is_first=True, mask_seqlen=True, mask_right=cfg.windowed, mask_left=cfg.windowed)
-            stage = self.next_stage(stage)
-            if const_expr(cfg.windowed):
-                for i in cutlass.range(count_a, unroll=1):
-                    step(n_first - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=True, mask_left=True)
-                    stage = self.next_stage(stage)
-            start_b = n_first - count_a
-            for i in cutlass.range(count_b, unroll=1):
-                step(start_b - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=False, mask_left=False)
-                stage = self.next_stage(stage)
-            if const_expr(cfg.windowed):
-                start_c = start_b - count_b
-                for i in cutlass.range(count_c, unroll=1):
-                    step(start_c - 1 - i, stage, is_first=False, mask_seqlen=False, mask_right=False, mask_left=True)
-                    stage = self.next_stage(stage)
+            self.run_schedule(step, Int32(0), n_first, count_a, count_b, count_c)
             # drain the (empty) groups still in flight before smem is reused by the epilogue
             cute.arch.cp_async_wait_group(0)
 
         # ---- epilogue
-        lse = cute.make_rmem_tensor(num_my_rows, Float32)
-        sink = cute.make_rmem_tensor(num_my_rows, Float32)
-        if const_expr(cfg.has_sink):
-            for r in cutlass.range_constexpr(num_my_rows):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
-                h = head_group * pack + row % pack
-                sink[r] = Float32(mSink[h])
-        softmax_finalize(acc_O, state_max, state_sum, scale_log2, lse, sink, cfg.has_sink)
-        self.store_lse(mLSE, lse, tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
-        cute.arch.barrier()  # every warp is done reading sQ/sK/sV before O overwrites them
-        self.store_o(mO, acc_O, sQ, sO_layout, tiled_mma, copy_o, tidx, batch, head_group, m_block, offset_q, pack,
-                     num_rows)
+        sO = cute.make_tensor(sQ.iterator, sO_layout)
+        self.epilogue(acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
+                      tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
 
     @cute.jit
     def next_stage(self, stage: Int32) -> Int32:
@@ -371,6 +317,7 @@ class FlashFwdSm80:
             cute.arch.cp_async_commit_group()
 
         cu.mma_rs(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, rd], ldsm_copy_v)
+        return self.next_stage(stage)
 
     @cute.jit
     def load_kv(self, tiled_copy, tXgX, tXsX, tXcX, t0XcX, seqlen_k: Int32, zero_fill: cutlass.Constexpr[bool],
@@ -387,64 +334,3 @@ class FlashFwdSm80:
                         tXsX[None, n, None, stage].fill(0)
         else:
             cute.copy(tiled_copy, tXgX[None, None, None, block], tXsX[None, None, None, stage])
-
-    @cute.jit
-    def row_tensor(self, mX: cute.Tensor, varlen: cutlass.Constexpr[bool], batch, offset, pos, head):
-        """The (D,) gmem row of token ``pos`` of ``head`` in this batch entry."""
-        if const_expr(varlen):
-            return mX[offset + pos, head, None]
-        else:
-            return mX[batch, pos, head, None]
-
-    @cute.jit
-    def load_q(self, mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows):
-        thr = copy_q.get_slice(tidx)
-        cQ = cute.make_identity_tensor((self.tile_m, self.d))
-        tQsQ, tQcQ = thr.partition_D(sQ), thr.partition_S(cQ)
-        vec = cute.size(tQsQ.shape[0][0])
-        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-            row = m_block * self.tile_m + tQcQ[0, m, 0][0]
-            if row < num_rows:
-                pos = row // pack
-                head = head_group * pack + (row - pos * pack)
-                gq = cute.tiled_divide(self.row_tensor(mQ, self.cfg.varlen_q, batch, offset_q, pos, head), (vec,))
-                for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
-                    cute.copy(copy_q, gq[None, tQcQ[0, 0, k][1] // vec], tQsQ[None, m, k])
-
-    @cute.jit
-    def store_lse(self, mLSE, lse, tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows):
-        if tScS_mn[0, 0][1] == 0:  # one lane of each quad owns the row
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
-                if row < num_rows:
-                    pos = row // pack
-                    head = head_group * pack + (row - pos * pack)
-                    if const_expr(self.cfg.varlen_q):
-                        mLSE[head, offset_q + pos] = lse[r]
-                    else:
-                        mLSE[batch, head, pos] = lse[r]
-
-    @cute.jit
-    def store_o(self, mO, acc_O, sQ, sO_layout, tiled_mma, copy_o, tidx, batch, head_group, m_block, offset_q,
-                pack, num_rows):
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        sO = cute.make_tensor(sQ.iterator, sO_layout)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
-        st_thr = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
-        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO))
-        cute.arch.barrier()
-        thr = copy_o.get_slice(tidx)
-        cO = cute.make_identity_tensor((self.tile_m, self.dv))
-        tOsO, tOcO = thr.partition_S(sO), thr.partition_S(cO)
-        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        vec = cute.size(tOrO.shape[0][0])
-        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            row = m_block * self.tile_m + tOcO[0, m, 0][0]
-            if row < num_rows:
-                pos = row // pack
-                head = head_group * pack + (row - pos * pack)
-                go = cute.tiled_divide(self.row_tensor(mO, self.cfg.varlen_q, batch, offset_q, pos, head), (vec,))
-                for k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
-                    cute.copy(copy_o, tOrO[None, m, k], go[None, tOcO[0, 0, k][1] // vec])

@@ -72,7 +72,7 @@ def fake_fwd_args(cfg: FwdKernelConfig):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .fwd_kernel import _DTYPES
+    from .fwd_common import DTYPES as _DTYPES
 
     dt = _DTYPES[cfg.dtype]
     vec = 128 // dt.width
@@ -118,8 +118,9 @@ def compile_fwd(cfg: FwdKernelConfig, with_kernel: bool = False):
     import cutlass.cute as cute
 
     from .fwd_kernel import FlashFwdSm80
+    from .fwd_kernel_ws import FlashFwdWsSm120
 
-    kernel = FlashFwdSm80(cfg)
+    kernel = (FlashFwdWsSm120 if cfg.tile.tma else FlashFwdSm80)(cfg)
     fn = cute.compile(kernel, *fake_fwd_args(cfg), options="--enable-tvm-ffi")
     return (fn, kernel) if with_kernel else fn
 

@@ -1,0 +1,285 @@
+"""Warp-specialised forward kernel: one TMA producer warp + ``num_warps`` mma.sync consumer warps.
+
+Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap).
+
+Why: in the all-warps cp.async kernel every KV block costs two CTA-wide barriers, which keep all warps in the
+same phase, so their softmax never overlaps another warp's mma.  Here one warp streams K and V blocks with
+CTA-scope TMA (cp.async.bulk.tensor, no multicast, no clusters: SM120 has both) into ``num_stages`` smem stages
+guarded by mbarriers (full: TMA transaction bytes landed; empty: every consumer warp released the stage), and
+the consumer warps only wait on the stage they need, so they drift apart and overlap each other's
+softmax with mma.  Registers move from the producer to the consumers with setmaxnreg.
+
+Q is loaded by the consumers with cp.async (rows are gathered per (position, head) under packed GQA), and kept in
+registers when ``q_in_regs``.  TMA zero-fills rows past the end of K/V; rows past seqlen_k inside the tensor
+(varlen) are real, finite data and are masked like any boundary block.  O is staged in the Q buffer.
+
+Profile:  ncu --set full -k regex:kernel_cutlass python benchmarks/bench_fwd.py --only llama3-8b --seqlens 4096
+"""
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import cute_utils as cu
+from .fwd_common import FwdKernelBase
+from .masking import apply_mask, kv_block_plan
+from .softmax import online_softmax_step
+
+# setmaxnreg moves registers per whole warpgroup, so the producer warp comes with three idle warps that exit at
+# once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+_COMPUTE_BARRIER_ID = 1
+
+
+def tma_smem_atom(dtype, k_dim: int):
+    """K-major smem atom with the widest TMA swizzle that divides a row."""
+    row_bits = k_dim * dtype.width
+    kind = (
+        warpgroup.SmemLayoutAtomKind.K_SW128 if row_bits % 1024 == 0 else
+        warpgroup.SmemLayoutAtomKind.K_SW64 if row_bits % 512 == 0 else
+        warpgroup.SmemLayoutAtomKind.K_SW32
+    )
+    return warpgroup.make_smem_layout_atom(kind, dtype)
+
+
+class FlashFwdWsSm120(FwdKernelBase):
+    def compute_sync(self):
+        cute.arch.barrier(barrier_id=_COMPUTE_BARRIER_ID, number_of_threads=self.num_mma_threads)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        pack: Int32,
+        qheads_per_kvhead: Int32,
+        num_m_blocks: Int32,
+        num_head_groups: Int32,
+        num_batch: Int32,
+        stream,
+    ):
+        dt = self.dtype
+        atom_q = tma_smem_atom(dt, self.d)
+        atom_v = tma_smem_atom(dt, self.dv)
+        sQ_layout = cute.tile_to_shape(atom_q, (self.tile_m, self.d), (0, 1))
+        sK_layout = cute.tile_to_shape(atom_q, (self.tile_n, self.d, self.num_stages), (0, 1, 2))
+        sV_layout = cute.tile_to_shape(atom_v, (self.tile_n, self.dv, self.num_stages), (0, 1, 2))
+        sO_layout = cute.tile_to_shape(atom_v, (self.tile_m, self.dv), (0, 1))
+
+        # TMA wants the tiled modes first: (seq, d, head[, batch])
+        order = [0, 2, 1] if const_expr(self.cfg.varlen_k) else [1, 3, 2, 0]
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=order))
+        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=order))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK_t, cute.slice_(sK_layout, (None, None, 0)),
+                                                (self.tile_n, self.d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(op, mV_t, cute.slice_(sV_layout, (None, None, 0)),
+                                                (self.tile_n, self.dv))
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        if const_expr(self.cfg.varlen_k):
+            seqlen_k_static = mK.shape[0]
+        else:
+            seqlen_k_static = mK.shape[1]
+        tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
+        copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
+        copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
+        self.kernel(
+            mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+            scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            seqlen_k_static,
+            tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
+        ).launch(
+            grid=(num_m_blocks, num_head_groups, num_batch),
+            block=(self.num_mma_threads + 128, 1, 1),
+            min_blocks_per_mp=1,  # lets ptxas honour setmaxnreg (it drops it without a per-thread register bound)
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+        scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
+        qheads_per_kvhead: Int32, num_m_blocks: Int32, seqlen_k_static: Int32,
+        tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
+        copy_q: cute.TiledCopy, copy_o: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bx, head_group, batch = cute.arch.block_idx()
+        if const_expr(cfg.windowed):
+            m_block = num_m_blocks - 1 - bx  # longest tiles first
+        else:
+            m_block = bx
+        offset_q, offset_k, seqlen_q, seqlen_k = self.seq_bounds(
+            mQ.shape[1], seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, batch
+        )
+        num_rows = seqlen_q * pack
+        if m_block * self.tile_m < num_rows:  # uniform over the CTA
+            if warp_idx == self.num_warps:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_warps)
+            elem_bytes = self.dtype.width // 8
+            pipe_k = pipeline.PipelineTmaAsync.create(
+                num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+                tx_count=self.tile_n * self.d * elem_bytes, barrier_storage=storage.mbar_k.data_ptr(),
+                defer_sync=True,
+            )
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+                tx_count=self.tile_n * self.dv * elem_bytes, barrier_storage=storage.mbar_v.data_ptr(),
+            )  # the second create fences and syncs the CTA once for both pipelines
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            kv_head = (head_group * pack) // qheads_per_kvhead
+            n_min, n_max, count_a, count_b, count_c = kv_block_plan(
+                seqlen_q, seqlen_k, m_block, pack, window_left, window_right, self.tile_m, self.tile_n,
+                cfg.windowed,
+            )
+            if warp_idx >= self.num_warps:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == self.num_warps:
+                    self.produce(tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, batch, kv_head, offset_k, n_min,
+                                 n_max)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                self.consume(
+                    mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o, tidx, batch,
+                    head_group, m_block, offset_q, seqlen_q, seqlen_k, num_rows, pack, scale_log2,
+                    softcap_prescale, window_left, window_right, n_min, n_max, count_a, count_b, count_c,
+                )
+
+    @cute.jit
+    def produce(self, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, batch, kv_head, offset_k, n_min, n_max):
+        if const_expr(self.cfg.varlen_k):
+            tK_cur = cute.domain_offset((offset_k, 0), tK[None, None, kv_head])
+            tV_cur = cute.domain_offset((offset_k, 0), tV[None, None, kv_head])
+        else:
+            tK_cur = tK[None, None, kv_head, batch]
+            tV_cur = tV[None, None, kv_head, batch]
+        gK = cute.local_tile(tK_cur, (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(tV_cur, (self.tile_n, self.dv), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for i in cutlass.range(n_max - n_min, unroll=1):
+            n_block = n_max - 1 - i
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def consume(
+        self, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o, tidx, batch,
+        head_group, m_block, offset_q, seqlen_q, seqlen_k, num_rows, pack, scale_log2, softcap_prescale,
+        window_left, window_right, n_min, n_max, count_a, count_b, count_c,
+    ):
+        cfg = self.cfg
+        sVt = cu.transpose_view(sV)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
+        acc_O.fill(0.0)
+        ldsm_q = cute.make_tiled_copy_A(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ldsm_k = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ldsm_v = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
+        tSsQ, tSsK, tOsVt = ldsm_q.partition_S(sQ), ldsm_k.partition_S(sK), ldsm_v.partition_S(sVt)
+
+        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, m_block, pack)
+        state_max = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
+        state_sum = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
+        state_max.fill(-Float32.inf)
+        state_sum.fill(0.0)
+
+        if n_max > n_min:
+            self.load_q(mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            self.compute_sync()
+            if const_expr(self.q_in_regs):
+                cute.copy(ldsm_q, tSsQ, ldsm_q.retile(tSrQ))
+            step = partial(
+                self.kv_step,
+                pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
+                tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
+                state_max=state_max, state_sum=state_sum, scale_log2=scale_log2, softcap_prescale=softcap_prescale,
+                tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, seqlen_k=seqlen_k,
+                diag=seqlen_k - seqlen_q, window_left=window_left, window_right=window_right,
+            )
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            self.run_schedule(step, state, n_max - 1, count_a, count_b, count_c)
+        self.epilogue(acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
+                      tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
+
+    @cute.jit
+    def kv_step(
+        self, n_block: Int32, state,
+        pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
+        state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos, seqlen_k, diag, window_left,
+        window_right,
+        is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool],
+    ):
+        """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
+        cfg = self.cfg
+        acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+        pipe_k.consumer_wait(state)
+        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, state.index], ldsm_q, ldsm_k,
+                  self.q_in_regs)
+        pipe_k.consumer_release(state)
+        if const_expr(cfg.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
+        if const_expr(mask_seqlen or mask_right or mask_left):
+            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
+                       self.tile_n, mask_seqlen, mask_right, mask_left)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        pipe_v.consumer_wait(state)
+        cu.mma_rs(tiled_mma, acc_O, cu.acc_as_operand_a(rP), tOrVt, tOsVt[None, None, None, state.index], ldsm_v)
+        pipe_v.consumer_release(state)
+        state.advance()
+        return state
