@@ -29,12 +29,11 @@ from flash_attn_4_sm120.config import FwdKernelConfig, FwdTile  # noqa: E402
 
 T = FwdTile
 CANDIDATES = {
-    64: [T(128, 128, 8, 2, True, True), T(128, 64, 8, 2, True, True), T(128, 128, 8, 2, True),
+    64: [T(128, 128, 8, 2, True, True), T(128, 64, 8, 2, True, True, True), T(256, 64, 8, 2, False, True),
          T(128, 128, 8, 1, True, True)],
-    128: [T(128, 64, 8, 2, True, True), T(128, 64, 8, 2, False, True), T(128, 32, 8, 2, True, True),
-          T(128, 128, 8, 1, True, True), T(128, 64, 8, 2, True)],
-    256: [T(128, 32, 8, 1, False), T(128, 32, 8, 1, False, True), T(64, 32, 4, 1, False),
-          T(64, 64, 4, 1, False)],
+    128: [T(128, 64, 8, 2, True, True), T(128, 64, 8, 2, True, True, True), T(128, 64, 8, 2, False, True, True),
+          T(256, 32, 8, 2, False, True)],
+    256: [T(64, 64, 4, 1, False), T(128, 32, 8, 1, False, True), T(128, 32, 8, 1, False)],
 }
 CELLS = [  # (hq, hkv, seqlen, batch)
     (32, 8, 4096, 4),

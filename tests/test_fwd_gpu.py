@@ -263,3 +263,40 @@ def test_cpasync_fallback_varlen(cpasync_tiles):
     out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=(40, 0),
                                          learnable_sink=sink, softcap=10.0, return_lse=True)
     _varlen_compare(out, lse, q, k, v, cu_q, cu_k, window=(40, 0), sink=sink, softcap=10.0)
+
+
+@pytest.fixture
+def overlap_tiles(monkeypatch):
+    """Force the software-pipelined TMA kernel (S(n-1) issued before the softmax of S(n))."""
+    from flash_attn_4_sm120 import config
+    from flash_attn_4_sm120.config import FwdTile
+
+    monkeypatch.setitem(config._TILE_PREFERENCE, 64, (FwdTile(128, 64, 8, 2, True, True, True),))
+    monkeypatch.setitem(config._TILE_PREFERENCE, 128, (FwdTile(128, 64, 8, 2, True, True, True),))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 113), (113, 17), (1023, 1023), (128, 4127)])
+def test_overlap_dense(overlap_tiles, d, causal, sq, sk):
+    q, k, v = _inputs(2, sq, sk, 8, 2, d, d, torch.bfloat16, seed=16)
+    out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert_close(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (32, 16), (0, 0)])
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_overlap_window_softcap_sink(overlap_tiles, window, pack_gqa):
+    q, k, v = _inputs(2, 333, 1000, 8, 2, 128, 128, torch.bfloat16, seed=17)
+    sink = torch.randn(8, device="cuda")
+    out, lse = fa.flash_attn_func(q, k, v, window_size=window, softcap=8.0, learnable_sink=sink, pack_gqa=pack_gqa,
+                                  return_lse=True)
+    assert_close(out, lse, q, k, v, window=window, softcap=8.0, sink=sink)
+
+
+def test_overlap_varlen(overlap_tiles):
+    lens_q, lens_k = [17, 0, 113, 1, 1023, 0, 64], [33, 5, 113, 0, 900, 0, 200]
+    q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 8, 2, 128, 128, torch.bfloat16, seed=18)
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                         return_lse=True)
+    _varlen_compare(out, lse, q, k, v, cu_q, cu_k, causal=True)
