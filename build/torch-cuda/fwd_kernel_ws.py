@@ -248,8 +248,26 @@ class FlashFwdWsSm120(FwdKernelBase):
                 tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, seqlen_k=seqlen_k,
                 diag=seqlen_k - seqlen_q, window_left=window_left, window_right=window_right,
             )
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            self.run_schedule(step, state, n_max - 1, count_a, count_b, count_c)
+            if const_expr(self.cfg.tile.overlap):
+                # software pipelining: S(n-1) = Q K(n-1)^T is issued before the softmax of S(n), so the tensor
+                # cores work on the next block while this warp runs exp2/FFMA on the current one
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+                acc_S_next = cute.make_rmem_tensor_like(acc_S)
+                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                k_state = self.qk(acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
+                step = partial(
+                    self.kv_step_overlap, acc_S=acc_S, acc_S_next=acc_S_next, n_min=n_min, pipe_k=pipe_k,
+                    pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK,
+                    tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O, state_max=state_max,
+                    state_sum=state_sum, scale_log2=scale_log2, softcap_prescale=softcap_prescale, tScS_mn=tScS_mn,
+                    t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, seqlen_k=seqlen_k, diag=seqlen_k - seqlen_q,
+                    window_left=window_left, window_right=window_right,
+                )
+                self.run_schedule(step, (k_state, v_state), n_max - 1, count_a, count_b, count_c)
+            else:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                self.run_schedule(step, state, n_max - 1, count_a, count_b, count_c)
         self.epilogue(acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
                       tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
 
@@ -283,3 +301,43 @@ class FlashFwdWsSm120(FwdKernelBase):
         pipe_v.consumer_release(state)
         state.advance()
         return state
+
+    @cute.jit
+    def qk(self, acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k):
+        """acc_S = Q K^T for the stage ``k_state`` points at; releases that K stage and returns the next state."""
+        acc_S.fill(0.0)
+        pipe_k.consumer_wait(k_state)
+        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, k_state.index], ldsm_q, ldsm_k,
+                  self.q_in_regs)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def kv_step_overlap(
+        self, n_block: Int32, states,
+        acc_S, acc_S_next, n_min, pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k,
+        ldsm_v, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos, seqlen_k,
+        diag, window_left, window_right,
+        is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool],
+    ):
+        """Block n with S(n) already in acc_S: issue S(n-1) into acc_S_next, then softmax S(n), O += P V(n)."""
+        cfg = self.cfg
+        k_state, v_state = states
+        if n_block - 1 >= n_min:
+            k_state = self.qk(acc_S_next, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
+        if const_expr(cfg.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
+        if const_expr(mask_seqlen or mask_right or mask_left):
+            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
+                       self.tile_n, mask_seqlen, mask_right, mask_left)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        pipe_v.consumer_wait(v_state)
+        cu.mma_rs(tiled_mma, acc_O, cu.acc_as_operand_a(rP), tOrVt, tOsVt[None, None, None, v_state.index], ldsm_v)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        acc_S.store(acc_S_next.load())
+        return (k_state, v_state)

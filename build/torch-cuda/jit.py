@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .config import FwdKernelConfig
@@ -158,6 +159,7 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
         fn = _MEMORY.get(key)
         if fn is not None:
             return fn
+        t0 = time.perf_counter()
         path = _disk_path(key)
         if path is not None and path.exists():
             try:
@@ -165,12 +167,13 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
 
                 _load_runtime_libs()
                 fn = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), "fa4sm120_fwd")
-                log.debug("loaded %s from %s", cfg.name(), path)
+                log.debug("loaded %s from %s in %.3f s", cfg.name(), path, time.perf_counter() - t0)
             except Exception as exc:  # a corrupt or incompatible object: recompile and overwrite it
                 log.warning("ignoring unusable cached kernel %s (%s); recompiling", path, exc)
                 fn = None
         if fn is None:
             fn = compile_fwd(cfg)
+            log.debug("compiled %s in %.3f s", cfg.name(), time.perf_counter() - t0)
             if path is not None:
                 _export(fn, path)
         _MEMORY[key] = fn
