@@ -118,17 +118,17 @@ def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
     acc_o = tile.tile_m * head_dim_v // threads
     acc_s = tile.tile_m * tile.tile_n // threads
     q_regs = tile.tile_m * head_dim // (2 * threads) if tile.q_in_regs else 0
-    if tile.overlap:
-        acc_s *= 2
+    if tile.overlap:  # a second S tile is live while the first is turned into P (measured: ~1.5x, not 2x)
+        acc_s = acc_s * 3 // 2
     # P in 16-bit (half of acc_s) lives while acc_s is reused; fragments of K/V for one k-step are small.
     return acc_o + acc_s + acc_s // 2 + q_regs + REG_OVERHEAD
 
 
 def fwd_register_budget(tile: FwdTile) -> int:
-    """Registers an mma thread may use, by fwd_register_estimate: the TMA kernel's mma warps get 240 through
-    setmaxnreg, and the estimate is conservative there (the sm_120a gate measured 0 spills for the 128x64
-    overlapped tile at an estimate of 240); the compile gate is the binding check."""
-    return 248 if tile.tma else REG_ESTIMATE_BUDGET
+    """Registers an mma thread may use, by fwd_register_estimate (the TMA kernel's mma warps get 240 through
+    setmaxnreg; at d=dv=192 with Q in registers, estimate 240, they spilled).  The compile gate is the binding
+    check."""
+    return 232 if tile.tma else REG_ESTIMATE_BUDGET
 
 
 def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str]:
@@ -163,21 +163,23 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
 
 
 # ---- tile table --------------------------------------------------------------------------------------------
-# Preference order per head dim (first that fits wins).  16 query rows per warp, 8 mma warps: the accumulators
-# of a 128-row tile fit in registers without spills for every head dim (4-warp 128-row tiles spill at d=128
-# on sm_120a: 255 registers + 152 B of stack).  ``tma=True`` tiles add a TMA producer warp (fwd_kernel_ws.py);
-# the cp.async tiles after them are the fallback when TMA is unavailable.
-# Measured on the H100 proxy (2026-11-21): the all-warps cp.async kernel reached 0.84x the best peer (geomean),
-# which is why the warp-specialised kernel leads; see README "Performance" for the current numbers.
+# Preference order per head dim (first that fits wins).  Measured on the H100 proxy, 2026-11-21
+# (benchmarks/results/tile_sweep_h100_v*.jsonl), SM120 limits kept:
+#  * 16 or 32 query rows per warp; 4-warp 128-row tiles spill at d=128 on sm_120a (255 regs + 152 B stack).
+#  * tma=True: warp-specialised kernel, TMA producer warpgroup + 8 mma warps (fwd_kernel_ws.py); it beat the
+#    all-warps cp.async kernel at d=64..128 (d=128, S=4096: 356 vs 287 TFLOPS).
+#  * d<=64: 256x64 tiles (2 m16 atoms per warp, half the smem reads per flop) beat 128x128 (303 vs 269 TFLOPS).
+#  * d=256: the 4-warp 64x64 cp.async tile is fastest (338 TFLOPS vs 302 for the TMA 128x32 tile), and the TMA
+#    kernel's 240-register consumers spill at d=dv=256 under the heaviest feature set.
+#  * software pipelining of QK^T (overlap=True) measured slower (338 vs 356 TFLOPS at d=128): not selected.
+# The cp.async tiles after the TMA ones are the fallback when a TMA tile does not fit.
 _TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
-    32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
-    64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    32: (FwdTile(256, 64, 8, 2, False, True), FwdTile(128, 128, 8, 2, True)),
+    64: (FwdTile(256, 64, 8, 2, False, True), FwdTile(128, 128, 8, 2, True)),
     96: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
     128: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
     192: (FwdTile(128, 64, 8, 1, True, True), FwdTile(128, 64, 8, 1, False, True), FwdTile(128, 64, 8, 1, False)),
-    # d=256: the TMA kernel's 240-register consumers spill under the heaviest feature set (acc_O alone is 128
-    # registers at d_v=256), so the cp.async kernel (255 registers, 0 spills) leads.
-    256: (FwdTile(128, 32, 8, 1, False), FwdTile(64, 32, 4, 1, False)),
+    256: (FwdTile(64, 64, 4, 1, False), FwdTile(64, 32, 4, 1, False)),
 }
 
 

@@ -47,7 +47,9 @@ FEATURES: dict[str, Feature] = {
         Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
         Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
-        Feature("tma_forward", PLANNED, "(automatic)", "cp.async forward is used"),
+        Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
+        Feature("tma_forward", SUPPORTED, "(automatic)",
+                "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192); cp.async otherwise"),
     )
 }
 

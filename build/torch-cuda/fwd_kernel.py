@@ -91,6 +91,9 @@ class FlashFwdSm80(FwdKernelBase):
             grid=(num_m_blocks, num_head_groups, num_batch),
             block=(self.num_mma_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
+            # one CTA per SM is what SM120's 99 KB allows; without this ptxas may cap registers (168) to fit three
+            # and spill (seen at d=256/dv=96)
+            min_blocks_per_mp=1,
             stream=stream,
         )
 

@@ -2,9 +2,11 @@
 
 * Kernels are compiled from fake tensors whose batch, lengths, head counts and strides are symbolic, so a new
   sequence length, batch size or model never recompiles; the key is (kernel class, frozen config, target arch).
-* The disk cache holds exported objects (CuTe-DSL AOT export) under a fingerprint of this package's sources,
-  the cutlass-dsl and tvm-ffi versions and the Python version.  Files are written to a temporary name and
-  renamed, so concurrent processes never see a half-written object.
+* The disk cache holds exported objects (CuTe-DSL AOT export, ``<key>.o``) under a fingerprint of this package's
+  sources, the cutlass-dsl and tvm-ffi versions and the Python version.  When a C compiler is available the
+  object is also linked into ``<key>.so``, which a later process loads with tvm-ffi alone, without importing
+  CuTe-DSL (whose import alone takes ~2 s); without a compiler, the ``.o`` is loaded through CuTe-DSL.  Files are
+  written to a temporary name and renamed, so concurrent processes never see a half-written object.
 * ``FA4_SM120_CACHE_DIR`` moves the disk cache (default ``~/.cache/flash_attn_4_sm120``);
   ``FA4_SM120_DISK_CACHE=0`` turns it off.
 
@@ -26,6 +28,7 @@ from .config import FwdKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
+_EXPORT_NAME = "fa4sm120_fwd"
 _MEMORY: dict[tuple, object] = {}
 _LOCK = threading.Lock()
 _FINGERPRINT: str | None = None
@@ -39,15 +42,21 @@ def disk_cache_dir() -> Path | None:
     return Path(root)
 
 
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
+
+
 def _source_fingerprint() -> str:
     global _FINGERPRINT
     if _FINGERPRINT is None:
-        import cutlass
-        import tvm_ffi
-
         h = hashlib.sha256()
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
-        h.update(f"cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__}".encode())
+        h.update(f"cutlass={_dist_version('nvidia-cutlass-dsl')} tvm_ffi={_dist_version('apache-tvm-ffi')}".encode())
         pkg = Path(__file__).resolve().parent
         for src in sorted(pkg.glob("*.py")):
             h.update(src.name.encode())
@@ -161,12 +170,21 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
             return fn
         t0 = time.perf_counter()
         path = _disk_path(key)
-        if path is not None and path.exists():
+        if path is not None and path.with_suffix(".so").exists():
+            try:
+                import tvm_ffi
+
+                fn = tvm_ffi.load_module(str(path.with_suffix(".so")))[_EXPORT_NAME]
+                log.debug("loaded %s from %s in %.3f s", cfg.name(), path.with_suffix(".so"), time.perf_counter() - t0)
+            except Exception as exc:  # e.g. the venv moved and the runtime library is elsewhere: use the .o
+                log.info("could not load %s (%s); trying the object file", path.with_suffix(".so"), exc)
+                fn = None
+        if fn is None and path is not None and path.exists():
             try:
                 import cutlass.cute as cute
 
                 _load_runtime_libs()
-                fn = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), "fa4sm120_fwd")
+                fn = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _EXPORT_NAME)
                 log.debug("loaded %s from %s in %.3f s", cfg.name(), path, time.perf_counter() - t0)
             except Exception as exc:  # a corrupt or incompatible object: recompile and overwrite it
                 log.warning("ignoring unusable cached kernel %s (%s); recompiling", path, exc)
@@ -181,15 +199,40 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
 
 
 def _export(fn, path: Path) -> None:
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
         os.close(fd)
-        fn.export_to_c(object_file_path=tmp, function_name="fa4sm120_fwd")
+        fn.export_to_c(object_file_path=tmp, function_name=_EXPORT_NAME)
+        _link_shared(tmp, path.with_suffix(".so"))
         os.replace(tmp, path)
     except Exception as exc:  # the disk cache is an optimisation; never fail a call because of it
         log.warning("could not write kernel cache %s: %s", path, exc)
-        try:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        except Exception:
-            pass
+
+
+def _link_shared(obj: str, so_path: Path) -> None:
+    """Link an exported object into a shared library loadable by tvm-ffi alone (skipped without a C compiler)."""
+    import shutil
+    import subprocess
+
+    import cutlass.cute as cute
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return
+    libs = [Path(p) for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(p).exists()]
+    args = [cc, "-shared", "-o", None, obj]
+    for lib in libs:
+        args += [f"-L{lib.parent}", f"-Wl,-rpath,{lib.parent}", f"-l:{lib.name}"]
+    fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=so_path.parent)
+    os.close(fd)
+    args[3] = tmp_so
+    res = subprocess.run(args, capture_output=True, text=True)
+    if res.returncode != 0:
+        os.unlink(tmp_so)
+        log.info("not linking %s (%s): %s", so_path.name, cc, res.stderr.strip()[:300])
+        return
+    os.replace(tmp_so, so_path)
