@@ -80,6 +80,7 @@ def main(argv=None):
     rows = []
     for d in args.dims:
         saved = config._TILE_PREFERENCE[d]
+        saved_w = config._TILE_PREFERENCE_WINDOWED.pop(d, None)
         try:
             for tile in CANDIDATES[d]:
                 if config.fwd_tile_problems(d, d, tile) or any(c.name() in failed for c in _cfgs(d, tile)):
@@ -102,6 +103,8 @@ def main(argv=None):
                                           for k_, v_ in row.items()}), flush=True)
         finally:
             config._TILE_PREFERENCE[d] = saved
+            if saved_w is not None:
+                config._TILE_PREFERENCE_WINDOWED[d] = saved_w
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

@@ -35,6 +35,12 @@ def test_select_raises_with_reasons(monkeypatch):
         config.select_fwd_tile(256, 256, False)
 
 
+def test_windowed_override_for_small_head_dims():
+    assert config.select_fwd_tile(64, 64, False).tile_m == 256
+    assert config.select_fwd_tile(64, 64, True).tile_m == 128
+    assert config.select_fwd_tile(128, 128, True) == config.select_fwd_tile(128, 128, False)
+
+
 def test_smem_formula_matches_known_value():
     # Q 128x128 + 2 stages of K and V 64x128, bf16 = 32 KiB * 3
     assert config.fwd_smem_bytes(128, 128, FwdTile(128, 64, 8, 2, True)) == 98304

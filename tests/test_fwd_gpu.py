@@ -243,8 +243,9 @@ def cpasync_tiles(monkeypatch):
     """Force the all-warps cp.async kernel (the fallback when the TMA kernel is not selected)."""
     from flash_attn_4_sm120 import config
 
-    for d, tiles in list(config._TILE_PREFERENCE.items()):
-        monkeypatch.setitem(config._TILE_PREFERENCE, d, tuple(t for t in tiles if not t.tma))
+    for table in (config._TILE_PREFERENCE, config._TILE_PREFERENCE_WINDOWED):
+        for d, tiles in list(table.items()):
+            monkeypatch.setitem(table, d, tuple(t for t in tiles if not t.tma))
 
 
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
@@ -271,8 +272,9 @@ def overlap_tiles(monkeypatch):
     from flash_attn_4_sm120 import config
     from flash_attn_4_sm120.config import FwdTile
 
-    monkeypatch.setitem(config._TILE_PREFERENCE, 64, (FwdTile(128, 64, 8, 2, True, True, True),))
-    monkeypatch.setitem(config._TILE_PREFERENCE, 128, (FwdTile(128, 64, 8, 2, True, True, True),))
+    for table in (config._TILE_PREFERENCE, config._TILE_PREFERENCE_WINDOWED):
+        for d in (64, 128):
+            monkeypatch.setitem(table, d, (FwdTile(128, 64, 8, 2, True, True, True),))
 
 
 @pytest.mark.parametrize("d", [64, 128])
