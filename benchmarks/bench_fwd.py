@@ -166,7 +166,6 @@ def run_grid(args, fa, peers, notes):
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)
-                del q, k, v
     return rows
 
 
