@@ -10,7 +10,8 @@ from cutlass import Float32, Int32, const_expr
 
 from . import cute_utils as cu
 from .config import FwdKernelConfig, fwd_smem_bytes
-from .softmax import softmax_finalize
+from .masking import apply_mask
+from .softmax import online_softmax_step, softmax_finalize
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -110,6 +111,25 @@ class FwdKernelBase:
                 state = step(start_c - 1 - i, state, is_first=False, mask_seqlen=False, mask_right=False,
                              mask_left=True)
         return state
+
+    @cute.jit
+    def scores_to_p(
+        self, acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos,
+        n_block, seqlen_k, diag, window_left, window_right,
+        is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool],
+    ):
+        """S tile -> softcap -> boundary masks -> online softmax (rescales acc_O) -> P in the input dtype, returned
+        as the A operand of the P V mma."""
+        if const_expr(self.cfg.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
+        if const_expr(mask_seqlen or mask_right or mask_left):
+            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
+                       self.tile_n, mask_seqlen, mask_right, mask_left)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        return cu.acc_as_operand_a(rP)
 
     @cute.jit
     def epilogue(self, acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,

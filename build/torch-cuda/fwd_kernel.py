@@ -28,8 +28,7 @@ from cutlass import Float32, Int32, const_expr
 
 from . import cute_utils as cu
 from .fwd_common import FwdKernelBase
-from .masking import apply_mask, kv_block_plan
-from .softmax import online_softmax_step
+from .masking import kv_block_plan
 
 
 class FlashFwdSm80(FwdKernelBase):
@@ -275,7 +274,6 @@ class FlashFwdSm80(FwdKernelBase):
         mask_left: cutlass.Constexpr[bool],
     ):
         """One KV block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
-        cfg = self.cfg
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
@@ -302,15 +300,9 @@ class FlashFwdSm80(FwdKernelBase):
                 load_k(n_block - 1, 0, False)
             cute.arch.cp_async_commit_group()
 
-        if const_expr(cfg.has_softcap):
-            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
-        if const_expr(mask_seqlen or mask_right or mask_left):
-            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
-                       self.tile_n, mask_seqlen, mask_right, mask_left)
-        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        tOrP = cu.acc_as_operand_a(rP)
+        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
+                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
+                                mask_right, mask_left)
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed

@@ -26,8 +26,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import cute_utils as cu
 from .fwd_common import FwdKernelBase
-from .masking import apply_mask, kv_block_plan
-from .softmax import online_softmax_step
+from .masking import kv_block_plan
 
 # setmaxnreg moves registers per whole warpgroup, so the producer warp comes with three idle warps that exit at
 # once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
@@ -214,7 +213,6 @@ class FlashFwdWsSm120(FwdKernelBase):
         head_group, m_block, offset_q, seqlen_q, seqlen_k, num_rows, pack, scale_log2, softcap_prescale,
         window_left, window_right, n_min, n_max, count_a, count_b, count_c,
     ):
-        cfg = self.cfg
         sVt = cu.transpose_view(sV)
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -281,26 +279,12 @@ class FlashFwdWsSm120(FwdKernelBase):
         mask_left: cutlass.Constexpr[bool],
     ):
         """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
-        cfg = self.cfg
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        acc_S.fill(0.0)
-        pipe_k.consumer_wait(state)
-        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, state.index], ldsm_q, ldsm_k,
-                  self.q_in_regs)
-        pipe_k.consumer_release(state)
-        if const_expr(cfg.has_softcap):
-            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
-        if const_expr(mask_seqlen or mask_right or mask_left):
-            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
-                       self.tile_n, mask_seqlen, mask_right, mask_left)
-        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        pipe_v.consumer_wait(state)
-        cu.mma_rs(tiled_mma, acc_O, cu.acc_as_operand_a(rP), tOrVt, tOsVt[None, None, None, state.index], ldsm_v)
-        pipe_v.consumer_release(state)
-        state.advance()
-        return state
+        self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
+        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
+                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
+                                mask_right, mask_left)
+        return self.pv(tOrP, state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
 
     @cute.jit
     def qk(self, acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k):
@@ -323,21 +307,21 @@ class FlashFwdWsSm120(FwdKernelBase):
         mask_left: cutlass.Constexpr[bool],
     ):
         """Block n with S(n) already in acc_S: issue S(n-1) into acc_S_next, then softmax S(n), O += P V(n)."""
-        cfg = self.cfg
         k_state, v_state = states
         if n_block - 1 >= n_min:
             k_state = self.qk(acc_S_next, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        if const_expr(cfg.has_softcap):
-            acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
-        if const_expr(mask_seqlen or mask_right or mask_left):
-            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, diag, window_left, window_right,
-                       self.tile_n, mask_seqlen, mask_right, mask_left)
-        online_softmax_step(acc_S, acc_O, state_max, state_sum, scale_log2, is_first)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        pipe_v.consumer_wait(v_state)
-        cu.mma_rs(tiled_mma, acc_O, cu.acc_as_operand_a(rP), tOrVt, tOsVt[None, None, None, v_state.index], ldsm_v)
-        pipe_v.consumer_release(v_state)
-        v_state.advance()
+        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
+                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
+                                mask_right, mask_left)
+        v_state = self.pv(tOrP, v_state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
         acc_S.store(acc_S_next.load())
         return (k_state, v_state)
+
+    @cute.jit
+    def pv(self, tOrP, v_state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v):
+        """O += P V for the stage ``v_state`` points at; releases that V stage and returns the next state."""
+        pipe_v.consumer_wait(v_state)
+        cu.mma_rs(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, v_state.index], ldsm_v)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        return v_state
