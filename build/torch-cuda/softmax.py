@@ -25,8 +25,6 @@ def online_softmax_step(
     """Turn acc_S into unnormalised probabilities in place, update the running max/sum, rescale acc_O."""
     s_mn = acc_mn_view(acc_S)
     o_mn = acc_mn_view(acc_O)
-    corr = cute.make_rmem_tensor(cute.size(state_max), Float32)
-    changed = False
     for r in cutlass.range_constexpr(cute.size(state_max)):
         row = s_mn[r, None].load()
         prev_max = state_max[r]
@@ -40,15 +38,9 @@ def online_softmax_step(
         if const_expr(is_first):
             state_sum[r] = row_sum(p)
         else:
-            corr[r] = cute.math.exp2((prev_max - safe_max) * scale_log2, fastmath=True)
-            state_sum[r] = state_sum[r] * corr[r] + row_sum(p)
-            changed = changed or cur_max != prev_max
-    if const_expr(not is_first):
-        # Once the running maxima settle, most blocks change no row max: then corr == 1 exactly and the
-        # O rescale (one FMUL per accumulator register) is skipped, decided per warp.
-        if cute.arch.vote_any_sync(changed):
-            for r in cutlass.range_constexpr(cute.size(state_max)):
-                o_mn[r, None].store(o_mn[r, None].load() * corr[r])
+            corr = cute.math.exp2((prev_max - safe_max) * scale_log2, fastmath=True)
+            state_sum[r] = state_sum[r] * corr + row_sum(p)
+            o_mn[r, None].store(o_mn[r, None].load() * corr)
 
 
 @cute.jit
