@@ -1,5 +1,5 @@
-"""SM120 compile gate: build every forward kernel configuration the dispatcher can select for sm_120a on a CPU
-(fake tensors, no GPU) and check its SASS.
+"""SM120 compile gate: build every kernel configuration (forward and backward) the dispatcher can select for
+sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
 
     python scripts/compile_gate.py                 # all configurations, table on stdout, exit 1 on a failure
     python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
@@ -8,8 +8,8 @@
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions, none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
-at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile table, each at its
-lightest and heaviest feature set (config.gate_configs).
+at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
+lightest and heaviest feature set (config.gate_configs, config.bwd_gate_configs).
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def _worklist(pattern: str | None):
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
-        for cfg in config.gate_configs(dtype, d, dv, tile):
-            if pattern is None or pattern in cfg.name():
-                items.append(cfg)
-    return items
+        items += config.gate_configs(dtype, d, dv, tile)
+    for dtype in config.DTYPES:
+        for d, dv in config.supported_head_dim_pairs():
+            items += config.bwd_gate_configs(dtype, d, dv)
+    return [c for c in items if pattern is None or pattern in c.name()]
 
 
 def _check_one(cfg, arch: str) -> dict:
@@ -66,7 +67,12 @@ def _check_one(cfg, arch: str) -> dict:
     t0 = time.time()
     row = {"config": cfg.name(), "arch": arch}
     try:
-        fn, kernel = jit.compile_fwd(cfg, with_kernel=True)
+        if isinstance(cfg, config.BwdKernelConfig):
+            fn, kernel = jit.compile_bwd(cfg, with_kernel=True)
+            expected_smem = config.bwd_smem_bytes(cfg)
+        else:
+            fn, kernel = jit.compile_fwd(cfg, with_kernel=True)
+            expected_smem = config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile)
         cubin = fn.__cubin__
         if isinstance(cubin, str):
             cubin = Path(cubin).read_bytes()
@@ -85,8 +91,8 @@ def _check_one(cfg, arch: str) -> dict:
             problems.append(f"spills ({rep.spills} STL/LDL, frame {rep.frame_bytes} B)")
         if kernel.launch_smem_bytes > config.SMEM_LIMIT_BYTES:
             problems.append(f"smem {kernel.launch_smem_bytes} > {config.SMEM_LIMIT_BYTES}")
-        if kernel.launch_smem_bytes != config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile):
-            problems.append("smem differs from config.fwd_smem_bytes")
+        if kernel.launch_smem_bytes != expected_smem:
+            problems.append(f"smem {kernel.launch_smem_bytes} differs from the config's {expected_smem}")
         if not rep.arch.startswith(arch.rstrip("af")):
             problems.append(f"cubin is {rep.arch}, expected {arch}")
         row["problems"] = problems

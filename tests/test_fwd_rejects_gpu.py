@@ -65,15 +65,6 @@ def test_positional_args_after_v_rejected():
         fa.flash_attn_func(q, k, v, None, True)
 
 
-def test_requires_grad_rejected_until_backward_lands():
-    q, k, v = qkv()
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward"):
-        fa.flash_attn_func(q, k, v)
-    with torch.no_grad():
-        fa.flash_attn_func(q, k, v)
-
-
 def _cu(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
