@@ -248,3 +248,91 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
         seqused_k=True,
     )
     return [base, heavy]
+
+
+# ---- backward ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BwdKernelConfig:
+    """Compile key of the backward kernel (bwd_kernel.py); lengths, heads, scales and windows are runtime."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    tile_m: int  # queries per block
+    tile_n: int  # keys per CTA
+    num_warps: int = 8
+    windowed: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    compute_dq: bool = True
+
+    def name(self) -> str:
+        flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
+                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
+                                 ("nodq", not self.compute_dq)) if on]
+        return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
+                + ("_" + "_".join(flags) if flags else ""))
+
+
+def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
+    def align(n: int) -> int:
+        return (n + 1023) // 1024 * 1024
+
+    q = align(cfg.tile_m * cfg.head_dim * elem_bytes)
+    do = align(cfg.tile_m * cfg.head_dim_v * elem_bytes)
+    k = align(cfg.tile_n * cfg.head_dim * elem_bytes)
+    v = align(cfg.tile_n * cfg.head_dim_v * elem_bytes)
+    p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
+    return q + do + k + v + 2 * p
+
+
+# (tile_m, tile_n, num_warps) per max(head_dim, head_dim_v); every (wm, wn) warp split must divide the tiles.
+_BWD_TILES = {
+    32: ((64, 64, 8),), 64: ((64, 64, 8),), 96: ((64, 64, 8),), 128: ((64, 64, 8),),
+    192: ((32, 64, 8), (64, 64, 8), (32, 64, 4)),
+    256: ((32, 32, 4),),
+}
+
+
+def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
+    problems = []
+    smem = bwd_smem_bytes(cfg)
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    for rows, ns in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim)), (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v))):
+        wm = min(rows // 16, cfg.num_warps)
+        wn = cfg.num_warps // wm
+        for n in ns:
+            if n % (wn * 16) != 0:
+                problems.append(f"backward warp split {wm}x{wn} does not divide {n}")
+    threads = cfg.num_warps * 32
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        rows_per_pass = threads // copy_threads_per_row(dim, 16)
+        for rows in (cfg.tile_m, cfg.tile_n):
+            if rows % rows_per_pass != 0:
+                problems.append(f"backward tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
+
+
+def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig:
+    """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
+    gradients are required, so a training step never fails half-way)."""
+    reasons = []
+    for tm, tn, nw in _BWD_TILES[max(head_dim, head_dim_v)]:
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
+        problems = bwd_problems(cfg)
+        if not problems:
+            return cfg
+        reasons.append(f"{tm}x{tn}w{nw}: " + "; ".join(problems))
+    raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
+
+
+def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
+    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set."""
+    base = select_bwd_config(dtype, d, dv)
+    heavy = replace(base, windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True,
+                    seqused_k=True)
+    return [base, heavy]

@@ -8,11 +8,12 @@ so a positional call written for another signature fails loudly instead of bindi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from . import validate as V
-from .config import FwdKernelConfig, select_fwd_tile
+from .config import FwdKernelConfig, select_bwd_config, select_fwd_tile
 from .features import require
 
 
@@ -34,11 +35,6 @@ def _check_common_unsupported(num_splits, block_sparse_tensors, dropout_p, extra
         require("block_sparse", "block_sparse_tensors")
     if dropout_p:
         require("dropout", f"dropout_p={dropout_p}")
-
-
-def _check_no_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        require("backward", "inputs that require grad (run under torch.no_grad() or detach them)")
 
 
 def _choose_pack(pack_gqa, ratio: int, max_seqlen_q: int, tile_m: int) -> int:
@@ -86,8 +82,24 @@ def _host_lengths(cu_seqlens, seqused, batch: int, static_len: int, total: int, 
     return longest
 
 
+@dataclass(frozen=True)
+class FwdMeta:
+    """What the backward needs besides the saved tensors (host values of one forward call)."""
+
+    scale: float
+    softcap: float
+    left: int
+    right: int
+    windowed: bool
+    batch: int
+    max_q: int
+    max_k: int
+
+
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_size, learnable_sink, softcap, pack_gqa, return_lse):
+             softmax_scale, causal, window_size, learnable_sink, softcap, pack_gqa, needs_grad=False):
+    """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
+    backward configuration is validated too, before anything launches."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
     dev = q.device
@@ -95,7 +107,6 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     V.check_tensor("v", v, 3 if varlen_k else 4, dev)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_no_grad(q, k, v, learnable_sink)
     hq, d = q.shape[-2:]
     hkv, dv = k.shape[-2], v.shape[-1]
     V.check_head_dims(d, dv)
@@ -135,12 +146,15 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     max_k = _host_lengths(cu_seqlens_k, seqused_k, batch, seqlen_k_static, k.shape[0], "k", max_seqlen_k)
     V.check_lengths(max_seqlen_q=max_q, max_seqlen_k=max_k)
 
+    windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
+    meta = FwdMeta(scale, softcap, left, right, windowed, batch, max_q, max_k)
+    if needs_grad:
+        select_bwd_config(V._DTYPES[q.dtype], d, dv, windowed=windowed)  # raises now, not mid-step
     out_shape = (*q.shape[:-1], dv)
     out = torch.empty(out_shape, dtype=q.dtype, device=dev)
     lse = torch.empty((hq, total_q) if varlen_q else (batch, hq, seqlen_q_static), dtype=torch.float32, device=dev)
     if out.numel() == 0:
-        return out, (lse if return_lse else None)
-    windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
+        return out, lse, meta, sink
     tile = select_fwd_tile(d, dv, windowed)
     cfg = FwdKernelConfig(
         dtype=V._DTYPES[q.dtype], head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
@@ -153,7 +167,7 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
             lse.fill_(-math.inf)
         else:
             lse.copy_(sink[:, None].expand_as(lse) if varlen_q else sink[None, :, None].expand_as(lse))
-        return out, (lse if return_lse else None)
+        return out, lse, meta, sink
     ratio = hq // hkv
     pack = _choose_pack(pack_gqa, ratio, max_q, tile.tile_m)
     if softcap > 0:
@@ -170,6 +184,22 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
             q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
             scale_log2, prescale, left, right, pack, ratio, num_m_blocks, hq // pack, batch,
         )
+    return out, lse, meta, sink
+
+
+def _attention(q, k, v, *, learnable_sink, deterministic, return_lse, **kw):
+    """Forward, through autograd when any input requires grad."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, learnable_sink)
+    )
+    if needs_grad:
+        if deterministic:
+            require("deterministic", "deterministic=True with inputs that require grad")
+        from .autograd import FlashAttnFunction
+
+        out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
+    else:
+        out, lse, _, _ = _forward(q, k, v, learnable_sink=learnable_sink, **kw)
     return out, (lse if return_lse else None)
 
 
@@ -213,10 +243,11 @@ def flash_attn_func(
              mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
              block_sparse_tensors_bwd=block_sparse_tensors_bwd),
     )
-    return _forward(
+    return _attention(
         q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        learnable_sink=learnable_sink, softcap=softcap, pack_gqa=pack_gqa, return_lse=return_lse,
+        learnable_sink=learnable_sink, softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
+        return_lse=return_lse,
     )
 
 
@@ -268,9 +299,9 @@ def flash_attn_varlen_func(
              mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
              scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split),
     )
-    return _forward(
+    return _attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, learnable_sink=learnable_sink, softcap=softcap, pack_gqa=pack_gqa,
-        return_lse=return_lse,
+        deterministic=deterministic, return_lse=return_lse,
     )

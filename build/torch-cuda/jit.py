@@ -135,6 +135,51 @@ def compile_fwd(cfg: FwdKernelConfig, with_kernel: bool = False):
     return (fn, kernel) if with_kernel else fn
 
 
+def fake_bwd_args(cfg):
+    """Fake tensors and scalars matching FlashBwdSm80.__call__, every length/stride symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .fwd_common import DTYPES
+
+    dt = DTYPES[cfg.dtype]
+
+    def act(dims, last, dtype=dt, align=16):
+        shape = tuple(cute.sym_int() for _ in range(dims)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=128 // dtype.width) for _ in range(dims)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    def vec_i32():
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
+    qr = 2 if cfg.varlen_q else 3
+    kr = 2 if cfg.varlen_k else 3
+    lse_rank = 1 if cfg.varlen_q else 2
+    lse = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+        Float32, tuple(cute.sym_int() for _ in range(lse_rank + 1)),
+        stride=tuple(cute.sym_int64() for _ in range(lse_rank)) + (1,), assumed_align=4)
+    args = (
+        act(qr, cfg.head_dim), act(kr, cfg.head_dim), act(kr, cfg.head_dim_v), act(qr, cfg.head_dim_v), lse(), lse(),
+        act(qr, cfg.head_dim, Float32, 16), act(kr, cfg.head_dim), act(kr, cfg.head_dim_v),
+        vec_i32() if cfg.varlen_q else None, vec_i32() if cfg.varlen_k else None,
+        vec_i32() if cfg.seqused_q else None, vec_i32() if cfg.seqused_k else None,
+        Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return args
+
+
+def compile_bwd(cfg, with_kernel: bool = False):
+    import cutlass.cute as cute
+
+    from .bwd_kernel import FlashBwdSm80
+
+    kernel = FlashBwdSm80(cfg)
+    fn = cute.compile(kernel, *fake_bwd_args(cfg), options="--enable-tvm-ffi")
+    return (fn, kernel) if with_kernel else fn
+
+
 def _load_runtime_libs():
     """Exported objects resolve CuTe-DSL runtime symbols globally; load those libraries once, on demand."""
     global _RUNTIME_LIBS_LOADED
@@ -159,8 +204,16 @@ def _disk_path(key: tuple) -> Path | None:
 
 
 def get_fwd_kernel(cfg: FwdKernelConfig):
-    """Compiled kernel for ``cfg`` on the current target: memory cache, then disk cache, then compile."""
-    key = ("FlashFwdSm80", cfg, target_arch())
+    """Compiled forward kernel for ``cfg`` on the current target: memory, then disk cache, then compile."""
+    return _get_kernel(("FlashFwdSm80", cfg, target_arch()), cfg, compile_fwd)
+
+
+def get_bwd_kernel(cfg):
+    """Compiled backward kernel for ``cfg`` (config.BwdKernelConfig)."""
+    return _get_kernel(("FlashBwdSm80", cfg, target_arch()), cfg, compile_bwd)
+
+
+def _get_kernel(key: tuple, cfg, compile_fn):
     fn = _MEMORY.get(key)
     if fn is not None:
         return fn
@@ -190,7 +243,7 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
                 log.warning("ignoring unusable cached kernel %s (%s); recompiling", path, exc)
                 fn = None
         if fn is None:
-            fn = compile_fwd(cfg)
+            fn = compile_fn(cfg)
             log.debug("compiled %s in %.3f s", cfg.name(), time.perf_counter() - t0)
             if path is not None:
                 _export(fn, path)

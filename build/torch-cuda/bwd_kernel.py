@@ -1,0 +1,356 @@
+"""Backward attention kernel (dQ, dK, dV) for SM120/SM121 on mma.sync m16n8k16 — KV-stationary, cp.async.
+
+Layouts (torch order): q, dout (B, Sq, Hq, D|Dv) or varlen (total_q, Hq, .); k, v, dk, dv (B, Sk, Hkv, .) or
+(total_k, Hkv, .); lse and dpsum (B, Hq, Sq) / (Hq, total_q) fp32; dq_accum like q in fp32 (zeroed by the host).
+
+Algorithm (FlashAttention-2 backward): one CTA = one block of ``tile_n`` keys of one KV head.  K and V stay in
+smem; the CTA walks every query head of the KV head's group (GQA: dK/dV are summed over the group in registers,
+never with atomics) and every block of ``tile_m`` queries that can see these keys.  Per block:
+    S  = Q K^T, P = exp2(S*c - LSE*log2e) (masked, softcapped), dP = dO V^T, dS = P * (dP - D)
+    dV += P^T dO, dK += dS^T Q           (P and dS go through smem to change the mma partition)
+    dQ += dS K                            (fp32 atomics into dq_accum; the host scales and casts it)
+dK/dV are scaled by the softmax scale at the end and stored once.  Rows past the sequence are zero-filled, so
+their P and dS are exactly 0.  ``compute_dq=False`` skips the dQ atomics (deterministic mode computes dQ in
+bwd_dq_kernel.py instead).
+
+Constraints: fp16/bf16; config.bwd_tile_problems (SM120's 99 KB).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import cute_utils as cu
+from .config import BwdKernelConfig, bwd_smem_bytes
+from .fwd_common import DTYPES
+from .masking import apply_mask
+
+
+def _mma(dtype, tile_rows: int, num_warps: int):
+    """Warps split over M (up to tile_rows/16) and N (16 columns per warp per repetition)."""
+    wm = min(tile_rows // 16, num_warps)
+    wn = num_warps // wm
+    return cute.make_tiled_mma(
+        cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16)
+    )
+
+
+class FlashBwdSm80:
+    def __init__(self, cfg: BwdKernelConfig):
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.d, self.dv = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.num_warps = cfg.num_warps
+        self.num_threads = cfg.num_warps * 32
+        self.smem_bytes = bwd_smem_bytes(cfg)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDpsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        scale_log2: Float32,
+        softcap_prescale: Float32,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        qheads_per_kvhead: Int32,
+        num_n_blocks: Int32,
+        num_kv_heads: Int32,
+        num_batch: Int32,
+        stream,
+    ):
+        dt = self.dtype
+        a = cu.smem_layout_atom
+        sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d), (0, 1))
+        sdO_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_m, self.dv), (0, 1))
+        sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d), (0, 1))
+        sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv), (0, 1))
+        sP_l = cute.tile_to_shape(a(dt, self.tile_n), (self.tile_m, self.tile_n), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_l)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_l)], 1024]
+
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
+            cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
+            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
+            SharedStorage,
+        ).launch(
+            grid=(num_n_blocks, num_kv_heads, num_batch),
+            block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.jit
+    def row(self, mX, varlen: cutlass.Constexpr[bool], batch, offset, pos, head):
+        if const_expr(varlen):
+            return mX[offset + pos, head, None]
+        else:
+            return mX[batch, pos, head, None]
+
+    @cute.jit
+    def load_rows(self, mX, sX, tiled_copy, tidx, varlen: cutlass.Constexpr[bool], batch, offset, first_pos,
+                  head, limit, k_dim: cutlass.Constexpr[int], rows: cutlass.Constexpr[int]):
+        """cp.async rows [first_pos, first_pos + rows) of one head into sX; rows past ``limit`` are zeroed."""
+        thr = tiled_copy.get_slice(tidx)
+        cX = cute.make_identity_tensor((rows, k_dim))
+        tXsX, tXcX = thr.partition_D(sX), thr.partition_S(cX)
+        vec = cute.size(tXsX.shape[0][0])
+        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            pos = first_pos + tXcX[0, m, 0][0]
+            if pos < limit:
+                g = cute.tiled_divide(self.row(mX, varlen, batch, offset, pos, head), (vec,))
+                for k in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+                    cute.copy(tiled_copy, g[None, tXcX[0, 0, k][1] // vec], tXsX[None, m, k])
+            else:
+                tXsX[None, m, None].fill(0)
+
+    @cute.kernel
+    def kernel(
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        window_right: Int32, qheads_per_kvhead: Int32,
+        sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
+        sP_l: cute.ComposedLayout, mma_m: cute.TiledMma, mma_n: cute.TiledMma, copy_d: cute.TiledCopy,
+        copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        if const_expr(cfg.varlen_q):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        else:
+            seqlen_q = mQ.shape[1]
+        if const_expr(cfg.varlen_k):
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        else:
+            seqlen_k = mK.shape[1]
+        if const_expr(cfg.seqused_q):
+            seqlen_q = mSeqUsedQ[batch]
+        if const_expr(cfg.seqused_k):
+            seqlen_k = mSeqUsedK[batch]
+        if n_block * self.tile_n < seqlen_k:
+            self.process(
+                mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
+                window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d,
+                copy_dv, SharedStorage, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
+            )
+
+    @cute.jit
+    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
+        """Query blocks that can see key block ``n_block`` (causal/window aware)."""
+        m_max = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_min = Int32(0)
+        if const_expr(self.cfg.windowed):
+            diag = seqlen_k - seqlen_q
+            # key j is seen by query i iff i >= j - diag - right and i <= j - diag + left
+            i_lo = n_block * self.tile_n - diag - window_right
+            i_hi = (n_block + 1) * self.tile_n - 1 - diag + window_left
+            m_min = cutlass.max(i_lo, 0) // self.tile_m
+            m_max = cutlass.min(m_max, cutlass.max(i_hi + self.tile_m, 0) // self.tile_m)
+        return m_min, m_max
+
+    @cute.jit
+    def process(
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
+        window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv,
+        SharedStorage: cutlass.Constexpr, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
+    ):
+        cfg = self.cfg
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)
+        sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
+        sP, sdS = storage.sP.get_tensor(sP_l), storage.sdS.get_tensor(sP_l)
+        sPt, sdSt = cu.transpose_view(sP), cu.transpose_view(sdS)
+        sQt, sdOt, sKt = cu.transpose_view(sQ), cu.transpose_view(sdO), cu.transpose_view(sK)
+        dt = self.dtype
+
+        # K and V of this block stay in smem for the whole CTA
+        first_key = n_block * self.tile_n
+        self.load_rows(mK, sK, copy_d, tidx, cfg.varlen_k, batch, offset_k, first_key, kv_head, seqlen_k, self.d,
+                       self.tile_n)
+        self.load_rows(mV, sV, copy_dv, tidx, cfg.varlen_k, batch, offset_k, first_key, kv_head, seqlen_k, self.dv,
+                       self.tile_n)
+        cute.arch.cp_async_commit_group()
+
+        ld = cu.ldmatrix_atom
+        # S = Q K^T and dP = dO V^T: rows = queries (mma_m)
+        thr_m = mma_m.get_slice(tidx)
+        acc_shape_s = thr_m.partition_shape_C((self.tile_m, self.tile_n))
+        tSrQ = thr_m.make_fragment_A(thr_m.partition_A(sQ))
+        tSrK = thr_m.make_fragment_B(thr_m.partition_B(sK))
+        tPrdO = thr_m.make_fragment_A(thr_m.partition_A(sdO))
+        tPrV = thr_m.make_fragment_B(thr_m.partition_B(sV))
+        cpA_m = cute.make_tiled_copy_A(ld(dt, False), mma_m).get_slice(tidx)
+        cpB_m = cute.make_tiled_copy_B(ld(dt, False), mma_m).get_slice(tidx)
+        tSsQ, tSsK = cpA_m.partition_S(sQ), cpB_m.partition_S(sK)
+        tPsdO, tPsV = cpA_m.partition_S(sdO), cpB_m.partition_S(sV)
+        # dQ = dS K: rows = queries, B = K^T, computed in column chunks of ``dq_cols`` to bound registers
+        dq_cols = self.dq_chunk_cols()
+        sKt_chunks = cute.local_tile(sKt, (dq_cols, self.tile_n), (None, 0))
+        tQrdS = thr_m.make_fragment_A(thr_m.partition_A(sdS))
+        tQrKt = thr_m.make_fragment_B(thr_m.partition_B(sKt_chunks[None, None, 0]))
+        cpBt_m = cute.make_tiled_copy_B(ld(dt, True), mma_m).get_slice(tidx)
+        tQsdS = cpA_m.partition_S(sdS)
+        acc_dQ = cute.make_rmem_tensor(thr_m.partition_shape_C((self.tile_m, dq_cols)), Float32)
+        # dV = P^T dO, dK = dS^T Q: rows = keys (mma_n), A and B read transposed
+        thr_n = mma_n.get_slice(tidx)
+        tVrPt = thr_n.make_fragment_A(thr_n.partition_A(sPt))
+        tVrdOt = thr_n.make_fragment_B(thr_n.partition_B(sdOt))
+        tKrdSt = thr_n.make_fragment_A(thr_n.partition_A(sdSt))
+        tKrQt = thr_n.make_fragment_B(thr_n.partition_B(sQt))
+        cpAt_n = cute.make_tiled_copy_A(ld(dt, True), mma_n).get_slice(tidx)
+        cpBt_n = cute.make_tiled_copy_B(ld(dt, True), mma_n).get_slice(tidx)
+        tVsPt, tVsdOt = cpAt_n.partition_S(sPt), cpBt_n.partition_S(sdOt)
+        tKsdSt, tKsQt = cpAt_n.partition_S(sdSt), cpBt_n.partition_S(sQt)
+        acc_dV = cute.make_rmem_tensor(thr_n.partition_shape_C((self.tile_n, self.dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_n.partition_shape_C((self.tile_n, self.d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
+        st_m = cute.make_tiled_copy_C(st_atom, mma_m).get_slice(tidx)
+
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = cu.acc_mn_view(thr_m.partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(mma_m.get_slice(0).partition_C(cS))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        row_qpos = cute.make_rmem_tensor(num_rows, Int32)
+        lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+
+        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
+        num_m = cutlass.max(m_max - m_min, 0)
+        first_head = kv_head * qheads_per_kvhead
+        for it in cutlass.range(num_m * qheads_per_kvhead, unroll=1):
+            head = first_head + it // num_m
+            m_block = m_min + it % num_m
+            first_q = m_block * self.tile_m
+            self.load_rows(mQ, sQ, copy_d, tidx, cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q, self.d,
+                           self.tile_m)
+            self.load_rows(mdO, sdO, copy_dv, tidx, cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q,
+                           self.dv, self.tile_m)
+            cute.arch.cp_async_commit_group()
+            for r in cutlass.range_constexpr(num_rows):
+                pos = first_q + tScS_mn[r, 0][0]
+                row_qpos[r] = pos
+                lse_log2[r] = Float32.inf
+                dpsum[r] = 0.0
+                if pos < seqlen_q:
+                    if const_expr(cfg.varlen_q):
+                        lse_log2[r] = mLSE[head, offset_q + pos] * cu.LOG2_E
+                        dpsum[r] = mDpsum[head, offset_q + pos]
+                    else:
+                        lse_log2[r] = mLSE[batch, head, pos] * cu.LOG2_E
+                        dpsum[r] = mDpsum[batch, head, pos]
+                    # an empty row has LSE = -inf: P must be 0 there, not exp2(+inf)
+                    lse_log2[r] = Float32.inf if lse_log2[r] == -Float32.inf else lse_log2[r]
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+
+            # ---- S, P
+            acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_S.fill(0.0)
+            cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            if const_expr(cfg.has_softcap):
+                acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
+            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, seqlen_k - seqlen_q, window_left,
+                       window_right, self.tile_n, True, cfg.windowed, cfg.windowed)
+            acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
+            s_mn, p_mn = cu.acc_mn_view(acc_S), cu.acc_mn_view(acc_P)
+            for r in cutlass.range_constexpr(num_rows):
+                p_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse_log2[r], fastmath=True))
+            # ---- dP, dS
+            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_dP.fill(0.0)
+            cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
+            dp_mn = cu.acc_mn_view(acc_dP)
+            for r in cutlass.range_constexpr(num_rows):
+                if const_expr(cfg.has_softcap):
+                    # d tanh = 1 - T^2; masked entries hold T = -inf and P = 0: clamp so they give 0, not NaN
+                    for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                        t = s_mn[r, c]
+                        dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dpsum[r]) * cute.arch.fmax(1.0 - t * t, 0.0)
+                else:
+                    dp_mn[r, None].store(p_mn[r, None].load() * (dp_mn[r, None].load() - dpsum[r]))
+            rP = cute.make_rmem_tensor_like(acc_P, dt)
+            rP.store(acc_P.load().to(dt))
+            rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+            rdS.store(acc_dP.load().to(dt))
+            cute.copy(st_atom, st_m.retile(rP), st_m.partition_D(sP))
+            cute.copy(st_atom, st_m.retile(rdS), st_m.partition_D(sdS))
+            cute.arch.barrier()
+
+            # ---- dV += P^T dO, dK += dS^T Q
+            cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
+            cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
+            # ---- dQ += dS K
+            if const_expr(cfg.compute_dq):
+                for j in cutlass.range_constexpr(self.d // dq_cols):
+                    acc_dQ.fill(0.0)
+                    tQsKt = cpBt_m.partition_S(sKt_chunks[None, None, j])
+                    cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
+                    self.atomic_add_rows(mdQaccum, acc_dQ, thr_m, batch, offset_q, first_q, head, seqlen_q,
+                                         j * dq_cols, dq_cols)
+            cute.arch.barrier()  # smem Q/dO/P/dS are rewritten by the next iteration
+
+        # ---- dK (scaled), dV: one write per CTA
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self.store_rows(mdK, acc_dK, thr_n, self.d, batch, offset_k, first_key, kv_head, seqlen_k)
+        self.store_rows(mdV, acc_dV, thr_n, self.dv, batch, offset_k, first_key, kv_head, seqlen_k)
+
+    def dq_chunk_cols(self) -> int:
+        """Columns of dQ computed per pass: all of d up to 128, else 64 (bounds the dQ accumulator registers)."""
+        return self.d if self.d <= 128 else 64
+
+    @cute.jit
+    def atomic_add_rows(self, mAcc, acc, thr_mma, batch, offset, first_pos, head, limit, col0,
+                        cols: cutlass.Constexpr[int]):
+        cAcc = cute.make_identity_tensor((self.tile_m, cols))
+        coords = cu.acc_mn_view(thr_mma.partition_C(cAcc))
+        acc_mn = cu.acc_mn_view(acc)
+        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
+            pos = first_pos + coords[r, 0][0]
+            if pos < limit:
+                g = self.row(mAcc, self.cfg.varlen_q, batch, offset, pos, head)
+                for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                    cute.arch.atomic_add(g.iterator + (col0 + coords[r, c][1]), acc_mn[r, c])
+
+    @cute.jit
+    def store_rows(self, mX, acc, thr_mma, k_dim: cutlass.Constexpr[int], batch, offset, first_pos, head, limit):
+        cX = cute.make_identity_tensor((self.tile_n, k_dim))
+        coords = cu.acc_mn_view(thr_mma.partition_C(cX))
+        acc_mn = cu.acc_mn_view(acc)
+        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
+            pos = first_pos + coords[r, 0][0]
+            if pos < limit:
+                g = self.row(mX, self.cfg.varlen_k, batch, offset, pos, head)
+                for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                    g[coords[r, c][1]] = self.dtype(acc_mn[r, c])
