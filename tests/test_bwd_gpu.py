@@ -40,8 +40,10 @@ def check(q, k, v, sink=None, **kw):
     ref_in = tuple(t.detach().float().requires_grad_() for t in inputs)
     pt_in = tuple(t.detach().clone().requires_grad_() for t in inputs)
 
+    ref_kw = {("window" if key == "window_size" else key): val for key, val in kw.items()}
+
     def ref_fn(*ts, upcast):
-        return attention_ref(ts[0], ts[1], ts[2], sink=ts[3] if len(ts) > 3 else None, upcast=upcast, **kw)[0]
+        return attention_ref(ts[0], ts[1], ts[2], sink=ts[3] if len(ts) > 3 else None, upcast=upcast, **ref_kw)[0]
 
     ref = _grads(lambda *ts: ref_fn(*ts, upcast=True), ref_in, g.float())
     pt = _grads(lambda *ts: ref_fn(*ts, upcast=False), pt_in, g)
