@@ -165,6 +165,20 @@ class FlashBwdSm80:
             )
 
     @cute.jit
+    def load_q_do(self, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head, m_min, num_m,
+                  it, load_q: cutlass.Constexpr[bool], load_do: cutlass.Constexpr[bool]):
+        """cp.async Q and/or dO of loop iteration ``it`` (head = it // num_m, query block = it % num_m)."""
+        head = first_head + it // num_m
+        first_q = (m_min + it % num_m) * self.tile_m
+        if const_expr(load_q):
+            self.load_rows(mQ, sQ, copy_d, tidx, self.cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q, self.d,
+                           self.tile_m)
+        if const_expr(load_do):
+            self.load_rows(mdO, sdO, copy_dv, tidx, self.cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q,
+                           self.dv, self.tile_m)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
         """Query blocks that can see key block ``n_block`` (causal/window aware)."""
         m_max = (seqlen_q + self.tile_m - 1) // self.tile_m
@@ -249,15 +263,16 @@ class FlashBwdSm80:
         m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
         num_m = cutlass.max(m_max - m_min, 0)
         first_head = kv_head * qheads_per_kvhead
-        for it in cutlass.range(num_m * qheads_per_kvhead, unroll=1):
+        num_iters = num_m * qheads_per_kvhead
+        # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
+        # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK/dQ and the atomics
+        if num_iters > 0:
+            self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head, m_min,
+                           num_m, 0, True, True)
+        for it in cutlass.range(num_iters, unroll=1):
             head = first_head + it // num_m
             m_block = m_min + it % num_m
             first_q = m_block * self.tile_m
-            self.load_rows(mQ, sQ, copy_d, tidx, cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q, self.d,
-                           self.tile_m)
-            self.load_rows(mdO, sdO, copy_dv, tidx, cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q,
-                           self.dv, self.tile_m)
-            cute.arch.cp_async_commit_group()
             for r in cutlass.range_constexpr(num_rows):
                 pos = first_q + tScS_mn[r, 0][0]
                 row_qpos[r] = pos
@@ -308,9 +323,17 @@ class FlashBwdSm80:
             cute.copy(st_atom, st_m.retile(rdS), st_m.partition_D(sdS))
             cute.arch.barrier()
 
-            # ---- dV += P^T dO, dK += dS^T Q
+            # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
+            cute.arch.barrier()
+            if it + 1 < num_iters:
+                self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head,
+                               m_min, num_m, it + 1, False, True)
             cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
+            cute.arch.barrier()
+            if it + 1 < num_iters:
+                self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head,
+                               m_min, num_m, it + 1, True, False)
             # ---- dQ += dS K
             if const_expr(cfg.compute_dq):
                 for j in cutlass.range_constexpr(self.d // dq_cols):
@@ -319,7 +342,8 @@ class FlashBwdSm80:
                     cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
                     self.atomic_add_rows(mdQaccum, acc_dQ, thr_m, batch, offset_q, first_q, head, seqlen_q,
                                          j * dq_cols, dq_cols)
-            cute.arch.barrier()  # smem Q/dO/P/dS are rewritten by the next iteration
+            # the barrier at the top of the next iteration orders this block's reads of sdS/sK before the next
+            # block's writes of sP/sdS
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
