@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FWD_RESULTS = ROOT / "benchmarks" / "results" / "fwd_h100.jsonl"
+BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h100.jsonl"
 
 
 def _features_module():
@@ -70,7 +71,33 @@ def bench_fwd_section() -> str:
     return "\n".join(out) + "\n"
 
 
-SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section}
+def bench_bwd_section() -> str:
+    if not BWD_RESULTS.exists():
+        return "_No backward benchmark committed yet._\n"
+    rows = [json.loads(line) for line in BWD_RESULTS.read_text().splitlines() if line.strip()]
+    cells = [r for r in rows if r.get("kind") != "summary"]
+    summ = next((r for r in rows if r.get("kind") == "summary"), {})
+    out = [
+        f"Backward only (dQ, dK, dV), {summ.get('device', '?')}, bf16, TFLOPS = 2.5 × the forward FLOPs / time.",
+        "",
+        "| shape (Hq/Hkv/D) | S | causal | ours | SDPA FLASH (FA2) | flash-attn-4 SM120 path | ours ÷ FA2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in cells:
+        out.append(
+            f"| {r['shape']} {r['hq']}/{r['hkv']}/{r['d']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} "
+            f"| {_fmt(r.get('ours_tflops'))} | {_fmt(r.get('sdpa_flash_tflops'))} | {_fmt(r.get('fa4_sm120_tflops'))} "
+            f"| {_fmt(r.get('ratio_vs_sdpa_flash'), 2)} |"
+        )
+    out += [
+        "",
+        f"Geomean: {_fmt(summ.get('geomean_vs_sdpa_flash'), 2)}× SDPA FLASH, {_fmt(summ.get('geomean_vs_fa4_sm120'), 2)}× "
+        f"flash-attn-4 (SM120 path); best cell {_fmt(summ.get('best_cell_tflops'))} TFLOPS.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section}
 
 
 def render(text: str) -> str:
