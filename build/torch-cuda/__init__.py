@@ -5,10 +5,11 @@ Load it through the Hugging Face ``kernels`` library::
     fa = kernels.get_kernel("<org>/flash-attn-4-sm120", version=1)
     out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
 
-Importing this package has no side effects: CuTe-DSL is imported, and kernels are compiled,
-on the first call that needs them.
+Importing this package registers its two torch.library ops (``<module>::fwd``/``::bwd``, for torch.compile) and
+does nothing else: CuTe-DSL is imported, and kernels are compiled, on the first call that needs them.
 """
 
+from . import ops  # registers the torch.library ops (for torch.compile); touches neither CUDA nor CuTe-DSL
 from .features import FEATURES
 from .interface import flash_attn_func, flash_attn_varlen_func
 

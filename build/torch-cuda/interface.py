@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from . import validate as V
 from .config import FwdKernelConfig, select_bwd_config, select_fwd_tile
 from .features import require
@@ -96,6 +97,25 @@ class FwdMeta:
     max_k: int
 
 
+def forward_meta(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal, window_size, softcap) -> FwdMeta:
+    """Host values of a call (scale, window, longest sequences); reads cu_seqlens/seqused once when given."""
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        total_q = seqlen_q_static = q.shape[0]
+    else:
+        batch, seqlen_q_static = q.shape[0], q.shape[1]
+        total_q = batch * seqlen_q_static
+    seqlen_k_static = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
+    scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.resolve_window(causal, window_size)
+    max_q = _host_lengths(cu_seqlens_q, seqused_q, batch, seqlen_q_static, total_q, "q", max_seqlen_q)
+    max_k = _host_lengths(cu_seqlens_k, seqused_k, batch, seqlen_k_static, k.shape[0], "k", max_seqlen_k)
+    V.check_lengths(max_seqlen_q=max_q, max_seqlen_k=max_k)
+    windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
+    return FwdMeta(scale, softcap, left, right, windowed, batch, max_q, max_k)
+
+
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_size, learnable_sink, softcap, pack_gqa, needs_grad=False):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
@@ -139,15 +159,12 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
             V.check_index_tensor(name, t, batch, dev)
     V.check_batch(batch)
     V.check_lengths(seqlen_q=seqlen_q_static, seqlen_k=seqlen_k_static)
-    scale, softcap = V.check_scalars(softmax_scale, softcap, d)
-    left, right = V.resolve_window(causal, window_size)
     sink = V.check_sink(learnable_sink, hq, dev)
-    max_q = _host_lengths(cu_seqlens_q, seqused_q, batch, seqlen_q_static, total_q, "q", max_seqlen_q)
-    max_k = _host_lengths(cu_seqlens_k, seqused_k, batch, seqlen_k_static, k.shape[0], "k", max_seqlen_k)
-    V.check_lengths(max_seqlen_q=max_q, max_seqlen_k=max_k)
-
-    windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
-    meta = FwdMeta(scale, softcap, left, right, windowed, batch, max_q, max_k)
+    meta = forward_meta(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    scale, softcap, left, right, windowed = meta.scale, meta.softcap, meta.left, meta.right, meta.windowed
+    max_q, max_k = meta.max_q, meta.max_k
     if needs_grad:
         select_bwd_config(V._DTYPES[q.dtype], d, dv, windowed=windowed)  # raises now, not mid-step
     out_shape = (*q.shape[:-1], dv)
@@ -192,9 +209,16 @@ def _attention(q, k, v, *, learnable_sink, deterministic, return_lse, **kw):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, learnable_sink)
     )
-    if needs_grad:
-        if deterministic:
-            require("deterministic", "deterministic=True with inputs that require grad")
+    if needs_grad and deterministic:
+        require("deterministic", "deterministic=True with inputs that require grad")
+    if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
+        left, right = (None, None) if kw["window_size"] is None else kw["window_size"]
+        out, lse = ops.fwd(
+            q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
+            kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
+            float(kw["softcap"] or 0.0), kw["pack_gqa"],
+        )
+    elif needs_grad:
         from .autograd import FlashAttnFunction
 
         out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
