@@ -43,6 +43,8 @@ FEATURES: dict[str, Feature] = {
         Feature("head_dim", SUPPORTED, "D in {32, 64, 96, 128, 192, 256}", "Dv != D where it fits (see README)"),
         Feature("backward", SUPPORTED, "autograd (loss.backward())",
                 "dQ/dK/dV (+ learnable-sink grad) for every forward feature; dQ by fp32 atomics"),
+        Feature("torch_compile", SUPPORTED, "torch.compile(model, fullgraph=True)",
+                "forward and backward are torch.library ops with fake implementations: no graph breaks"),
         Feature("deterministic", PLANNED, "deterministic=True",
                 "the forward is deterministic; a deterministic backward raises NotImplementedError"),
         Feature("paged_kv", PLANNED, "page_table=", "raises NotImplementedError"),
