@@ -61,6 +61,12 @@ def main(argv=None):
                 out, _ = fa.flash_attn_func(q, k, v, causal=causal)
                 row["ours_ms"] = time_fn(lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True))
                 row["ours_tflops"] = fl / row["ours_ms"] / 1e9
+                out_det, _ = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+                row["ours_deterministic_ms"] = time_fn(
+                    lambda: torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True))
+                row["ours_deterministic_tflops"] = fl / row["ours_deterministic_ms"] / 1e9
+                row["deterministic_vs_normal"] = row["ours_deterministic_tflops"] / row["ours_tflops"]
+                del out_det
                 kk = k.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
                 vv = v.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -98,6 +104,7 @@ def main(argv=None):
                 geomean_vs_best_peer=geo([r["ratio_vs_best_peer"] for r in rows]),
                 geomean_vs_sdpa_flash=geo([r["ratio_vs_sdpa_flash"] for r in rows]),
                 geomean_vs_fa4_sm120=geo([r.get("ratio_vs_fa4_sm120") for r in rows]),
+                geomean_deterministic_vs_normal=geo([r.get("deterministic_vs_normal") for r in rows]),
                 best_cell_tflops=max(r["ours_tflops"] for r in rows), seconds=round(time.time() - t0, 1))
     print(json.dumps(summ), flush=True)
     if args.out:

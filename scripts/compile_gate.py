@@ -67,7 +67,10 @@ def _check_one(cfg, arch: str) -> dict:
     t0 = time.time()
     row = {"config": cfg.name(), "arch": arch}
     try:
-        if isinstance(cfg, config.BwdKernelConfig):
+        if isinstance(cfg, config.DqKernelConfig):
+            fn, kernel = jit.compile_dq(cfg, with_kernel=True)
+            expected_smem = config.dq_smem_bytes(cfg)
+        elif isinstance(cfg, config.BwdKernelConfig):
             fn, kernel = jit.compile_bwd(cfg, with_kernel=True)
             expected_smem = config.bwd_smem_bytes(cfg)
         else:

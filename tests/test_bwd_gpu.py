@@ -40,7 +40,7 @@ def check(q, k, v, sink=None, **kw):
     ref_in = tuple(t.detach().float().requires_grad_() for t in inputs)
     pt_in = tuple(t.detach().clone().requires_grad_() for t in inputs)
 
-    ref_kw = {("window" if key == "window_size" else key): val for key, val in kw.items()}
+    ref_kw = {("window" if key == "window_size" else key): val for key, val in kw.items() if key != "deterministic"}
 
     def ref_fn(*ts, upcast):
         return attention_ref(ts[0], ts[1], ts[2], sink=ts[3] if len(ts) > 3 else None, upcast=upcast, **ref_kw)[0]
@@ -136,10 +136,42 @@ def test_bwd_rows_without_keys_are_zero():
     assert torch.all(dq[0, :200] == 0)
 
 
-def test_deterministic_backward_not_yet():
-    q, k, v = _inputs(1, 64, 64, 2, 2, 64, 64)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        fa.flash_attn_func(q, k, v, deterministic=True)
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_deterministic_matches_reference(d, dv, causal):
+    q, k, v = _inputs(2, 300, 333, 8, 2, d, dv, seed=9)
+    check(q, k, v, causal=causal, deterministic=True)
+
+
+def test_bwd_deterministic_is_bitwise_reproducible():
+    q, k, v = _inputs(2, 777, 777, 8, 2, 128, 128, seed=10)
+    sink = torch.randn(8, device="cuda").requires_grad_()
+    g = torch.randn(2, 777, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out, _ = fa.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=True)
+        return torch.autograd.grad(out, (q, k, v, sink), g)
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_bwd_deterministic_varlen():
+    lens_q, lens_k = [17, 0, 300], [33, 5, 400]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = _rand(sum(lens_q), 4, 64, dtype=torch.bfloat16, gen=g)
+    k = _rand(sum(lens_k), 2, 64, dtype=torch.bfloat16, gen=g)
+    v = _rand(sum(lens_k), 2, 64, dtype=torch.bfloat16, gen=g)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")  # noqa: E731
+    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True)
+    out, _ = fa.flash_attn_varlen_func(q, k, v, **kw)
+    gout = torch.randn_like(out)
+    ref = torch.autograd.grad(out, (q, k, v), gout)
+    out2, _ = fa.flash_attn_varlen_func(q, k, v, deterministic=True, **kw)
+    det = torch.autograd.grad(out2, (q, k, v), gout)
+    for a, b in zip(det, ref):
+        assert (a.float() - b.float()).abs().max().item() < 2e-2
 
 
 def test_unsupported_backward_raises_at_forward():
