@@ -9,7 +9,7 @@ Importing this package registers its two torch.library ops (``<module>::fwd``/``
 does nothing else: CuTe-DSL is imported, and kernels are compiled, on the first call that needs them.
 """
 
-from . import ops  # registers the torch.library ops (for torch.compile); touches neither CUDA nor CuTe-DSL
+from . import ops  # noqa: F401 - registers the torch.library ops (for torch.compile); touches neither CUDA nor CuTe-DSL
 from .features import FEATURES
 from .interface import flash_attn_func, flash_attn_varlen_func
 

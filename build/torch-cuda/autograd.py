@@ -19,7 +19,7 @@ from .config import select_bwd_config
 
 class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, learnable_sink, kw):
+    def forward(ctx, q, k, v, learnable_sink, kw, deterministic=False):
         from .interface import _forward
 
         out, lse, meta, sink = _forward(q.detach(), k.detach(), v.detach(),
@@ -27,6 +27,7 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"],
                               kw["seqused_k"])
         ctx.meta = meta
+        ctx.deterministic = deterministic
         ctx.sink_dtype = None if learnable_sink is None else learnable_sink.dtype
         return out, lse
 
@@ -35,11 +36,11 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_backward(
             dout, q, k, v, out, lse, ctx.meta, sink=sink, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            seqused_q=used_q, seqused_k=used_k,
+            seqused_q=used_q, seqused_k=used_k, deterministic=ctx.deterministic,
         )
         if dsink is not None and ctx.sink_dtype is not None:
             dsink = dsink.to(ctx.sink_dtype)
-        return dq, dk, dv, dsink, None
+        return dq, dk, dv, dsink, None, None
 
 
 def _row_valid(lse, meta, cu_q, used_q):
@@ -61,8 +62,11 @@ def _row_valid(lse, meta, cu_q, used_q):
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, cu_seqlens_q=None,
-                        cu_seqlens_k=None, seqused_q=None, seqused_k=None):
-    """Gradients (dq, dk, dv, dsink) of the forward described by ``meta`` (interface.FwdMeta)."""
+                        cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic=False):
+    """Gradients (dq, dk, dv, dsink) of the forward described by ``meta`` (interface.FwdMeta).
+
+    ``deterministic``: dK/dV from the main kernel without dQ atomics, dQ from the Q-stationary kernel
+    (bwd_dq_kernel.py) in a fixed order — bitwise reproducible, at the cost of recomputing S and dP once more."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     dout = dout.contiguous() if dout.stride(-1) != 1 or dout.data_ptr() % 16 else dout
     V.check_tensor("dout", dout, out.dim(), q.device)
@@ -75,7 +79,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, 
     if dlse is not None:
         dpsum = dpsum - dlse
     dpsum = dpsum.contiguous()
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if deterministic:  # the main kernel never touches it; it only has to match the compiled signature
+        dq_accum = torch.empty((1,) * (q.dim() - 1) + (d,), dtype=torch.float32, device=q.device)
+    else:
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     valid = _row_valid(lse, meta, cu_seqlens_q, seqused_q)
@@ -88,10 +95,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, 
             contrib = torch.where(valid, contrib, torch.zeros_like(contrib))
         dsink = -(contrib.sum(-1) if varlen_q else contrib.sum((0, 2)))
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
-        cfg = select_bwd_config(
-            dtype, d, dv_dim, windowed=meta.windowed, has_softcap=meta.softcap > 0, varlen_q=varlen_q,
-            varlen_k=varlen_k, seqused_q=seqused_q is not None, seqused_k=seqused_k is not None,
-        )
+        flags = dict(windowed=meta.windowed, has_softcap=meta.softcap > 0, varlen_q=varlen_q, varlen_k=varlen_k,
+                     seqused_q=seqused_q is not None, seqused_k=seqused_k is not None)
+        cfg = select_bwd_config(dtype, d, dv_dim, compute_dq=not deterministic, **flags)
         if meta.softcap > 0:
             scale_log2, prescale = meta.softcap * math.log2(math.e), meta.scale / meta.softcap
         else:
@@ -105,5 +111,19 @@ def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, 
                 seqused_q, seqused_k, scale_log2, prescale, meta.scale, meta.left, meta.right, hq // hkv,
                 -(-meta.max_k // cfg.tile_n), hkv, meta.batch,
             )
+            if deterministic:
+                from .config import select_dq_config
+                from .jit import get_dq_kernel
+
+                dq = torch.zeros_like(q)
+                dq_cfg = select_dq_config(dtype, d, dv_dim, **flags)
+                get_dq_kernel(dq_cfg)(
+                    q.detach(), k.detach(), v.detach(), dout, lse, dpsum, dq, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                    seqused_k, scale_log2, prescale, meta.scale, meta.left, meta.right, hq // hkv,
+                    -(-meta.max_q // dq_cfg.tile_m), hq, meta.batch,
+                )
+                return dq, dk, dv, dsink
+    if deterministic:
+        return torch.zeros_like(q), dk, dv, dsink
     dq = (dq_accum * meta.scale).to(q.dtype)
     return dq, dk, dv, dsink

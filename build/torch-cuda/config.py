@@ -330,9 +330,39 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
+# Deterministic dQ kernel (bwd_dq_kernel.py): Q-stationary, warps stacked along M.
+_DQ_TILES = {32: (128, 64, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8), 192: (64, 64, 4),
+             256: (64, 32, 4)}
+
+
+@dataclass(frozen=True)
+class DqKernelConfig(BwdKernelConfig):
+    """Compile key of the deterministic dQ kernel (same fields as the backward's)."""
+
+    def name(self) -> str:
+        return "dq" + super().name()[3:]
+
+
+def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
+    tm, tn, nw = _DQ_TILES[max(head_dim, head_dim_v)]
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
+    smem = sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * head_dim, tm * head_dim_v, tn * head_dim, tn * head_dim_v))
+    if smem > SMEM_LIMIT_BYTES:
+        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the deterministic dQ kernel needs {smem} B "
+                         f"of shared memory > {SMEM_LIMIT_BYTES} B")
+    return cfg
+
+
+def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
+    tm, tn = cfg.tile_m, cfg.tile_n
+    return sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * cfg.head_dim, tm * cfg.head_dim_v, tn * cfg.head_dim,
+                                                        tn * cfg.head_dim_v))
+
+
 def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
-    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set."""
+    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set, for the
+    main backward kernel (with and without dQ atomics) and the deterministic dQ kernel."""
+    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
     base = select_bwd_config(dtype, d, dv)
-    heavy = replace(base, windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True,
-                    seqused_k=True)
-    return [base, heavy]
+    dq = select_dq_config(dtype, d, dv)
+    return [base, replace(base, **heavy), replace(base, compute_dq=False, **heavy), dq, replace(dq, **heavy)]

@@ -209,19 +209,17 @@ def _attention(q, k, v, *, learnable_sink, deterministic, return_lse, **kw):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, learnable_sink)
     )
-    if needs_grad and deterministic:
-        require("deterministic", "deterministic=True with inputs that require grad")
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         left, right = (None, None) if kw["window_size"] is None else kw["window_size"]
         out, lse = ops.fwd(
             q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
-            float(kw["softcap"] or 0.0), kw["pack_gqa"],
+            float(kw["softcap"] or 0.0), kw["pack_gqa"], bool(deterministic),
         )
     elif needs_grad:
         from .autograd import FlashAttnFunction
 
-        out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
+        out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw, bool(deterministic))
     else:
         out, lse, _, _ = _forward(q, k, v, learnable_sink=learnable_sink, **kw)
     return out, (lse if return_lse else None)

@@ -170,6 +170,27 @@ def fake_bwd_args(cfg):
     return args
 
 
+def fake_dq_args(cfg):
+    """Fake arguments of FlashBwdDqSm80.__call__."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    a = fake_bwd_args(cfg)
+    # (q, k, v, dout, lse, dpsum) + dq in q's dtype + (cu_q, cu_k, used_q, used_k) + scalars
+    return (*a[:6], a[7], *a[9:13], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
+            Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_dq(cfg, with_kernel: bool = False):
+    import cutlass.cute as cute
+
+    from .bwd_dq_kernel import FlashBwdDqSm80
+
+    kernel = FlashBwdDqSm80(cfg)
+    fn = cute.compile(kernel, *fake_dq_args(cfg), options="--enable-tvm-ffi")
+    return (fn, kernel) if with_kernel else fn
+
+
 def compile_bwd(cfg, with_kernel: bool = False):
     import cutlass.cute as cute
 
@@ -211,6 +232,11 @@ def get_fwd_kernel(cfg: FwdKernelConfig):
 def get_bwd_kernel(cfg):
     """Compiled backward kernel for ``cfg`` (config.BwdKernelConfig)."""
     return _get_kernel(("FlashBwdSm80", cfg, target_arch()), cfg, compile_bwd)
+
+
+def get_dq_kernel(cfg):
+    """Compiled deterministic dQ kernel for ``cfg`` (config.DqKernelConfig)."""
+    return _get_kernel(("FlashBwdDqSm80", cfg, target_arch()), cfg, compile_dq)
 
 
 def _get_kernel(key: tuple, cfg, compile_fn):

@@ -24,7 +24,7 @@ def fwd(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
     softmax_scale: float | None, causal: bool, window_left: int | None, window_right: int | None, softcap: float,
-    pack_gqa: bool | None,
+    pack_gqa: bool | None, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .interface import _forward
 
@@ -39,7 +39,7 @@ def fwd(
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, pack_gqa):
+              softmax_scale, causal, window_left, window_right, softcap, pack_gqa, deterministic):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -51,7 +51,7 @@ def bwd(
     lse: torch.Tensor, sink: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
     max_seqlen_q: int | None, max_seqlen_k: int | None, softmax_scale: float | None, causal: bool,
-    window_left: int | None, window_right: int | None, softcap: float,
+    window_left: int | None, window_right: int | None, softcap: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .autograd import flash_attn_backward
     from .interface import forward_meta
@@ -63,7 +63,7 @@ def bwd(
     sink32 = None if sink is None else sink.detach().float().contiguous()
     dq, dk, dv, dsink = flash_attn_backward(
         dout, q, k, v, out, lse, meta, sink=sink32, dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_q=seqused_q, seqused_k=seqused_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
     )
     if dsink is None:
         dsink = q.new_zeros((0,), dtype=torch.float32)
@@ -72,20 +72,20 @@ def bwd(
 
 @bwd.register_fake
 def _bwd_fake(dout, dlse, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
     dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 _SAVED_ARGS = ("sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
-_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap")
-_FWD_ARGS = ("q", "k", "v") + _SAVED_ARGS + _STATIC_ARGS[:4] + _STATIC_ARGS[4:] + ("pack_gqa",)
+_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
+                "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(("q", "k", "v", "sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
                      "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right",
-                     "softcap", "pack_gqa"), inputs))
+                     "softcap", "pack_gqa", "deterministic"), inputs))
     out, lse = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, *(args[n] for n in _SAVED_ARGS))
     ctx.static = {n: args[n] for n in _STATIC_ARGS}
@@ -98,7 +98,7 @@ def _backward(ctx, dout, dlse):
         dlse = torch.zeros_like(lse)
     dq, dk, dv, dsink = bwd(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, **ctx.static)
     dsink = None if ctx.sink_dtype is None else dsink.to(ctx.sink_dtype)
-    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
