@@ -66,7 +66,6 @@ def main(argv=None):
                     lambda: torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True))
                 row["ours_deterministic_tflops"] = fl / row["ours_deterministic_ms"] / 1e9
                 row["deterministic_vs_normal"] = row["ours_deterministic_tflops"] / row["ours_tflops"]
-                del out_det
                 kk = k.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
                 vv = v.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
