@@ -1,17 +1,17 @@
-"""Backward attention kernel (dQ, dK, dV) for SM120/SM121 on mma.sync m16n8k16 — KV-stationary, cp.async.
+"""Backward attention kernel (dK, dV) for SM120/SM121 on mma.sync m16n8k16 — KV-stationary, cp.async.
 
 Layouts (torch order): q, dout (B, Sq, Hq, D|Dv) or varlen (total_q, Hq, .); k, v, dk, dv (B, Sk, Hkv, .) or
-(total_k, Hkv, .); lse and dpsum (B, Hq, Sq) / (Hq, total_q) fp32; dq_accum like q in fp32 (zeroed by the host).
+(total_k, Hkv, .); lse and dpsum (B, Hq, Sq) / (Hq, total_q) fp32.
 
 Algorithm (FlashAttention-2 backward): one CTA = one block of ``tile_n`` keys of one KV head.  K and V stay in
 smem; the CTA walks every query head of the KV head's group (GQA: dK/dV are summed over the group in registers,
 never with atomics) and every block of ``tile_m`` queries that can see these keys.  Per block:
     S  = Q K^T, P = exp2(S*c - LSE*log2e) (masked, softcapped), dP = dO V^T, dS = P * (dP - D)
     dV += P^T dO, dK += dS^T Q           (P and dS go through smem to change the mma partition)
-    dQ += dS K                            (fp32 atomics into dq_accum; the host scales and casts it)
 dK/dV are scaled by the softmax scale at the end and stored once.  Rows past the sequence are zero-filled, so
-their P and dS are exactly 0.  ``compute_dq=False`` skips the dQ atomics (deterministic mode computes dQ in
-bwd_dq_kernel.py instead).
+their P and dS are exactly 0.  dQ comes from bwd_dq_kernel.py (Q-stationary, no atomics): measured on the H100
+proxy, the two kernels together were 1.2-2.3x faster than accumulating dQ here with fp32 atomics, and bitwise
+reproducible.
 
 Constraints: fp16/bf16; config.bwd_tile_problems (SM120's 99 KB).
 """
@@ -54,7 +54,6 @@ class FlashBwdSm80:
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDpsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor | None,
@@ -91,7 +90,7 @@ class FlashBwdSm80:
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
@@ -131,7 +130,7 @@ class FlashBwdSm80:
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
@@ -159,7 +158,7 @@ class FlashBwdSm80:
             seqlen_k = mSeqUsedK[batch]
         if n_block * self.tile_n < seqlen_k:
             self.process(
-                mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
+                mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
                 window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d,
                 copy_dv, SharedStorage, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
             )
@@ -194,7 +193,7 @@ class FlashBwdSm80:
 
     @cute.jit
     def process(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQaccum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
         window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv,
         SharedStorage: cutlass.Constexpr, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
     ):
@@ -204,7 +203,7 @@ class FlashBwdSm80:
         sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
         sP, sdS = storage.sP.get_tensor(sP_l), storage.sdS.get_tensor(sP_l)
         sPt, sdSt = cu.transpose_view(sP), cu.transpose_view(sdS)
-        sQt, sdOt, sKt = cu.transpose_view(sQ), cu.transpose_view(sdO), cu.transpose_view(sK)
+        sQt, sdOt = cu.transpose_view(sQ), cu.transpose_view(sdO)
         dt = self.dtype
 
         # K and V of this block stay in smem for the whole CTA
@@ -227,14 +226,6 @@ class FlashBwdSm80:
         cpB_m = cute.make_tiled_copy_B(ld(dt, False), mma_m).get_slice(tidx)
         tSsQ, tSsK = cpA_m.partition_S(sQ), cpB_m.partition_S(sK)
         tPsdO, tPsV = cpA_m.partition_S(sdO), cpB_m.partition_S(sV)
-        # dQ = dS K: rows = queries, B = K^T, computed in column chunks of ``dq_cols`` to bound registers
-        dq_cols = self.dq_chunk_cols()
-        sKt_chunks = cute.local_tile(sKt, (dq_cols, self.tile_n), (None, 0))
-        tQrdS = thr_m.make_fragment_A(thr_m.partition_A(sdS))
-        tQrKt = thr_m.make_fragment_B(thr_m.partition_B(sKt_chunks[None, None, 0]))
-        cpBt_m = cute.make_tiled_copy_B(ld(dt, True), mma_m).get_slice(tidx)
-        tQsdS = cpA_m.partition_S(sdS)
-        acc_dQ = cute.make_rmem_tensor(thr_m.partition_shape_C((self.tile_m, dq_cols)), Float32)
         # dV = P^T dO, dK = dS^T Q: rows = keys (mma_n), A and B read transposed
         thr_n = mma_n.get_slice(tidx)
         tVrPt = thr_n.make_fragment_A(thr_n.partition_A(sPt))
@@ -265,7 +256,7 @@ class FlashBwdSm80:
         first_head = kv_head * qheads_per_kvhead
         num_iters = num_m * qheads_per_kvhead
         # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
-        # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK/dQ and the atomics
+        # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP
         if num_iters > 0:
             self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head, m_min,
                            num_m, 0, True, True)
@@ -334,38 +325,13 @@ class FlashBwdSm80:
             if it + 1 < num_iters:
                 self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head,
                                m_min, num_m, it + 1, True, False)
-            # ---- dQ += dS K
-            if const_expr(cfg.compute_dq):
-                for j in cutlass.range_constexpr(self.d // dq_cols):
-                    acc_dQ.fill(0.0)
-                    tQsKt = cpBt_m.partition_S(sKt_chunks[None, None, j])
-                    cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
-                    self.atomic_add_rows(mdQaccum, acc_dQ, thr_m, batch, offset_q, first_q, head, seqlen_q,
-                                         j * dq_cols, dq_cols)
-            # the barrier at the top of the next iteration orders this block's reads of sdS/sK before the next
+            # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(mdK, acc_dK, thr_n, self.d, batch, offset_k, first_key, kv_head, seqlen_k)
         self.store_rows(mdV, acc_dV, thr_n, self.dv, batch, offset_k, first_key, kv_head, seqlen_k)
-
-    def dq_chunk_cols(self) -> int:
-        """Columns of dQ computed per pass: all of d up to 128, else 64 (bounds the dQ accumulator registers)."""
-        return self.d if self.d <= 128 else 64
-
-    @cute.jit
-    def atomic_add_rows(self, mAcc, acc, thr_mma, batch, offset, first_pos, head, limit, col0,
-                        cols: cutlass.Constexpr[int]):
-        cAcc = cute.make_identity_tensor((self.tile_m, cols))
-        coords = cu.acc_mn_view(thr_mma.partition_C(cAcc))
-        acc_mn = cu.acc_mn_view(acc)
-        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
-            pos = first_pos + coords[r, 0][0]
-            if pos < limit:
-                g = self.row(mAcc, self.cfg.varlen_q, batch, offset, pos, head)
-                for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
-                    cute.arch.atomic_add(g.iterator + (col0 + coords[r, c][1]), acc_mn[r, c])
 
     @cute.jit
     def store_rows(self, mX, acc, thr_mma, k_dim: cutlass.Constexpr[int], batch, offset, first_pos, head, limit):

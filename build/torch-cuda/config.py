@@ -253,7 +253,7 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
 # ---- backward ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BwdKernelConfig:
-    """Compile key of the backward kernel (bwd_kernel.py); lengths, heads, scales and windows are runtime."""
+    """Compile key of the backward dK/dV kernel (bwd_kernel.py); lengths, heads, scales and windows are runtime."""
 
     dtype: str
     head_dim: int
@@ -267,12 +267,10 @@ class BwdKernelConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
-    compute_dq: bool = True
 
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
-                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
-                                 ("nodq", not self.compute_dq)) if on]
+                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k)) if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + ("_" + "_".join(flags) if flags else ""))
 
@@ -330,14 +328,14 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
-# Deterministic dQ kernel (bwd_dq_kernel.py): Q-stationary, warps stacked along M.
+# dQ kernel (bwd_dq_kernel.py): Q-stationary, warps stacked along M.
 _DQ_TILES = {32: (128, 64, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8), 192: (64, 64, 4),
              256: (64, 32, 4)}
 
 
 @dataclass(frozen=True)
 class DqKernelConfig(BwdKernelConfig):
-    """Compile key of the deterministic dQ kernel (same fields as the backward's)."""
+    """Compile key of the dQ kernel (same fields as the dK/dV kernel's)."""
 
     def name(self) -> str:
         return "dq" + super().name()[3:]
@@ -348,7 +346,7 @@ def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqK
     cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
     smem = sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * head_dim, tm * head_dim_v, tn * head_dim, tn * head_dim_v))
     if smem > SMEM_LIMIT_BYTES:
-        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the deterministic dQ kernel needs {smem} B "
+        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the dQ kernel needs {smem} B "
                          f"of shared memory > {SMEM_LIMIT_BYTES} B")
     return cfg
 
@@ -360,9 +358,9 @@ def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
 
 
 def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
-    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set, for the
-    main backward kernel (with and without dQ atomics) and the deterministic dQ kernel."""
+    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
+    kernel and of the dQ kernel."""
     heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
     base = select_bwd_config(dtype, d, dv)
     dq = select_dq_config(dtype, d, dv)
-    return [base, replace(base, **heavy), replace(base, compute_dq=False, **heavy), dq, replace(dq, **heavy)]
+    return [base, replace(base, **heavy), dq, replace(dq, **heavy)]

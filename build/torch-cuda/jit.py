@@ -161,7 +161,7 @@ def fake_bwd_args(cfg):
         stride=tuple(cute.sym_int64() for _ in range(lse_rank)) + (1,), assumed_align=4)
     args = (
         act(qr, cfg.head_dim), act(kr, cfg.head_dim), act(kr, cfg.head_dim_v), act(qr, cfg.head_dim_v), lse(), lse(),
-        act(qr, cfg.head_dim, Float32, 16), act(kr, cfg.head_dim), act(kr, cfg.head_dim_v),
+        act(kr, cfg.head_dim), act(kr, cfg.head_dim_v),
         vec_i32() if cfg.varlen_q else None, vec_i32() if cfg.varlen_k else None,
         vec_i32() if cfg.seqused_q else None, vec_i32() if cfg.seqused_k else None,
         Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
@@ -176,8 +176,9 @@ def fake_dq_args(cfg):
     from cutlass import Float32, Int32
 
     a = fake_bwd_args(cfg)
-    # (q, k, v, dout, lse, dpsum) + dq in q's dtype + (cu_q, cu_k, used_q, used_k) + scalars
-    return (*a[:6], a[7], *a[9:13], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
+    # (q, k, v, dout, lse, dpsum) + dq (like q: a[0]'s layout, new symbols) + (cu_q, cu_k, used_q, used_k) + scalars
+    dq = fake_bwd_args(cfg)[0]
+    return (*a[:6], dq, *a[8:12], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
             Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
