@@ -83,15 +83,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, 
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    valid = _row_valid(lse, meta, cu_seqlens_q, seqused_q)
-    dsink = None
-    if sink is not None:
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
-        contrib = torch.exp(sink.view(-1, 1) - lse_safe) if varlen_q else torch.exp(sink.view(1, -1, 1) - lse_safe)
-        contrib = contrib * dpsum
-        if valid is not None:
-            contrib = torch.where(valid, contrib, torch.zeros_like(contrib))
-        dsink = -(contrib.sum(-1) if varlen_q else contrib.sum((0, 2)))
+    pdpsum = torch.zeros_like(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         flags = dict(windowed=meta.windowed, has_softcap=meta.softcap > 0, varlen_q=varlen_q, varlen_k=varlen_k,
                      seqused_q=seqused_q is not None, seqused_k=seqused_k is not None)
@@ -111,8 +103,20 @@ def flash_attn_backward(dout, q, k, v, out, lse, meta, *, sink=None, dlse=None, 
             )
             dq_cfg = select_dq_config(dtype, d, dv_dim, **flags)
             get_dq_kernel(dq_cfg)(
-                q.detach(), k.detach(), v.detach(), dout, lse, dpsum, dq, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                seqused_k, scale_log2, prescale, meta.scale, meta.left, meta.right, hq // hkv,
+                q.detach(), k.detach(), v.detach(), dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k,
+                seqused_q, seqused_k, scale_log2, prescale, meta.scale, meta.left, meta.right, hq // hkv,
                 -(-meta.max_q // dq_cfg.tile_m), hq, meta.batch,
             )
+    dsink = None
+    if sink is not None:
+        # d sink_h = -sum_i p_sink,i * D_i with p_sink,i = exp(sink_h - lse_i) and D_i = sum_j P_ij dP_ij (fp32)
+        # minus dLSE_i; rows outside their sequence do not count
+        d_exact = pdpsum - dlse if dlse is not None else pdpsum
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+        p_sink = torch.exp(sink.view(-1, 1) - lse_safe) if varlen_q else torch.exp(sink.view(1, -1, 1) - lse_safe)
+        contrib = p_sink * d_exact
+        valid = _row_valid(lse, meta, cu_seqlens_q, seqused_q)
+        if valid is not None:
+            contrib = torch.where(valid, contrib, torch.zeros_like(contrib))
+        dsink = -(contrib.sum(-1) if varlen_q else contrib.sum((0, 2)))
     return dq, dk, dv, dsink

@@ -31,7 +31,7 @@ class FlashBwdDqSm80:
     @cute.jit
     def __call__(
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-        mDpsum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+        mDpsum: cute.Tensor, mdQ: cute.Tensor, mPdPsum: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None, mSeqUsedK: cute.Tensor | None, scale_log2: Float32,
         softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
         qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, stream,
@@ -52,7 +52,7 @@ class FlashBwdDqSm80:
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
+            mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
             softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l,
             cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
@@ -86,7 +86,7 @@ class FlashBwdDqSm80:
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
@@ -112,12 +112,12 @@ class FlashBwdDqSm80:
         if const_expr(cfg.seqused_k):
             seqlen_k = mSeqUsedK[batch]
         if m_block * self.tile_m < seqlen_q:
-            self.process(mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, scale_log2, softcap_prescale, softmax_scale,
+            self.process(mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, scale_log2, softcap_prescale, softmax_scale,
                          window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d,
                          copy_dv, SharedStorage, tidx, m_block, head, batch, offset_q, offset_k, seqlen_q, seqlen_k)
 
     @cute.jit
-    def process(self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, scale_log2, softcap_prescale, softmax_scale, window_left,
+    def process(self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, scale_log2, softcap_prescale, softmax_scale, window_left,
                 window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv,
                 SharedStorage: cutlass.Constexpr, tidx, m_block, head, batch, offset_q, offset_k, seqlen_q, seqlen_k):
         cfg = self.cfg
@@ -155,6 +155,8 @@ class FlashBwdDqSm80:
         row_qpos = cute.make_rmem_tensor(num_rows, Int32)
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        pdp = cute.make_rmem_tensor(num_rows, Float32)  # sum_j P_ij dP_ij in fp32: D without O's rounding
+        pdp.fill(0.0)
         for r in cutlass.range_constexpr(num_rows):
             pos = first_q + tScS_mn[r, 0][0]
             row_qpos[r] = pos
@@ -194,6 +196,7 @@ class FlashBwdDqSm80:
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                     p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse_log2[r], fastmath=True)
+                    pdp[r] = pdp[r] + p * dp_mn[r, c]
                     ds = p * (dp_mn[r, c] - dpsum[r])
                     if const_expr(cfg.has_softcap):
                         t = s_mn[r, c]
@@ -203,6 +206,15 @@ class FlashBwdDqSm80:
             rdS.store(acc_dP.load().to(dt))
             cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)
             cute.arch.barrier()  # every warp is done with K/V before the next block overwrites them
+
+        # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
+        for r in cutlass.range_constexpr(num_rows):
+            total = cu.quad_allreduce_sum(pdp[r])
+            if tScS_mn[0, 0][1] == 0 and row_qpos[r] < seqlen_q:
+                if const_expr(cfg.varlen_q):
+                    mPdPsum[head, offset_q + row_qpos[r]] = total
+                else:
+                    mPdPsum[batch, head, row_qpos[r]] = total
 
         cdQ = cute.make_identity_tensor((self.tile_m, self.d))
         coords = cu.acc_mn_view(thr.partition_C(cdQ))

@@ -176,9 +176,9 @@ def fake_dq_args(cfg):
     from cutlass import Float32, Int32
 
     a = fake_bwd_args(cfg)
-    # (q, k, v, dout, lse, dpsum) + dq (like q: a[0]'s layout, new symbols) + (cu_q, cu_k, used_q, used_k) + scalars
-    dq = fake_bwd_args(cfg)[0]
-    return (*a[:6], dq, *a[8:12], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
+    # (q, k, v, dout, lse, dpsum) + dq (like q) + pdpsum (like lse) + (cu_q, cu_k, used_q, used_k) + scalars
+    fresh = fake_bwd_args(cfg)
+    return (*a[:6], fresh[0], fresh[4], *a[8:12], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
             Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
