@@ -89,7 +89,8 @@ def test_bwd_softcap_sink(use_sink, softcap):
     q, k, v = _inputs(2, 200, 200, 4, 2, 128, 128, seed=5)
     with torch.no_grad():
         q.mul_(3)
-    sink = (torch.randn(4, device="cuda") * 2).requires_grad_() if use_sink else None
+    gen = torch.Generator(device="cuda").manual_seed(55)
+    sink = (torch.randn(4, device="cuda", generator=gen) * 2).requires_grad_() if use_sink else None
     check(q, k, v, sink=sink, causal=True, softcap=softcap)
 
 
