@@ -67,14 +67,12 @@ def _check_one(cfg, arch: str) -> dict:
     t0 = time.time()
     row = {"config": cfg.name(), "arch": arch}
     try:
+        fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
         if isinstance(cfg, config.DqKernelConfig):
-            fn, kernel = jit.compile_dq(cfg, with_kernel=True)
             expected_smem = config.dq_smem_bytes(cfg)
         elif isinstance(cfg, config.BwdKernelConfig):
-            fn, kernel = jit.compile_bwd(cfg, with_kernel=True)
             expected_smem = config.bwd_smem_bytes(cfg)
         else:
-            fn, kernel = jit.compile_fwd(cfg, with_kernel=True)
             expected_smem = config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile)
         cubin = fn.__cubin__
         if isinstance(cubin, str):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flash_attn_4_sm120 import FEATURES, config, features, interface
+from flash_attn_4_sm120 import FEATURES, config, dispatch, features, interface
 from flash_attn_4_sm120 import validate as V
 from flash_attn_4_sm120.config import FwdTile
 
@@ -145,12 +145,12 @@ def test_api_is_keyword_compatible_with_upstream():
 
 
 def test_choose_pack():
-    assert interface._choose_pack(None, 1, 10, 128) == 1
-    assert interface._choose_pack(None, 8, 1, 128) == 8
-    assert interface._choose_pack(False, 8, 1, 128) == 1
-    assert interface._choose_pack(True, 8, 4096, 128) == 8
+    assert dispatch._choose_pack(None, 1, 10, 128) == 1
+    assert dispatch._choose_pack(None, 8, 1, 128) == 8
+    assert dispatch._choose_pack(False, 8, 1, 128) == 1
+    assert dispatch._choose_pack(True, 8, 4096, 128) == 8
     with pytest.raises(ValueError, match="pack_gqa"):
-        interface._choose_pack("yes", 8, 1, 128)
+        dispatch._choose_pack("yes", 8, 1, 128)
 
 
 def test_import_has_no_cutlass_side_effect():

@@ -3,7 +3,7 @@
 FEATURES drives three things, so they never drift apart:
   * the dispatcher: ``require(name)`` raises NotImplementedError for a feature that is not available yet;
   * the tests: GPU tests skip features whose status is not "supported";
-  * the README support matrix: ``support_matrix_markdown()`` renders it (``scripts/gen_readme_matrix.py``).
+  * the README support matrix: ``support_matrix_markdown()`` renders it (``scripts/readme_sections.py``).
 
 Host-only module: no CuTe-DSL import, no side effects.
 """
