@@ -52,7 +52,7 @@ def _warm(cfg):
 
     t0 = time.time()
     try:
-        jit.get_fwd_kernel(cfg)
+        jit.get_kernel(cfg)
         return cfg.name(), round(time.time() - t0, 1), None
     except Exception as exc:  # noqa: BLE001 - report the tile as failing, keep sweeping
         return cfg.name(), round(time.time() - t0, 1), f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -86,6 +86,7 @@ def main(argv=None):
                 if config.fwd_tile_problems(d, d, tile) or any(c.name() in failed for c in _cfgs(d, tile)):
                     continue
                 config._TILE_PREFERENCE[d] = (tile,)
+                config.clear_caches()
                 for hq, hkv, s, b in CELLS:
                     if d == 64:
                         hq, hkv = 16, 16
@@ -105,6 +106,7 @@ def main(argv=None):
             config._TILE_PREFERENCE[d] = saved
             if saved_w is not None:
                 config._TILE_PREFERENCE_WINDOWED[d] = saved_w
+            config.clear_caches()
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

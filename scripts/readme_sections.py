@@ -2,6 +2,8 @@
 
   <!-- features:begin --> ... <!-- features:end -->   support matrix from FEATURES (torch-ext/.../features.py)
   <!-- bench-fwd:begin --> ... <!-- bench-fwd:end -->  forward benchmark table from benchmarks/results/fwd_h100.jsonl
+  <!-- bench-bwd:begin --> ... <!-- bench-bwd:end -->  backward table from benchmarks/results/bwd_h100.jsonl
+  <!-- bench-host:begin --> ... <!-- bench-host:end --> per-call host cost from benchmarks/results/host_h100.jsonl
 
     python scripts/readme_sections.py          # rewrite README.md
     python scripts/readme_sections.py --check  # exit 1 when README.md drifted (CI)
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FWD_RESULTS = ROOT / "benchmarks" / "results" / "fwd_h100.jsonl"
 BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h100.jsonl"
+HOST_RESULTS = ROOT / "benchmarks" / "results" / "host_h100.jsonl"
 
 
 def _features_module():
@@ -97,7 +100,15 @@ def bench_bwd_section() -> str:
     return "\n".join(out) + "\n"
 
 
-SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section}
+def bench_host_section() -> str:
+    spec = importlib.util.spec_from_file_location("_fa4sm120_host_table", ROOT / "benchmarks" / "host_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.bench_host_section(HOST_RESULTS)
+
+
+SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
+            "bench-host": bench_host_section}
 
 
 def render(text: str) -> str:

@@ -36,21 +36,20 @@ class ArgRecord:
     kernel: str
     args: tuple[Arg, ...]
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args)
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(a.name for a in self.args))
 
     def pack(self, values: dict) -> tuple:
         """Values in record order; TypeError naming a missing or unknown argument."""
         names = self.names
-        if len(values) != len(names):
-            unknown = sorted(set(values) - set(names))
-            missing = [n for n in names if n not in values]
-            raise TypeError(f"{self.kernel} launch: missing arguments {missing}, unknown arguments {unknown}")
         try:
-            return tuple(values[n] for n in names)
-        except KeyError as exc:
-            raise TypeError(f"{self.kernel} launch: missing argument {exc.args[0]!r}") from None
+            if len(values) == len(names):
+                return tuple(map(values.__getitem__, names))
+        except KeyError:
+            pass
+        unknown = sorted(set(values) - set(names))
+        missing = [n for n in names if n not in values]
+        raise TypeError(f"{self.kernel} launch: missing arguments {missing}, unknown arguments {unknown}")
 
 
 def _act(name, dim, varlen):

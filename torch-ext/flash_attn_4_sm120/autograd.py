@@ -17,12 +17,15 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"],
                               kw["seqused_k"])
         ctx.meta = meta
+        ctx.set_materialize_grads(False)  # an unused LSE gives dlse = None: no zeros to make, no subtraction
         ctx.sink_dtype = None if learnable_sink is None else learnable_sink.dtype
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+        if dout is None:  # only the LSE is differentiated
+            dout = torch.zeros_like(out)
         dq, dk, dv, dsink = run_backward(
             dout, q, k, v, out, lse, ctx.meta, sink=sink, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             seqused_q=used_q, seqused_k=used_k,

@@ -103,11 +103,19 @@ def _kernel(cfg):
 
 def _launch(fn, record, device: torch.device, values: dict) -> None:
     args = record.pack(values)
-    if device.index == torch.cuda.current_device():
+    if device.index == torch._C._cuda_getDevice():  # torch.cuda.current_device() without its lazy-init check
         fn(*args)
     else:
         with torch.cuda.device(device):
             fn(*args)
+
+
+def _nograd(t):
+    return t.detach() if t.requires_grad else t
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # ---- lengths ---------------------------------------------------------------------------------------------------
@@ -125,7 +133,7 @@ def _max_len(cu_seqlens, seqused, rows: int, name: str, max_seqlen) -> int:
         return min(int(max_seqlen), rows)
     if cu_seqlens is None:
         return rows
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise ValueError(f"max_seqlen_{name} is required when capturing a CUDA graph with varlen inputs")
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=0)
     if seqused is not None:
@@ -137,7 +145,7 @@ def _debug_check_lengths(cu_seqlens, seqused, batch: int, static_len: int, total
     """Opt-in host checks of metadata values (one device->host copy); raises ValueError naming the lie."""
     if cu_seqlens is None and seqused is None:
         return
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise ValueError("debug_checks read cu_seqlens/seqused on the host, which cannot be done while capturing a "
                          "CUDA graph; turn them off for the capture")
     vals = torch.cat([t for t in (cu_seqlens, seqused) if t is not None]).tolist()
@@ -281,7 +289,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
-        q=q.detach(), k=k.detach(), v=v.detach(), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+        q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, sink=sink, scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=-(-meta.max_q * pack // tile_m), num_head_groups=hq // pack,
@@ -325,11 +333,11 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv_dim = k.shape[-2], v.shape[-1]
-    dpsum = (dout.float() * out.float()).sum(-1)
-    dpsum = dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2)
+    # D in the LSE layout: (Hq, total_q) or (B, Hq, Sq), written through a transposed view (no extra copy)
+    dpsum = torch.empty_like(lse)
+    torch.sum(dout.float() * out.float(), -1, out=dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2))
     if dlse is not None:
-        dpsum = dpsum - dlse
-    dpsum = dpsum.contiguous()
+        dpsum.sub_(dlse)
     # rows outside every sequence are written by no kernel: zero them first (dense inputs cover every row)
     partial = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
     alloc = torch.zeros_like if partial else torch.empty_like
@@ -341,7 +349,7 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg), _kernel(plan.dq_cfg)
         scale_log2, prescale = _log2_scales(meta)
-        common = dict(q=q.detach(), k=k.detach(), v=v.detach(), dout=dout, lse=lse, dpsum=dpsum,
+        common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,

@@ -37,7 +37,13 @@ def check_tensor(name: str, t, rank: int, device: torch.device | None = None) ->
     if strides[-1] != 1:
         _fail(f"{name} must be contiguous in its last dimension (stride(-1) = {strides[-1]}); call .contiguous()")
     # both dtypes are 2 bytes: 8 elements per 16-byte vector
-    if t.data_ptr() % 16 != 0 or (any(s % 8 for s in strides[:-1]) and t.numel() > 0):
+    misaligned = t.data_ptr() % 16 != 0
+    if not misaligned:
+        for s in strides[:-1]:
+            if s % 8:
+                misaligned = t.numel() > 0
+                break
+    if misaligned:
         _fail(
             f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0 and every stride but the last a multiple of "
             f"8 elements); got strides {tuple(strides)}, data_ptr % 16 = {t.data_ptr() % 16}; call .contiguous()"

@@ -244,12 +244,13 @@ class FlashBwdSm80:
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
             score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
-            # ---- dP, then P and dS from the score hook
+            acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
+            score.backward_p(acc_S, lse_log2, acc_P)
+            # ---- dP, dS
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_P, dpsum, True, False)
+            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)

@@ -35,11 +35,12 @@ class ScoreHook:
     softcap_prescale: Float32
     window_left: Int32
     window_right: Int32
+    diag: Int32  # seqlen_k - seqlen_q: query i's diagonal key is i + diag (bottom-right alignment)
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right):
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
-                         window_right)
+                         window_right, seq.seqlen_k - seq.seqlen_q)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
@@ -59,7 +60,7 @@ class ScoreHook:
         """Columns are compared as compile-time offsets of thread 0 against limits shifted by this thread's first
         column."""
         seqlen_k = self.seq.seqlen_k
-        diag = seqlen_k - self.seq.seqlen_q
+        diag = self.diag
         s_mn = acc_mn_view(acc_S)
         col0 = tScS_mn[0, 0][1]
         col_base = n_block * self.tile_n + col0
@@ -93,12 +94,32 @@ class ScoreHook:
         return Float32.inf if x == -Float32.inf else x
 
     @cute.jit
+    def backward_p(self, acc_S: cute.Tensor, lse_log2: cute.Tensor, acc_P: cute.Tensor):
+        """P = exp2(S * scale_log2 - LSE_log2) from the scores after ``apply``, row-vectorised (the dK/dV kernel
+        issues it before its dP mma, so the exp2 work overlaps that mma)."""
+        s_mn, p_mn = acc_mn_view(acc_S), acc_mn_view(acc_P)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            p_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - lse_log2[r], fastmath=True))
+
+    @cute.jit
+    def backward_ds(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor):
+        """dS = P (dP - D) * d(apply)/dS, in place of dP (P from ``backward_p``)."""
+        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            if const_expr(self.has_softcap):
+                # d tanh = 1 - T^2; masked entries hold T = -inf and P = 0: clamp so they give 0, not NaN
+                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                    t = s_mn[r, c]
+                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dpsum[r]) * cute.arch.fmax(1.0 - t * t, 0.0)
+            else:
+                dp_mn[r, None].store(p_mn[r, None].load() * (dp_mn[r, None].load() - dpsum[r]))
+
+    @cute.jit
     def backward_p_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor, dpsum: cute.Tensor,
                       acc_P: cute.Tensor, pdp: cute.Tensor, want_p: cutlass.Constexpr[bool],
                       want_pdp: cutlass.Constexpr[bool]):
-        """From the scores after ``apply`` (acc_S) and dP = dO V^T (acc_dP): P = exp2(S * scale_log2 - LSE_log2)
-        into acc_P (when ``want_p``), dS = P (dP - D) * d(apply)/dS into acc_dP, and per-row sums of P dP into pdp
-        (when ``want_pdp``)."""
+        """``backward_p`` and ``backward_ds`` fused element by element (the dQ kernel, which needs P only for dS
+        and the per-row sums of P dP, into pdp when ``want_pdp``; P into acc_P when ``want_p``).  Same formulas."""
         s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         p_mn = acc_mn_view(acc_P)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):

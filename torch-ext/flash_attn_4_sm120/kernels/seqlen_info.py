@@ -56,6 +56,10 @@ class SeqInfo:
             seqlen = _clamp(mCu[batch + 1], offset, rows) - offset
         if const_expr(seqused):
             seqlen = _clamp(mUsed[batch], 0, seqlen)
+        if const_expr(varlen or seqused):
+            # the same for every thread of the CTA: keep them in uniform registers, off the mma warps' budget
+            offset = cute.arch.make_warp_uniform(offset)
+            seqlen = cute.arch.make_warp_uniform(seqlen)
         return offset, seqlen
 
     # ---- addressing: every gmem row of q/o/dq/do (q side) and k/v/dk/dv (k side) goes through these
