@@ -79,10 +79,15 @@ def test_resolve_window(causal, window, expected):
     assert V.resolve_window(causal, window) == expected
 
 
-@pytest.mark.parametrize("window", [(None, 1), (3, 2)])
-def test_causal_with_right_window_raises(window):
-    with pytest.raises(ValueError, match="conflicts"):
-        V.resolve_window(True, window)
+@pytest.mark.parametrize("window,left", [((None, 1), config.WINDOW_UNBOUNDED), ((3, 2), 3), ((63, 63), 63),
+                                         ((-1, 5), config.WINDOW_UNBOUNDED)])
+def test_causal_fixes_the_right_bound(window, left):
+    # flash-attn-4 b36 / FA2 semantics: causal=True sets right = 0 whatever window_size[1] says
+    assert V.resolve_window(True, window) == (left, 0)
+
+
+def test_none_zero_window_is_causal():
+    assert V.resolve_window(False, (None, 0)) == V.resolve_window(True, (None, None))
 
 
 @pytest.mark.parametrize("bad", [(1,), "ab", (None, 2.5), (True, None)])

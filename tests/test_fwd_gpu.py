@@ -82,6 +82,15 @@ def test_window(window, d, sq, sk, pack_gqa):
     assert_close(out, lse, q, k, v, window=window)
 
 
+@pytest.mark.parametrize("window", [(63, 63), (None, 5), (-1, -1)])
+def test_causal_overrides_right_window(window):
+    """transformers' sliding-window call: causal=True with window_size=(w-1, w-1) means a causal window of w."""
+    q, k, v = _inputs(1, 333, 333, 4, 2, 128, 128, torch.bfloat16, seed=19)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, window_size=window, return_lse=True)
+    left = window[0] if window[0] is not None and window[0] >= 0 else None
+    assert_close(out, lse, q, k, v, causal=True, window=(left, None))
+
+
 def test_causal_with_left_window():
     q, k, v = _inputs(1, 1023, 1023, 4, 4, 128, 128, torch.bfloat16, seed=3)
     out, lse = fa.flash_attn_func(q, k, v, causal=True, window_size=(77, None), return_lse=True)
@@ -264,3 +273,30 @@ def test_cpasync_fallback_varlen(cpasync_tiles):
     out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=(40, 0),
                                          learnable_sink=sink, softcap=10.0, return_lse=True)
     _varlen_compare(out, lse, q, k, v, cu_q, cu_k, window=(40, 0), sink=sink, softcap=10.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])  # TMA kernel for d <= 192, cp.async for 256
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_unused_kv_rows_never_reaches_the_output(d, causal):
+    """KV caches and padded buffers come from torch.empty: rows no sequence uses may hold NaN."""
+    # dense K/V with seqused_k shorter than the rows
+    q, k, v = _inputs(2, 70, 300, 4, 2, d, d, torch.bfloat16, seed=20)
+    used_k = torch.tensor([77, 200], dtype=torch.int32, device="cuda")
+    k2, v2 = k.clone(), v.clone()
+    for bi, n in enumerate(used_k.tolist()):
+        k2[bi, n:] = float("nan")
+        v2[bi, n:] = float("nan")
+    out, lse = fa.flash_attn_varlen_func(q, k2, v2, seqused_k=used_k, max_seqlen_k=300, causal=causal,
+                                         return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for bi, n in enumerate(used_k.tolist()):
+        assert_close(out[bi:bi + 1], lse[bi:bi + 1], q[bi:bi + 1], k[bi:bi + 1, :n], v[bi:bi + 1, :n], causal=causal)
+    # packed K/V with NaN padding rows after cu_seqlens_k[-1]
+    lens_q, lens_k = [17, 113, 64], [33, 113, 150]
+    q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 4, 2, d, d, torch.bfloat16, seed=21)
+    pad = torch.full((57, 2, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    k_pad, v_pad = torch.cat([k, pad]), torch.cat([v, pad])
+    out, lse = fa.flash_attn_varlen_func(q, k_pad, v_pad, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=113,
+                                         max_seqlen_k=150, causal=causal, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    _varlen_compare(out, lse, q, k, v, cu_q, cu_k, causal=causal)

@@ -36,7 +36,6 @@ CASES = {
                         "16-byte"),
     "negative scale": (lambda: qkv(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
     "nan softcap": (lambda: qkv(), {"softcap": float("nan")}, ValueError, "softcap"),
-    "causal + right window": (lambda: qkv(), {"causal": True, "window_size": (None, 5)}, ValueError, "conflicts"),
     "bad window": (lambda: qkv(), {"window_size": (1.5, None)}, ValueError, "window_size"),
     "sink shape": (lambda: qkv(), lambda: {"learnable_sink": torch.zeros(3, device="cuda")}, ValueError, "(4,)"),
     "sink dtype": (lambda: qkv(), lambda: {"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.int32)},

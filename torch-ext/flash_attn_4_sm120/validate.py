@@ -95,7 +95,9 @@ def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
 
 def resolve_window(causal: bool, window_size) -> tuple[int, int]:
     """(left, right) with WINDOW_UNBOUNDED for an unbounded side.  None or a negative value means unbounded,
-    as in FlashAttention.  causal=True fixes right = 0; a different right bound alongside it is an error."""
+    as in FlashAttention.  causal=True fixes right = 0, whatever window_size[1] says (flash-attn-4 and
+    FlashAttention-2 define it so, and transformers passes ``causal=True, window_size=(w - 1, w - 1)``);
+    ``(None, 0)`` without causal is the same causal mask."""
     if window_size is None:
         window_size = (None, None)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -109,12 +111,7 @@ def resolve_window(causal: bool, window_size) -> tuple[int, int]:
         else:
             bounds.append(min(w, WINDOW_UNBOUNDED))
     left, right = bounds
-    if causal:
-        if right not in (0, WINDOW_UNBOUNDED):
-            _fail(
-                f"causal=True conflicts with window_size right bound {window_size[1]}: causal attention has a right "
-                "bound of 0; pass causal=False with window_size=(left, right) for a non-causal window"
-            )
+    if causal:  # FlashAttention's definition (flash-attn-4 b36, FA2): causal fixes the right bound to 0
         right = 0
     return left, right
 

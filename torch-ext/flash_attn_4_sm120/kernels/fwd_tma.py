@@ -222,7 +222,7 @@ class FlashFwdWsSm120(FwdKernelBase):
                 pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
                 tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
-                row_qpos=row_qpos,
+                row_qpos=row_qpos, sV=sV, tidx=tidx,
             )
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             ts.block.run_kv_schedule(step, state, plan)
@@ -232,7 +232,7 @@ class FlashFwdWsSm120(FwdKernelBase):
     def kv_step(
         self, n_block: Int32, state,
         pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
-        state_sum, score, tScS_mn, t0ScS_mn, row_qpos,
+        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, sV, tidx,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
@@ -241,7 +241,23 @@ class FlashFwdWsSm120(FwdKernelBase):
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
         tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
                                 is_first, mask_seqlen, mask_right, mask_left)
+        if const_expr(mask_seqlen):
+            # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds
+            # there (the next sequence, padding, NaN from torch.empty); P is 0 on them, but 0 * NaN is NaN
+            pipe_v.consumer_wait(state)
+            self.zero_rows_past(sV[None, None, state.index], score.seq.seqlen_k - n_block * self.tile_n, tidx)
         return self.pv(tOrP, state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
+
+    @cute.jit
+    def zero_rows_past(self, sV_stage, rows_valid, tidx):
+        """Zero the rows >= ``rows_valid`` of one landed V stage (the consumer warps split the work, then sync, so
+        no warp's P V reads the stage before every row is clean).  Uniform over the CTA."""
+        if rows_valid < self.tile_n:
+            first = cutlass.max(rows_valid, 0) * self.dv
+            for i in cutlass.range(first + tidx, self.tile_n * self.dv, self.num_mma_threads, unroll=1):
+                r = i // self.dv
+                sV_stage[r, i - r * self.dv] = self.dtype(0.0)
+            self.compute_sync()
 
     @cute.jit
     def qk(self, acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k):
