@@ -6,9 +6,9 @@
 
 Problem: B=1, S=128, Hq=8, Hkv=2, D=128, bf16, causal -- small enough that the GPU work is a few µs and the
 per-call cost is what the host spends (argument checks, kernel lookup, launch, and any device->host sync).
-For each method: ``--warmup`` calls (compiles), synchronize, then ``--calls`` calls back to back timed with
-time.perf_counter up to and including a final synchronize; µs/call of each of ``--reps`` repetitions and their
-median.  ``host_us_per_call`` stops the clock before the final synchronize: when it is close to ``us_per_call`` the
+Every method first gets ``--warmup`` calls (compiles); then ``--reps`` rounds, each timing ``--calls`` calls of
+every method in turn (interleaved, so a slow spell of the machine hits all methods alike), back to back with
+time.perf_counter up to and including a final synchronize; µs/call of each repetition and their median.  ``host_us_per_call`` stops the clock before the final synchronize: when it is close to ``us_per_call`` the
 host is the bottleneck (or waits for the GPU inside the call).
 
 Methods (each recorded with an error string instead of a number when it fails):
@@ -46,24 +46,17 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-def time_calls(fn, *, warmup: int, calls: int, reps: int):
-    """([µs/call incl. the final sync per rep], [µs/call before the final sync per rep])."""
-    for _ in range(warmup):
-        fn()
+def time_rep(fn, calls: int):
+    """One timed repetition: (µs/call incl. the final sync, µs/call before it)."""
+    gc.collect()
     torch.cuda.synchronize()
-    total, host = [], []
-    for _ in range(reps):
-        gc.collect()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        total.append((t2 - t0) / calls * 1e6)
-        host.append((t1 - t0) / calls * 1e6)
-    return total, host
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t2 - t0) / calls * 1e6, (t1 - t0) / calls * 1e6
 
 
 class Problem:
@@ -198,6 +191,14 @@ def print_table(rows, summ):
     print()
 
 
+def _record_error(row: dict, exc: Exception) -> None:
+    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        torch.cuda.synchronize()
+    except Exception as sync_exc:  # noqa: BLE001 - a broken context fails every later method too
+        row["error"] += f" (then synchronize failed: {type(sync_exc).__name__}: {str(sync_exc)[:200]})"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -240,8 +241,10 @@ def main(argv=None):
     ref = methods["sdpa_flash_fwd"]().transpose(1, 2)
     rows, results = [], {}
     t0 = time.time()
-    for name, fn in methods.items():
-        row = dict(kind="method", method=name, device=torch.cuda.get_device_name())
+    live = {}
+    for name, fn in methods.items():  # correctness look and warm-up (compiles) of every method first
+        row = dict(kind="method", method=name, device=torch.cuda.get_device_name(), us_per_call_reps=[],
+                   host_us_per_call_reps=[])
         try:
             if name.endswith("_fwd") and not name.startswith("sdpa"):
                 out = _first(fn())
@@ -249,17 +252,28 @@ def main(argv=None):
                 row["max_abs_diff_vs_sdpa"] = max_diff(out, ref)
                 if not row["max_abs_diff_vs_sdpa"] <= 0.05:
                     notes.append(f"{name} differs from SDPA by {row['max_abs_diff_vs_sdpa']:.3g}")
-            total, host = time_calls(fn, warmup=args.warmup, calls=args.calls, reps=args.reps)
-            row.update(us_per_call=statistics.median(total), us_per_call_reps=[round(x, 3) for x in total],
-                       host_us_per_call=statistics.median(host), host_us_per_call_reps=[round(x, 3) for x in host])
+            for _ in range(args.warmup):
+                fn()
+            torch.cuda.synchronize()
+            live[name] = fn
         except Exception as exc:  # noqa: BLE001 - a method failing is recorded, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            try:
-                torch.cuda.synchronize()
-            except Exception as sync_exc:  # noqa: BLE001 - a broken context fails every later method too
-                row["error"] += f" (then synchronize failed: {type(sync_exc).__name__}: {str(sync_exc)[:200]})"
+            _record_error(row, exc)
         rows.append(row)
         results[name] = row
+    # repetitions interleaved across methods, so a slow spell of the machine hits every method alike
+    for _ in range(args.reps):
+        for name, fn in list(live.items()):
+            try:
+                total, host = time_rep(fn, args.calls)
+                results[name]["us_per_call_reps"].append(round(total, 3))
+                results[name]["host_us_per_call_reps"].append(round(host, 3))
+            except Exception as exc:  # noqa: BLE001
+                _record_error(results[name], exc)
+                del live[name]
+    for row in rows:
+        if row["us_per_call_reps"] and "error" not in row:
+            row["us_per_call"] = statistics.median(row["us_per_call_reps"])
+            row["host_us_per_call"] = statistics.median(row["host_us_per_call_reps"])
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     summ = compute_summary(results, args, notes)
     summ["seconds"] = round(time.time() - t0, 1)

@@ -5,7 +5,7 @@ backward, on the benchmark grid of bench_fwd.py / bench_bwd.py.
         --out benchmarks/results/refactor_vs_previous_h100.jsonl
 
 The baseline is a copy of the package under another module name (``--path`` is added to sys.path).  Each cell is
-timed alternately (baseline, new, baseline, new, ...; ``--rounds`` rounds of CUDA-event medians) so drift in
+timed alternately (baseline then new, new then baseline, ...; ``--rounds`` rounds of CUDA-event medians) so drift in
 clocks affects both alike; the ratio is new TFLOPS / baseline TFLOPS of the medians over rounds.
 """
 
@@ -68,8 +68,8 @@ def main(argv=None):
                             fns[tag] = (lambda o, ins: lambda: torch.autograd.grad(o, ins, gout, retain_graph=True))(
                                 out, (qg, kg, vg))
                     times = {"old": [], "new": []}
-                    for _ in range(args.rounds):
-                        for tag in ("old", "new"):
+                    for rnd in range(args.rounds):  # alternate who goes first, so neither gets the warmer GPU
+                        for tag in (("old", "new") if rnd % 2 == 0 else ("new", "old")):
                             times[tag].append(time_fn(fns[tag]))
                     mult = 2.5 if phase == "bwd" else 1.0
                     for tag in ("old", "new"):

@@ -333,9 +333,9 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv_dim = k.shape[-2], v.shape[-1]
-    # D in the LSE layout: (Hq, total_q) or (B, Hq, Sq), written through a transposed view (no extra copy)
-    dpsum = torch.empty_like(lse)
-    torch.sum(dout.float() * out.float(), -1, out=dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2))
+    # D in the LSE layout, (Hq, total_q) or (B, Hq, Sq), in fp32 (dO and O rounded to 16 bits would bias dS)
+    dpsum = (dout.float() * out.float()).sum(-1)
+    dpsum = (dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2)).contiguous()
     if dlse is not None:
         dpsum.sub_(dlse)
     # rows outside every sequence are written by no kernel: zero them first (dense inputs cover every row)
