@@ -8,6 +8,7 @@ H100 proxy: at most 101376 B of shared memory per CTA, mma.sync m16n8k16 only, n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 # ---- hardware budget (SM120 / SM121) -------------------------------------------------------------------------
@@ -50,8 +51,7 @@ class FwdTile:
     num_warps: int
     num_stages: int
     q_in_regs: bool = False
-    tma: bool = False  # warp-specialised: a TMA producer warp feeds the mma warps (fwd_kernel_ws.py)
-    overlap: bool = False  # TMA kernel only: issue S(n-1) = QK^T before the softmax of S(n) (one more S tile)
+    tma: bool = False  # warp-specialised: a TMA producer warp feeds the mma warps (kernels/fwd_tma.py)
 
     @property
     def num_threads(self) -> int:
@@ -60,7 +60,7 @@ class FwdTile:
 
     def name(self) -> str:
         return (f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}{'q' if self.q_in_regs else ''}"
-                f"{'t' if self.tma else ''}{'o' if self.overlap else ''}")
+                f"{'t' if self.tma else ''}")
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,6 @@ def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
     acc_o = tile.tile_m * head_dim_v // threads
     acc_s = tile.tile_m * tile.tile_n // threads
     q_regs = tile.tile_m * head_dim // (2 * threads) if tile.q_in_regs else 0
-    if tile.overlap:  # a second S tile is live while the first is turned into P (measured: ~1.5x, not 2x)
-        acc_s = acc_s * 3 // 2
     # P in 16-bit (half of acc_s) lives while acc_s is reused; fragments of K/V for one k-step are small.
     return acc_o + acc_s + acc_s // 2 + q_regs + REG_OVERHEAD
 
@@ -155,8 +153,6 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
     regs = fwd_register_estimate(head_dim, head_dim_v, tile)
     if regs > fwd_register_budget(tile):
         problems.append(f"needs ~{regs} registers per thread (budget {fwd_register_budget(tile)})")
-    if tile.overlap and not tile.tma:
-        problems.append("overlap needs the TMA kernel (tma=True)")
     if tile.tma and tile.num_warps != 8:
         problems.append("the TMA kernel runs 8 mma warps + one producer warpgroup")
     return problems
@@ -166,12 +162,12 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
 # Preference order per head dim (first that fits wins).  Measured on the H100 proxy, 2026-11-21
 # (benchmarks/results/tile_sweep_h100_v*.jsonl), SM120 limits kept:
 #  * 16 or 32 query rows per warp; 4-warp 128-row tiles spill at d=128 on sm_120a (255 regs + 152 B stack).
-#  * tma=True: warp-specialised kernel, TMA producer warpgroup + 8 mma warps (fwd_kernel_ws.py); it beat the
+#  * tma=True: warp-specialised kernel, TMA producer warpgroup + 8 mma warps (kernels/fwd_tma.py); it beat the
 #    all-warps cp.async kernel at d=64..128 (d=128, S=4096: 356 vs 287 TFLOPS).
 #  * d<=64: 256x64 tiles (2 m16 atoms per warp, half the smem reads per flop) beat 128x128 (303 vs 269 TFLOPS).
 #  * d=256: the 4-warp 64x64 cp.async tile is fastest (338 TFLOPS vs 302 for the TMA 128x32 tile), and the TMA
 #    kernel's 240-register consumers spill at d=dv=256 under the heaviest feature set.
-#  * software pipelining of QK^T (overlap=True) measured slower (338 vs 356 TFLOPS at d=128): not selected.
+#  * software pipelining of QK^T measured slower (338 vs 356 TFLOPS at d=128) and was removed.
 # The cp.async tiles after the TMA ones are the fallback when a TMA tile does not fit.
 _TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
     32: (FwdTile(256, 64, 8, 2, False, True), FwdTile(128, 128, 8, 2, True)),
@@ -197,7 +193,27 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False) -> t
 
 
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
-    """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120."""
+    """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
+    Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
+    return _select_fwd_tile(head_dim, head_dim_v, bool(windowed), _TABLE_VERSION[0])
+
+
+_TABLE_VERSION = [0]
+
+
+def clear_caches() -> None:
+    """Forget memoised tile choices and dispatch plans (tests and sweeps that edit the tile tables call this,
+    before and after the edit)."""
+    _TABLE_VERSION[0] += 1
+
+
+def table_version() -> int:
+    """Part of every memoisation key that depends on the tile tables."""
+    return _TABLE_VERSION[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, _version: int) -> FwdTile:
     reasons = []
     for tile in candidate_tiles(head_dim, head_dim_v, windowed):
         problems = fwd_tile_problems(head_dim, head_dim_v, tile)
@@ -212,6 +228,11 @@ def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
 
 def supported_head_dim_pairs() -> list[tuple[int, int]]:
     """(head_dim, head_dim_v) pairs served: head_dim_v <= head_dim, both from HEAD_DIMS, when a tile fits."""
+    return list(_supported_head_dim_pairs(_TABLE_VERSION[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_head_dim_pairs(_version: int) -> tuple[tuple[int, int], ...]:
     pairs = []
     for d in HEAD_DIMS:
         for dv in HEAD_DIMS:
@@ -222,7 +243,7 @@ def supported_head_dim_pairs() -> list[tuple[int, int]]:
             except ValueError:
                 continue
             pairs.append((d, dv))
-    return pairs
+    return tuple(pairs)
 
 
 def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:

@@ -3,7 +3,7 @@
 FEATURES drives three things, so they never drift apart:
   * the dispatcher: ``require(name)`` raises NotImplementedError for a feature that is not available yet;
   * the tests: GPU tests skip features whose status is not "supported";
-  * the README support matrix: ``support_matrix_markdown()`` renders it (``scripts/gen_readme_matrix.py``).
+  * the README support matrix: ``support_matrix_markdown()`` renders it (``scripts/readme_sections.py``).
 
 Host-only module: no CuTe-DSL import, no side effects.
 """
@@ -33,10 +33,12 @@ FEATURES: dict[str, Feature] = {
     for f in (
         Feature("forward", SUPPORTED, "flash_attn_func", "fp16/bf16, out in the input dtype"),
         Feature("varlen", SUPPORTED, "flash_attn_varlen_func(cu_seqlens_q/k, seqused_q/k)",
-                "zero-length sequences allowed"),
+                "zero-length sequences allowed; no device->host sync when max_seqlen_q/k are given; "
+                "debug_checks=True checks cu_seqlens/seqused on the host"),
         Feature("gqa", SUPPORTED, "Hq % Hkv == 0", "MHA, any GQA ratio, MQA; K/V never copied"),
         Feature("causal", SUPPORTED, "causal=True", "bottom-right aligned when Sq != Sk"),
-        Feature("sliding_window", SUPPORTED, "window_size=(left, right)", "KV blocks outside the window are skipped"),
+        Feature("sliding_window", SUPPORTED, "window_size=(left, right)",
+                "KV blocks outside the window are skipped; causal=True fixes right = 0 (FlashAttention's rule)"),
         Feature("softcap", SUPPORTED, "softcap>0", "tanh soft-capping of the scores"),
         Feature("learnable_sink", SUPPORTED, "learnable_sink=(Hq,) fp32", "per-head sink logit in the denominator"),
         Feature("return_lse", SUPPORTED, "return_lse=True", "fp32 (B, Hq, Sq) / (Hq, total_q)"),

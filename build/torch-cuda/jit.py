@@ -24,7 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from .config import FwdKernelConfig
+from .arguments import ArgRecord
+from .config import BwdKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -58,15 +59,16 @@ def _source_fingerprint() -> str:
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
         h.update(f"cutlass={_dist_version('nvidia-cutlass-dsl')} tvm_ffi={_dist_version('apache-tvm-ffi')}".encode())
         pkg = Path(__file__).resolve().parent
-        for src in sorted(pkg.glob("*.py")):
-            h.update(src.name.encode())
+        for src in sorted(pkg.rglob("*.py")):
+            h.update(src.relative_to(pkg).as_posix().encode())
             h.update(src.read_bytes())
         _FINGERPRINT = h.hexdigest()[:16]
     return _FINGERPRINT
 
 
 def target_arch() -> str:
-    """The arch CuTe-DSL compiles for: CUTE_DSL_ARCH if set, else the current device's."""
+    """The arch CuTe-DSL compiles for: CUTE_DSL_ARCH if set, else the current device's (a string for the
+    compiler and the cache key, never compared numerically)."""
     forced = os.environ.get("CUTE_DSL_ARCH")
     if forced:
         return forced
@@ -76,129 +78,80 @@ def target_arch() -> str:
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
-def fake_fwd_args(cfg: FwdKernelConfig):
-    """Fake tensors and scalars matching FlashFwdSm80.__call__, with every length/stride symbolic."""
+def fake_args(record: ArgRecord, cfg) -> tuple:
+    """Fake arguments of a kernel, built from its declared record (arguments.py): every batch, length, head
+    count and stride symbolic, so one compiled kernel serves every shape of its configuration."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .fwd_common import DTYPES as _DTYPES
+    from .kernels.fwd_base import DTYPES
 
-    dt = _DTYPES[cfg.dtype]
-    vec = 128 // dt.width
+    dt = DTYPES[cfg.dtype]
 
-    def act(shape_dims, last):  # (…, last) with last contiguous and 16-byte aligned rows
-        shape = tuple(cute.sym_int() for _ in range(shape_dims)) + (last,)
-        stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(shape_dims)) + (1,)
+    def act(lead_dims: int, last: int):  # (…, last) with last contiguous and 16-byte aligned rows
+        shape = tuple(cute.sym_int() for _ in range(lead_dims)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=128 // dt.width) for _ in range(lead_dims)) + (1,)
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
 
-    def vec_i32():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    def rowstat(rank: int):
+        return cute.runtime.make_fake_tensor(
+            Float32, tuple(cute.sym_int() for _ in range(rank)),
+            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
 
-    q_rank = 2 if cfg.varlen_q else 3
-    k_rank = 2 if cfg.varlen_k else 3
-    mQ, mO = act(q_rank, cfg.head_dim), act(q_rank, cfg.head_dim_v)
-    mK, mV = act(k_rank, cfg.head_dim), act(k_rank, cfg.head_dim_v)
-    if cfg.varlen_q:
-        mLSE = cute.runtime.make_fake_tensor(
-            Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
-        )
-    else:
-        mLSE = cute.runtime.make_fake_tensor(
-            Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
-            stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4,
-        )
-    cu_q = vec_i32() if cfg.varlen_q else None
-    cu_k = vec_i32() if cfg.varlen_k else None
-    used_q = vec_i32() if cfg.seqused_q else None
-    used_k = vec_i32() if cfg.seqused_k else None
-    sink = (
-        cute.runtime.make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        if cfg.has_sink
-        else None
-    )
-    scalars = (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (mQ, mK, mV, mO, mLSE, cu_q, cu_k, used_q, used_k, sink, *scalars, stream)
+    def vec(dtype):
+        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
+    out = []
+    for arg in record.args:
+        if arg.when is not None and not getattr(cfg, arg.when):
+            out.append(None)
+            continue
+        varlen = arg.varlen is not None and getattr(cfg, arg.varlen)
+        if arg.kind == "act":
+            out.append(act(2 if varlen else 3, getattr(cfg, arg.dim)))
+        elif arg.kind == "rowstat":
+            out.append(rowstat(2 if varlen else 3))
+        elif arg.kind == "i32vec":
+            out.append(vec(cutlass.Int32))
+        elif arg.kind == "f32vec":
+            out.append(vec(Float32))
+        elif arg.kind == "f32":
+            out.append(Float32(1.0))
+        elif arg.kind == "i32":
+            out.append(Int32(1))
+        else:
+            raise ValueError(f"{record.kernel}: unknown argument kind {arg.kind!r} of {arg.name!r}")
+    out.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+    return tuple(out)
 
 
-def compile_fwd(cfg: FwdKernelConfig, with_kernel: bool = False):
+def kernel_class(cfg):
+    """The kernel class that serves ``cfg`` (by the config's type and tile; no arch comparisons)."""
+    if isinstance(cfg, DqKernelConfig):
+        from .kernels.bwd_dq import FlashBwdDqSm80
+
+        return FlashBwdDqSm80
+    if isinstance(cfg, BwdKernelConfig):
+        from .kernels.bwd_dkdv import FlashBwdSm80
+
+        return FlashBwdSm80
+    if cfg.tile.tma:
+        from .kernels.fwd_tma import FlashFwdWsSm120
+
+        return FlashFwdWsSm120
+    from .kernels.fwd_cpasync import FlashFwdSm80
+
+    return FlashFwdSm80
+
+
+def compile_kernel(cfg, with_kernel: bool = False):
     """Compile (no cache) and return the CuTe-DSL compiled function (and the kernel object, whose
     ``launch_smem_bytes`` is set at trace time); runs on a CPU-only machine too."""
     import cutlass.cute as cute
 
-    from .fwd_kernel import FlashFwdSm80
-    from .fwd_kernel_ws import FlashFwdWsSm120
-
-    kernel = (FlashFwdWsSm120 if cfg.tile.tma else FlashFwdSm80)(cfg)
-    fn = cute.compile(kernel, *fake_fwd_args(cfg), options="--enable-tvm-ffi")
-    return (fn, kernel) if with_kernel else fn
-
-
-def fake_bwd_args(cfg):
-    """Fake tensors and scalars matching FlashBwdSm80.__call__, every length/stride symbolic."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
-    from .fwd_common import DTYPES
-
-    dt = DTYPES[cfg.dtype]
-
-    def act(dims, last, dtype=dt, align=16):
-        shape = tuple(cute.sym_int() for _ in range(dims)) + (last,)
-        stride = tuple(cute.sym_int64(divisibility=128 // dtype.width) for _ in range(dims)) + (1,)
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
-    def vec_i32():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-
-    qr = 2 if cfg.varlen_q else 3
-    kr = 2 if cfg.varlen_k else 3
-    lse_rank = 1 if cfg.varlen_q else 2
-    lse = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
-        Float32, tuple(cute.sym_int() for _ in range(lse_rank + 1)),
-        stride=tuple(cute.sym_int64() for _ in range(lse_rank)) + (1,), assumed_align=4)
-    args = (
-        act(qr, cfg.head_dim), act(kr, cfg.head_dim), act(kr, cfg.head_dim_v), act(qr, cfg.head_dim_v), lse(), lse(),
-        act(kr, cfg.head_dim), act(kr, cfg.head_dim_v),
-        vec_i32() if cfg.varlen_q else None, vec_i32() if cfg.varlen_k else None,
-        vec_i32() if cfg.seqused_q else None, vec_i32() if cfg.seqused_k else None,
-        Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return args
-
-
-def fake_dq_args(cfg):
-    """Fake arguments of FlashBwdDqSm80.__call__."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
-    a = fake_bwd_args(cfg)
-    # (q, k, v, dout, lse, dpsum) + dq (like q) + pdpsum (like lse) + (cu_q, cu_k, used_q, used_k) + scalars
-    fresh = fake_bwd_args(cfg)
-    return (*a[:6], fresh[0], fresh[4], *a[8:12], Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
-            Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
-
-
-def compile_dq(cfg, with_kernel: bool = False):
-    import cutlass.cute as cute
-
-    from .bwd_dq_kernel import FlashBwdDqSm80
-
-    kernel = FlashBwdDqSm80(cfg)
-    fn = cute.compile(kernel, *fake_dq_args(cfg), options="--enable-tvm-ffi")
-    return (fn, kernel) if with_kernel else fn
-
-
-def compile_bwd(cfg, with_kernel: bool = False):
-    import cutlass.cute as cute
-
-    from .bwd_kernel import FlashBwdSm80
-
-    kernel = FlashBwdSm80(cfg)
-    fn = cute.compile(kernel, *fake_bwd_args(cfg), options="--enable-tvm-ffi")
+    kernel = kernel_class(cfg)(cfg)
+    fn = cute.compile(kernel, *fake_args(kernel.ARGS, cfg), options="--enable-tvm-ffi")
     return (fn, kernel) if with_kernel else fn
 
 
@@ -225,19 +178,10 @@ def _disk_path(key: tuple) -> Path | None:
     return root / _source_fingerprint() / f"{digest}.o"
 
 
-def get_fwd_kernel(cfg: FwdKernelConfig):
-    """Compiled forward kernel for ``cfg`` on the current target: memory, then disk cache, then compile."""
-    return _get_kernel(("FlashFwdSm80", cfg, target_arch()), cfg, compile_fwd)
-
-
-def get_bwd_kernel(cfg):
-    """Compiled backward kernel for ``cfg`` (config.BwdKernelConfig)."""
-    return _get_kernel(("FlashBwdSm80", cfg, target_arch()), cfg, compile_bwd)
-
-
-def get_dq_kernel(cfg):
-    """Compiled deterministic dQ kernel for ``cfg`` (config.DqKernelConfig)."""
-    return _get_kernel(("FlashBwdDqSm80", cfg, target_arch()), cfg, compile_dq)
+def get_kernel(cfg):
+    """Compiled kernel for ``cfg`` (a forward, dK/dV or dQ config) on the current target: memory, then disk
+    cache, then compile."""
+    return _get_kernel((kernel_class(cfg).__name__, cfg, target_arch()), cfg, compile_kernel)
 
 
 def _get_kernel(key: tuple, cfg, compile_fn):

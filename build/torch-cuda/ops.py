@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import forward_meta, run_backward, run_forward
+
 NS = __name__.rsplit(".", 1)[0].lstrip(".").replace(".", "_")
 
 
@@ -24,22 +26,20 @@ def fwd(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
     softmax_scale: float | None, causal: bool, window_left: int | None, window_right: int | None, softcap: float,
-    pack_gqa: bool | None, deterministic: bool,
+    pack_gqa: bool | None, debug_checks: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .interface import _forward
-
-    out, lse, _, _ = _forward(
+    out, lse, _, _ = run_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), learnable_sink=sink, softcap=softcap, pack_gqa=pack_gqa,
-        needs_grad=True,
+        needs_grad=True, debug_checks=debug_checks,
     )
     return out, lse
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, pack_gqa, deterministic):
+              softmax_scale, causal, window_left, window_right, softcap, pack_gqa, debug_checks):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -51,19 +51,16 @@ def bwd(
     lse: torch.Tensor, sink: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
     max_seqlen_q: int | None, max_seqlen_k: int | None, softmax_scale: float | None, causal: bool,
-    window_left: int | None, window_right: int | None, softcap: float, deterministic: bool,
+    window_left: int | None, window_right: int | None, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .autograd import flash_attn_backward
-    from .interface import forward_meta
-
-    meta = forward_meta(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+    meta = forward_meta(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                         softcap=softcap)
     sink32 = None if sink is None else sink.detach().float().contiguous()
-    dq, dk, dv, dsink = flash_attn_backward(
+    dq, dk, dv, dsink = run_backward(
         dout, q, k, v, out, lse, meta, sink=sink32, dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
+        seqused_q=seqused_q, seqused_k=seqused_k,
     )
     if dsink is None:
         dsink = q.new_zeros((0,), dtype=torch.float32)
@@ -72,20 +69,19 @@ def bwd(
 
 @bwd.register_fake
 def _bwd_fake(dout, dlse, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
     dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 _SAVED_ARGS = ("sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
-_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
-                "deterministic")
+_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap")
 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(("q", "k", "v", "sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
                      "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right",
-                     "softcap", "pack_gqa", "deterministic"), inputs))
+                     "softcap", "pack_gqa", "debug_checks"), inputs))
     out, lse = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, *(args[n] for n in _SAVED_ARGS))
     ctx.static = {n: args[n] for n in _STATIC_ARGS}

@@ -7,43 +7,13 @@ Nothing here uses ``assert``: the checks stay under ``python -O``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
-from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, supported_head_dim_pairs
+from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, supported_head_dim_pairs, table_version
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = DTYPE_NAMES
 _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Normalised description of one forward call (host-side values only)."""
-
-    dtype: str
-    batch: int
-    seqlen_q: int  # max over the batch (varlen: max_seqlen_q)
-    seqlen_k: int
-    num_heads: int
-    num_heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    varlen_q: bool
-    varlen_k: bool
-    causal: bool
-    window_left: int  # WINDOW_UNBOUNDED when unbounded
-    window_right: int
-    softcap: float
-    softmax_scale: float
-
-    @property
-    def windowed(self) -> bool:
-        return self.causal or self.window_left != WINDOW_UNBOUNDED or self.window_right != WINDOW_UNBOUNDED
-
-    @property
-    def qheads_per_kvhead(self) -> int:
-        return self.num_heads // self.num_heads_kv
 
 
 def _fail(msg: str):
@@ -51,6 +21,8 @@ def _fail(msg: str):
 
 
 def check_tensor(name: str, t, rank: int, device: torch.device | None = None) -> None:
+    """An fp16/bf16 CUDA tensor of ``rank`` dims on ``device``, last dim contiguous, rows 16-byte aligned.
+    (Runs on every call: the common case is a handful of attribute reads.)"""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != rank:
@@ -61,15 +33,20 @@ def check_tensor(name: str, t, rank: int, device: torch.device | None = None) ->
         _fail(f"{name} is on {t.device}; flash-attn-4-sm120 needs CUDA tensors")
     if device is not None and t.device != device:
         _fail(f"{name} is on {t.device} but q is on {device}; put all inputs on one device")
-    if t.stride(-1) != 1:
-        _fail(f"{name} must be contiguous in its last dimension (stride(-1) = {t.stride(-1)}); call .contiguous()")
-    vec = 16 // t.element_size()
-    bad = [s for s in t.stride()[:-1] if s % vec != 0 and t.numel() > 0]
-    if bad or t.data_ptr() % 16 != 0:
+    strides = t.stride()
+    if strides[-1] != 1:
+        _fail(f"{name} must be contiguous in its last dimension (stride(-1) = {strides[-1]}); call .contiguous()")
+    # both dtypes are 2 bytes: 8 elements per 16-byte vector
+    misaligned = t.data_ptr() % 16 != 0
+    if not misaligned:
+        for s in strides[:-1]:
+            if s % 8:
+                misaligned = t.numel() > 0
+                break
+    if misaligned:
         _fail(
             f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0 and every stride but the last a multiple of "
-            f"{vec} elements); got strides {tuple(t.stride())}, data_ptr % 16 = {t.data_ptr() % 16}; "
-            "call .contiguous()"
+            f"8 elements); got strides {tuple(strides)}, data_ptr % 16 = {t.data_ptr() % 16}; call .contiguous()"
         )
 
 
@@ -91,11 +68,22 @@ def check_head_dims(d: int, dv: int) -> None:
         _fail(f"head_dim={d} is not supported; supported head dims: {HEAD_DIMS}")
     if dv not in HEAD_DIMS:
         _fail(f"head_dim_v={dv} (v.shape[-1]) is not supported; supported: {HEAD_DIMS}")
-    if (d, dv) not in supported_head_dim_pairs():
+    if (d, dv) not in _supported_pairs():
         _fail(
             f"head_dim={d} with head_dim_v={dv} is not supported: pairs with head_dim_v <= head_dim are "
             f"({', '.join(f'{a}/{b}' for a, b in supported_head_dim_pairs())})"
         )
+
+
+def _supported_pairs() -> frozenset:
+    version = table_version()
+    cached = _PAIRS_CACHE.get(version)
+    if cached is None:
+        cached = _PAIRS_CACHE[version] = frozenset(supported_head_dim_pairs())
+    return cached
+
+
+_PAIRS_CACHE: dict = {}
 
 
 def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
@@ -107,7 +95,9 @@ def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
 
 def resolve_window(causal: bool, window_size) -> tuple[int, int]:
     """(left, right) with WINDOW_UNBOUNDED for an unbounded side.  None or a negative value means unbounded,
-    as in FlashAttention.  causal=True fixes right = 0; a different right bound alongside it is an error."""
+    as in FlashAttention.  causal=True fixes right = 0, whatever window_size[1] says (flash-attn-4 and
+    FlashAttention-2 define it so, and transformers passes ``causal=True, window_size=(w - 1, w - 1)``);
+    ``(None, 0)`` without causal is the same causal mask."""
     if window_size is None:
         window_size = (None, None)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -121,12 +111,7 @@ def resolve_window(causal: bool, window_size) -> tuple[int, int]:
         else:
             bounds.append(min(w, WINDOW_UNBOUNDED))
     left, right = bounds
-    if causal:
-        if right not in (0, WINDOW_UNBOUNDED):
-            _fail(
-                f"causal=True conflicts with window_size right bound {window_size[1]}: causal attention has a right "
-                "bound of 0; pass causal=False with window_size=(left, right) for a non-causal window"
-            )
+    if causal:  # FlashAttention's definition (flash-attn-4 b36, FA2): causal fixes the right bound to 0
         right = 0
     return left, right
 

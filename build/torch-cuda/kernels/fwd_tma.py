@@ -25,8 +25,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import cute_utils as cu
-from .fwd_common import FwdKernelBase
-from .masking import kv_block_plan
+from .fwd_base import FwdKernelBase
 
 # setmaxnreg moves registers per whole warpgroup, so the producer warp comes with three idle warps that exit at
 # once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
@@ -53,16 +52,16 @@ class FlashFwdWsSm120(FwdKernelBase):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor | None,
-        mCuSeqlensK: cute.Tensor | None,
-        mSeqUsedQ: cute.Tensor | None,
-        mSeqUsedK: cute.Tensor | None,
-        mSink: cute.Tensor | None,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        out: cute.Tensor,
+        lse: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        seqused_q: cute.Tensor | None,
+        seqused_k: cute.Tensor | None,
+        sink: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -74,6 +73,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         num_batch: Int32,
         stream,
     ):
+        mQ, mK, mV = q, k, v
         dt = self.dtype
         atom_q = tma_smem_atom(dt, self.d)
         atom_v = tma_smem_atom(dt, self.dv)
@@ -101,18 +101,15 @@ class FlashFwdWsSm120(FwdKernelBase):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
-        if const_expr(self.cfg.varlen_k):
-            seqlen_k_static = mK.shape[0]
-        else:
-            seqlen_k_static = mK.shape[1]
+        rows_q, rows_k = self.seq_rows(mQ, mK)
         tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
         copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
-            mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+            mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
-            seqlen_k_static,
+            rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks, num_head_groups, num_batch),
@@ -126,7 +123,7 @@ class FlashFwdWsSm120(FwdKernelBase):
     def kernel(
         self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
         scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
-        qheads_per_kvhead: Int32, num_m_blocks: Int32, seqlen_k_static: Int32,
+        qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32,
         tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
         copy_q: cute.TiledCopy, copy_o: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -139,15 +136,13 @@ class FlashFwdWsSm120(FwdKernelBase):
             m_block = num_m_blocks - 1 - bx  # longest tiles first
         else:
             m_block = bx
-        offset_q, offset_k, seqlen_q, seqlen_k = self.seq_bounds(
-            mQ.shape[1], seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, batch
-        )
-        num_rows = seqlen_q * pack
-        if m_block * self.tile_m < num_rows:  # uniform over the CTA
+        ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack)
+        if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
-            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_warps)
             elem_bytes = self.dtype.width // 8
@@ -165,33 +160,20 @@ class FlashFwdWsSm120(FwdKernelBase):
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
             kv_head = (head_group * pack) // qheads_per_kvhead
-            n_min, n_max, count_a, count_b, count_c = kv_block_plan(
-                seqlen_q, seqlen_k, m_block, pack, window_left, window_right, self.tile_m, self.tile_n,
-                cfg.windowed,
-            )
+            plan = ts.block.kv_plan(m_block)
             if warp_idx >= self.num_warps:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == self.num_warps:
-                    self.produce(tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, batch, kv_head, offset_k, n_min,
-                                 n_max)
+                    self.produce(ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, plan[0], plan[1])
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consume(
-                    mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o, tidx, batch,
-                    head_group, m_block, offset_q, seqlen_q, seqlen_k, num_rows, pack, scale_log2,
-                    softcap_prescale, window_left, window_right, n_min, n_max, count_a, count_b, count_c,
-                )
+                self.consume(ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q,
+                             copy_o, tidx)
 
     @cute.jit
-    def produce(self, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, batch, kv_head, offset_k, n_min, n_max):
-        if const_expr(self.cfg.varlen_k):
-            tK_cur = cute.domain_offset((offset_k, 0), tK[None, None, kv_head])
-            tV_cur = cute.domain_offset((offset_k, 0), tV[None, None, kv_head])
-        else:
-            tK_cur = tK[None, None, kv_head, batch]
-            tV_cur = tV[None, None, kv_head, batch]
-        gK = cute.local_tile(tK_cur, (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(tV_cur, (self.tile_n, self.dv), (None, 0))
+    def produce(self, ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, n_min, n_max):
+        gK = cute.local_tile(ts.kv.tma_head_view(tK, kv_head), (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(ts.kv.tma_head_view(tV, kv_head), (self.tile_n, self.dv), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
@@ -208,11 +190,8 @@ class FlashFwdWsSm120(FwdKernelBase):
             state.advance()
 
     @cute.jit
-    def consume(
-        self, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o, tidx, batch,
-        head_group, m_block, offset_q, seqlen_q, seqlen_k, num_rows, pack, scale_log2, softcap_prescale,
-        window_left, window_right, n_min, n_max, count_a, count_b, count_c,
-    ):
+    def consume(self, ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o,
+                tidx):
         sVt = cu.transpose_view(sV)
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -225,14 +204,14 @@ class FlashFwdWsSm120(FwdKernelBase):
         ldsm_v = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
         tSsQ, tSsK, tOsVt = ldsm_q.partition_S(sQ), ldsm_k.partition_S(sK), ldsm_v.partition_S(sVt)
 
-        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, m_block, pack)
+        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
         state_max = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_sum = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_max.fill(-Float32.inf)
         state_sum.fill(0.0)
 
-        if n_max > n_min:
-            self.load_q(mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows)
+        if plan[1] > plan[0]:
+            self.load_q(mQ, sQ, copy_q, tidx, ts)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             self.compute_sync()
@@ -242,49 +221,43 @@ class FlashFwdWsSm120(FwdKernelBase):
                 self.kv_step,
                 pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
                 tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
-                state_max=state_max, state_sum=state_sum, scale_log2=scale_log2, softcap_prescale=softcap_prescale,
-                tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, seqlen_k=seqlen_k,
-                diag=seqlen_k - seqlen_q, window_left=window_left, window_right=window_right,
+                state_max=state_max, state_sum=state_sum, score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
+                row_qpos=row_qpos, sV=sV, tidx=tidx,
             )
-            if const_expr(self.cfg.tile.overlap):
-                # software pipelining: S(n-1) = Q K(n-1)^T is issued before the softmax of S(n), so the tensor
-                # cores work on the next block while this warp runs exp2/FFMA on the current one
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-                acc_S_next = cute.make_rmem_tensor_like(acc_S)
-                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                k_state = self.qk(acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-                step = partial(
-                    self.kv_step_overlap, acc_S=acc_S, acc_S_next=acc_S_next, n_min=n_min, pipe_k=pipe_k,
-                    pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK,
-                    tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O, state_max=state_max,
-                    state_sum=state_sum, scale_log2=scale_log2, softcap_prescale=softcap_prescale, tScS_mn=tScS_mn,
-                    t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, seqlen_k=seqlen_k, diag=seqlen_k - seqlen_q,
-                    window_left=window_left, window_right=window_right,
-                )
-                self.run_schedule(step, (k_state, v_state), n_max - 1, count_a, count_b, count_c)
-            else:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                self.run_schedule(step, state, n_max - 1, count_a, count_b, count_c)
-        self.epilogue(acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
-                      tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            ts.block.run_kv_schedule(step, state, plan)
+        self.epilogue(ts, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx, tScS_mn)
 
     @cute.jit
     def kv_step(
         self, n_block: Int32, state,
         pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
-        state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos, seqlen_k, diag, window_left,
-        window_right,
+        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, sV, tidx,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
         """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
-                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
-                                mask_right, mask_left)
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
+                                is_first, mask_seqlen, mask_right, mask_left)
+        if const_expr(mask_seqlen):
+            # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds
+            # there (the next sequence, padding, NaN from torch.empty); P is 0 on them, but 0 * NaN is NaN
+            pipe_v.consumer_wait(state)
+            self.zero_rows_past(sV[None, None, state.index], score.seq.seqlen_k - n_block * self.tile_n, tidx)
         return self.pv(tOrP, state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
+
+    @cute.jit
+    def zero_rows_past(self, sV_stage, rows_valid, tidx):
+        """Zero the rows >= ``rows_valid`` of one landed V stage (the consumer warps split the work, then sync, so
+        no warp's P V reads the stage before every row is clean).  Uniform over the CTA."""
+        if rows_valid < self.tile_n:
+            first = cutlass.max(rows_valid, 0) * self.dv
+            for i in cutlass.range(first + tidx, self.tile_n * self.dv, self.num_mma_threads, unroll=1):
+                r = i // self.dv
+                sV_stage[r, i - r * self.dv] = self.dtype(0.0)
+            self.compute_sync()
 
     @cute.jit
     def qk(self, acc_S, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k):
@@ -296,26 +269,6 @@ class FlashFwdWsSm120(FwdKernelBase):
         pipe_k.consumer_release(k_state)
         k_state.advance()
         return k_state
-
-    @cute.jit
-    def kv_step_overlap(
-        self, n_block: Int32, states,
-        acc_S, acc_S_next, n_min, pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k,
-        ldsm_v, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos, seqlen_k,
-        diag, window_left, window_right,
-        is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-        mask_left: cutlass.Constexpr[bool],
-    ):
-        """Block n with S(n) already in acc_S: issue S(n-1) into acc_S_next, then softmax S(n), O += P V(n)."""
-        k_state, v_state = states
-        if n_block - 1 >= n_min:
-            k_state = self.qk(acc_S_next, k_state, pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
-                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
-                                mask_right, mask_left)
-        v_state = self.pv(tOrP, v_state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
-        acc_S.store(acc_S_next.load())
-        return (k_state, v_state)
 
     @cute.jit
     def pv(self, tOrP, v_state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v):

@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
-from .config import copy_threads_per_row
+from ..config import copy_threads_per_row
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -20,10 +20,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..arguments import BWD_DKDV_ARGS
+from ..config import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
-from .config import BwdKernelConfig, bwd_smem_bytes
-from .fwd_common import DTYPES
-from .masking import apply_mask
+from .block_info import BlockInfo
+from .fwd_base import DTYPES
+from .kv_source import ContiguousKV
+from .rows import load_rows, store_rows_from_acc
+from .score import ScoreHook
+from .seqlen_info import SeqInfo
 
 
 def _mma(dtype, tile_rows: int, num_warps: int):
@@ -36,6 +41,10 @@ def _mma(dtype, tile_rows: int, num_warps: int):
 
 
 class FlashBwdSm80:
+    ARGS = BWD_DKDV_ARGS
+    block_info_cls = BlockInfo
+    kv_source_cls = ContiguousKV
+
     def __init__(self, cfg: BwdKernelConfig):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
@@ -48,18 +57,18 @@ class FlashBwdSm80:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mDpsum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor | None,
-        mCuSeqlensK: cute.Tensor | None,
-        mSeqUsedQ: cute.Tensor | None,
-        mSeqUsedK: cute.Tensor | None,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        dout: cute.Tensor,
+        lse: cute.Tensor,
+        dpsum: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        seqused_q: cute.Tensor | None,
+        seqused_k: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         softmax_scale: Float32,
@@ -90,7 +99,7 @@ class FlashBwdSm80:
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
@@ -104,30 +113,6 @@ class FlashBwdSm80:
             stream=stream,
         )
 
-    @cute.jit
-    def row(self, mX, varlen: cutlass.Constexpr[bool], batch, offset, pos, head):
-        if const_expr(varlen):
-            return mX[offset + pos, head, None]
-        else:
-            return mX[batch, pos, head, None]
-
-    @cute.jit
-    def load_rows(self, mX, sX, tiled_copy, tidx, varlen: cutlass.Constexpr[bool], batch, offset, first_pos,
-                  head, limit, k_dim: cutlass.Constexpr[int], rows: cutlass.Constexpr[int]):
-        """cp.async rows [first_pos, first_pos + rows) of one head into sX; rows past ``limit`` are zeroed."""
-        thr = tiled_copy.get_slice(tidx)
-        cX = cute.make_identity_tensor((rows, k_dim))
-        tXsX, tXcX = thr.partition_D(sX), thr.partition_S(cX)
-        vec = cute.size(tXsX.shape[0][0])
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            pos = first_pos + tXcX[0, m, 0][0]
-            if pos < limit:
-                g = cute.tiled_divide(self.row(mX, varlen, batch, offset, pos, head), (vec,))
-                for k in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
-                    cute.copy(tiled_copy, g[None, tXcX[0, 0, k][1] // vec], tXsX[None, m, k])
-            else:
-                tXsX[None, m, None].fill(0)
-
     @cute.kernel
     def kernel(
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
@@ -140,65 +125,44 @@ class FlashBwdSm80:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
-        offset_q = Int32(0)
-        offset_k = Int32(0)
+        rows_q = mQ.shape[1]
+        rows_k = mK.shape[1]
         if const_expr(cfg.varlen_q):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-        else:
-            seqlen_q = mQ.shape[1]
+            rows_q = mQ.shape[0]
         if const_expr(cfg.varlen_k):
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        else:
-            seqlen_k = mK.shape[1]
-        if const_expr(cfg.seqused_q):
-            seqlen_q = mSeqUsedQ[batch]
-        if const_expr(cfg.seqused_k):
-            seqlen_k = mSeqUsedK[batch]
-        if n_block * self.tile_n < seqlen_k:
+            rows_k = mK.shape[0]
+        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, 1)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        kv = self.kv_source_cls(seq)
+        if n_block * self.tile_n < seq.seqlen_k:
             self.process(
-                mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
-                window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d,
-                copy_dv, SharedStorage, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
+                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, softmax_scale, qheads_per_kvhead,
+                sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
 
     @cute.jit
-    def load_q_do(self, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head, m_min, num_m,
-                  it, load_q: cutlass.Constexpr[bool], load_do: cutlass.Constexpr[bool]):
+    def load_q_do(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it,
+                  load_q: cutlass.Constexpr[bool], load_do: cutlass.Constexpr[bool]):
         """cp.async Q and/or dO of loop iteration ``it`` (head = it // num_m, query block = it % num_m)."""
         head = first_head + it // num_m
         first_q = (m_min + it % num_m) * self.tile_m
         if const_expr(load_q):
-            self.load_rows(mQ, sQ, copy_d, tidx, self.cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q, self.d,
-                           self.tile_m)
+            load_rows(lambda pos: seq.q_row(mQ, pos, head), sQ, copy_d, tidx, first_q, seq.seqlen_q,
+                      (self.tile_m, self.d), True)
         if const_expr(load_do):
-            self.load_rows(mdO, sdO, copy_dv, tidx, self.cfg.varlen_q, batch, offset_q, first_q, head, seqlen_q,
-                           self.dv, self.tile_m)
+            load_rows(lambda pos: seq.q_row(mdO, pos, head), sdO, copy_dv, tidx, first_q, seq.seqlen_q,
+                      (self.tile_m, self.dv), True)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
-        """Query blocks that can see key block ``n_block`` (causal/window aware)."""
-        m_max = (seqlen_q + self.tile_m - 1) // self.tile_m
-        m_min = Int32(0)
-        if const_expr(self.cfg.windowed):
-            diag = seqlen_k - seqlen_q
-            # key j is seen by query i iff i >= j - diag - right and i <= j - diag + left
-            i_lo = n_block * self.tile_n - diag - window_right
-            i_hi = (n_block + 1) * self.tile_n - 1 - diag + window_left
-            m_min = cutlass.max(i_lo, 0) // self.tile_m
-            m_max = cutlass.min(m_max, cutlass.max(i_hi + self.tile_m, 0) // self.tile_m)
-        return m_min, m_max
-
-    @cute.jit
     def process(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, scale_log2, softcap_prescale, softmax_scale,
-        window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv,
-        SharedStorage: cutlass.Constexpr, tidx, n_block, kv_head, batch, offset_q, offset_k, seqlen_q, seqlen_k,
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, softmax_scale, qheads_per_kvhead,
+        sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
+        n_block, kv_head,
     ):
         cfg = self.cfg
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)
         sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
         sP, sdS = storage.sP.get_tensor(sP_l), storage.sdS.get_tensor(sP_l)
@@ -208,10 +172,10 @@ class FlashBwdSm80:
 
         # K and V of this block stay in smem for the whole CTA
         first_key = n_block * self.tile_n
-        self.load_rows(mK, sK, copy_d, tidx, cfg.varlen_k, batch, offset_k, first_key, kv_head, seqlen_k, self.d,
-                       self.tile_n)
-        self.load_rows(mV, sV, copy_dv, tidx, cfg.varlen_k, batch, offset_k, first_key, kv_head, seqlen_k, self.dv,
-                       self.tile_n)
+        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.d), True)
+        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.dv), True)
         cute.arch.cp_async_commit_group()
 
         ld = cu.ldmatrix_atom
@@ -251,15 +215,14 @@ class FlashBwdSm80:
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
 
-        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
+        m_min, m_max = block.q_range(n_block)
         num_m = cutlass.max(m_max - m_min, 0)
         first_head = kv_head * qheads_per_kvhead
         num_iters = num_m * qheads_per_kvhead
         # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
         # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP
         if num_iters > 0:
-            self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head, m_min,
-                           num_m, 0, True, True)
+            self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, 0, True, True)
         for it in cutlass.range(num_iters, unroll=1):
             head = first_head + it // num_m
             m_block = m_min + it % num_m
@@ -269,43 +232,25 @@ class FlashBwdSm80:
                 row_qpos[r] = pos
                 lse_log2[r] = Float32.inf
                 dpsum[r] = 0.0
-                if pos < seqlen_q:
-                    if const_expr(cfg.varlen_q):
-                        lse_log2[r] = mLSE[head, offset_q + pos] * cu.LOG2_E
-                        dpsum[r] = mDpsum[head, offset_q + pos]
-                    else:
-                        lse_log2[r] = mLSE[batch, head, pos] * cu.LOG2_E
-                        dpsum[r] = mDpsum[batch, head, pos]
-                    # an empty row has LSE = -inf: P must be 0 there, not exp2(+inf)
-                    lse_log2[r] = Float32.inf if lse_log2[r] == -Float32.inf else lse_log2[r]
+                if pos < seq.seqlen_q:
+                    idx = seq.row_stat_index(head, pos)
+                    lse_log2[r] = score.lse_log2(mLSE[idx])
+                    dpsum[r] = mDpsum[idx]
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
 
-            # ---- S, P
+            # ---- S, then the score hook (softcap, masks)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
-            if const_expr(cfg.has_softcap):
-                acc_S.store(cute.math.tanh(acc_S.load() * softcap_prescale, fastmath=True))
-            apply_mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, seqlen_k, seqlen_k - seqlen_q, window_left,
-                       window_right, self.tile_n, True, cfg.windowed, cfg.windowed)
+            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
-            s_mn, p_mn = cu.acc_mn_view(acc_S), cu.acc_mn_view(acc_P)
-            for r in cutlass.range_constexpr(num_rows):
-                p_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse_log2[r], fastmath=True))
+            score.backward_p(acc_S, lse_log2, acc_P)
             # ---- dP, dS
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            dp_mn = cu.acc_mn_view(acc_dP)
-            for r in cutlass.range_constexpr(num_rows):
-                if const_expr(cfg.has_softcap):
-                    # d tanh = 1 - T^2; masked entries hold T = -inf and P = 0: clamp so they give 0, not NaN
-                    for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                        t = s_mn[r, c]
-                        dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dpsum[r]) * cute.arch.fmax(1.0 - t * t, 0.0)
-                else:
-                    dp_mn[r, None].store(p_mn[r, None].load() * (dp_mn[r, None].load() - dpsum[r]))
+            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)
@@ -318,29 +263,19 @@ class FlashBwdSm80:
             cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
-                self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head,
-                               m_min, num_m, it + 1, False, True)
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it + 1,
+                               False, True)
             cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
-                self.load_q_do(mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, batch, offset_q, seqlen_q, first_head,
-                               m_min, num_m, it + 1, True, False)
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it + 1,
+                               True, False)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(mdK, acc_dK, thr_n, self.d, batch, offset_k, first_key, kv_head, seqlen_k)
-        self.store_rows(mdV, acc_dV, thr_n, self.dv, batch, offset_k, first_key, kv_head, seqlen_k)
-
-    @cute.jit
-    def store_rows(self, mX, acc, thr_mma, k_dim: cutlass.Constexpr[int], batch, offset, first_pos, head, limit):
-        cX = cute.make_identity_tensor((self.tile_n, k_dim))
-        coords = cu.acc_mn_view(thr_mma.partition_C(cX))
-        acc_mn = cu.acc_mn_view(acc)
-        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
-            pos = first_pos + coords[r, 0][0]
-            if pos < limit:
-                g = self.row(mX, self.cfg.varlen_k, batch, offset, pos, head)
-                for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
-                    g[coords[r, c][1]] = self.dtype(acc_mn[r, c])
+        store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr_n, first_key, seq.seqlen_k,
+                            (self.tile_n, self.d), dt)
+        store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr_n, first_key, seq.seqlen_k,
+                            (self.tile_n, self.dv), dt)

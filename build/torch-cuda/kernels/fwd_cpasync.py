@@ -27,8 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from . import cute_utils as cu
-from .fwd_common import FwdKernelBase
-from .masking import kv_block_plan
+from .fwd_base import FwdKernelBase
 
 
 class FlashFwdSm80(FwdKernelBase):
@@ -42,16 +41,16 @@ class FlashFwdSm80(FwdKernelBase):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor | None,
-        mCuSeqlensK: cute.Tensor | None,
-        mSeqUsedQ: cute.Tensor | None,
-        mSeqUsedK: cute.Tensor | None,
-        mSink: cute.Tensor | None,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        out: cute.Tensor,
+        lse: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        seqused_q: cute.Tensor | None,
+        seqused_k: cute.Tensor | None,
+        sink: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -83,7 +82,7 @@ class FlashFwdSm80(FwdKernelBase):
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
@@ -135,44 +134,27 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = num_m_blocks - 1 - bx
         else:
             m_block = bx
-
-        offset_q, offset_k, seqlen_q, seqlen_k = self.seq_bounds(
-            mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, batch
-        )
-        num_rows = seqlen_q * pack
-
-        if m_block * self.tile_m < num_rows:
-            self.process_tile(
-                mQ, mK, mV, mO, mLSE, mSink, scale_log2, softcap_prescale, window_left, window_right, pack,
-                qheads_per_kvhead, batch, head_group, m_block, offset_q, offset_k, seqlen_q, seqlen_k, num_rows,
-                sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
-                tidx,
-            )
+        rows_q, rows_k = self.seq_rows(mQ, mK)
+        ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack)
+        if m_block * self.tile_m < ts.num_rows:
+            self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout,
+                              sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)
 
     @cute.jit
     def process_tile(
-        self, mQ, mK, mV, mO, mLSE, mSink, scale_log2, softcap_prescale, window_left, window_right, pack,
-        qheads_per_kvhead, batch, head_group, m_block, offset_q, offset_k, seqlen_q, seqlen_k, num_rows,
-        sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o,
-        SharedStorage: cutlass.Constexpr, tidx,
+        self, ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout, sO_layout,
+        tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, tidx,
     ):
-        cfg = self.cfg
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
         sVt = cu.transpose_view(sV)
 
-        kv_head = (head_group * pack) // qheads_per_kvhead
-        if const_expr(cfg.varlen_k):
-            mK_cur = cute.domain_offset((offset_k, 0), mK[None, kv_head, None])
-            mV_cur = cute.domain_offset((offset_k, 0), mV[None, kv_head, None])
-        else:
-            mK_cur = mK[batch, None, kv_head, None]
-            mV_cur = mV[batch, None, kv_head, None]
-        gK = cute.local_tile(mK_cur, (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, self.dv), (None, 0))
+        kv_head = (ts.head_group * ts.pack) // qheads_per_kvhead
+        gK = cute.local_tile(ts.kv.head_view(mK, kv_head), (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(ts.kv.head_view(mV, kv_head), (self.tile_n, self.dv), (None, 0))
 
         thr_copy_k = copy_q.get_slice(tidx)
         thr_copy_v = copy_v.get_slice(tidx)
@@ -197,21 +179,21 @@ class FlashFwdSm80(FwdKernelBase):
         tSsK = ldsm_copy_k.partition_S(sK)
         tOsVt = ldsm_copy_v.partition_S(sVt)
 
-        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, m_block, pack)
+        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
         num_my_rows = cute.size(row_qpos)
         state_max = cute.make_rmem_tensor(num_my_rows, Float32)
         state_sum = cute.make_rmem_tensor(num_my_rows, Float32)
         state_max.fill(-Float32.inf)
         state_sum.fill(0.0)
 
-        n_min, n_max, count_a, count_b, count_c = kv_block_plan(
-            seqlen_q, seqlen_k, m_block, pack, window_left, window_right, self.tile_m, self.tile_n, cfg.windowed
-        )
+        plan = ts.block.kv_plan(ts.m_block)
+        n_min, n_max = plan[0], plan[1]
 
         if n_max > n_min:
             # ---- prologue: Q, then the first stages of K/V
-            self.load_q(mQ, sQ, copy_q, tidx, batch, head_group, m_block, offset_q, pack, num_rows)
+            self.load_q(mQ, sQ, copy_q, tidx, ts)
             cute.arch.cp_async_commit_group()
+            seqlen_k = ts.seq.seqlen_k
             load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
             load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
             n_first = n_max - 1
@@ -239,19 +221,16 @@ class FlashFwdSm80(FwdKernelBase):
                 tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
                 ldsm_copy_q=ldsm_copy_q, ldsm_copy_k=ldsm_copy_k, ldsm_copy_v=ldsm_copy_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, load_k=load_k, load_v=load_v, n_min=n_min,
-                scale_log2=scale_log2, softcap_prescale=softcap_prescale, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
-                row_qpos=row_qpos, seqlen_k=seqlen_k, diag=seqlen_k - seqlen_q, window_left=window_left,
-                window_right=window_right,
+                score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos,
             )
             # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
-            self.run_schedule(step, Int32(0), n_first, count_a, count_b, count_c)
+            ts.block.run_kv_schedule(step, Int32(0), plan)
             # drain the (empty) groups still in flight before smem is reused by the epilogue
             cute.arch.cp_async_wait_group(0)
 
         # ---- epilogue
         sO = cute.make_tensor(sQ.iterator, sO_layout)
-        self.epilogue(acc_O, state_max, state_sum, scale_log2, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
-                      tScS_mn, batch, head_group, m_block, offset_q, pack, num_rows)
+        self.epilogue(ts, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx, tScS_mn)
 
     @cute.jit
     def next_stage(self, stage: Int32) -> Int32:
@@ -266,8 +245,7 @@ class FlashFwdSm80(FwdKernelBase):
         n_block: Int32,
         stage: Int32,
         tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_copy_q, ldsm_copy_k, ldsm_copy_v, acc_O,
-        state_max, state_sum, load_k, load_v, n_min, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn, row_qpos,
-        seqlen_k, diag, window_left, window_right,
+        state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos,
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_right: cutlass.Constexpr[bool],
@@ -300,9 +278,8 @@ class FlashFwdSm80(FwdKernelBase):
                 load_k(n_block - 1, 0, False)
             cute.arch.cp_async_commit_group()
 
-        tOrP = self.scores_to_p(acc_S, acc_O, state_max, state_sum, scale_log2, softcap_prescale, tScS_mn, t0ScS_mn,
-                                row_qpos, n_block, seqlen_k, diag, window_left, window_right, is_first, mask_seqlen,
-                                mask_right, mask_left)
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
+                                is_first, mask_seqlen, mask_right, mask_left)
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed

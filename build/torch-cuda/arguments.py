@@ -1,0 +1,123 @@
+"""The declared argument record of each kernel (host only: no CuTe-DSL import).
+
+A record lists a kernel's arguments by name, in the order of its ``__call__`` (a CPU test checks that the names
+match).  Everything that passes arguments to a kernel goes through its record:
+
+  * the compile step builds the fake (symbolic) arguments from it (``jit.fake_args``);
+  * the host launches by name: ``launch(fn, RECORD, q=q, k=k, ...)`` packs the values in record order and
+    raises on a missing or unknown name, so an argument can never bind to the wrong parameter.
+
+Kinds:
+  act     a (…, D) activation in the kernel's dtype: rank 4 (B, S, H, D), or rank 3 (total, H, D) when the config
+          flag named by ``varlen`` is on; D is the config attribute named by ``dim``
+  rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on
+  i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
+  f32vec  a 1-D fp32 tensor (learnable sink)
+  f32/i32 a runtime scalar
+``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    kind: str
+    dim: str | None = None
+    varlen: str | None = None
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class ArgRecord:
+    kernel: str
+    args: tuple[Arg, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(a.name for a in self.args))
+
+    def pack(self, values: dict) -> tuple:
+        """Values in record order; TypeError naming a missing or unknown argument."""
+        names = self.names
+        try:
+            if len(values) == len(names):
+                return tuple(map(values.__getitem__, names))
+        except KeyError:
+            pass
+        unknown = sorted(set(values) - set(names))
+        missing = [n for n in names if n not in values]
+        raise TypeError(f"{self.kernel} launch: missing arguments {missing}, unknown arguments {unknown}")
+
+
+def _act(name, dim, varlen):
+    return Arg(name, "act", dim=dim, varlen=varlen)
+
+
+_SEQ_META = (
+    Arg("cu_seqlens_q", "i32vec", when="varlen_q"),
+    Arg("cu_seqlens_k", "i32vec", when="varlen_k"),
+    Arg("seqused_q", "i32vec", when="seqused_q"),
+    Arg("seqused_k", "i32vec", when="seqused_k"),
+)
+
+FWD_ARGS = ArgRecord("forward", (
+    _act("q", "head_dim", "varlen_q"),
+    _act("k", "head_dim", "varlen_k"),
+    _act("v", "head_dim_v", "varlen_k"),
+    _act("out", "head_dim_v", "varlen_q"),
+    Arg("lse", "rowstat", varlen="varlen_q"),
+    *_SEQ_META,
+    Arg("sink", "f32vec", when="has_sink"),
+    Arg("scale_log2", "f32"),
+    Arg("softcap_prescale", "f32"),
+    Arg("window_left", "i32"),
+    Arg("window_right", "i32"),
+    Arg("pack", "i32"),
+    Arg("qheads_per_kvhead", "i32"),
+    Arg("num_m_blocks", "i32"),
+    Arg("num_head_groups", "i32"),
+    Arg("num_batch", "i32"),
+))
+
+# The two backward kernels share their inputs; each adds its outputs and grid extents.
+_BWD_INPUTS = (
+    _act("q", "head_dim", "varlen_q"),
+    _act("k", "head_dim", "varlen_k"),
+    _act("v", "head_dim_v", "varlen_k"),
+    _act("dout", "head_dim_v", "varlen_q"),
+    Arg("lse", "rowstat", varlen="varlen_q"),
+    Arg("dpsum", "rowstat", varlen="varlen_q"),
+)
+_BWD_SCALARS = (
+    Arg("scale_log2", "f32"),
+    Arg("softcap_prescale", "f32"),
+    Arg("softmax_scale", "f32"),
+    Arg("window_left", "i32"),
+    Arg("window_right", "i32"),
+    Arg("qheads_per_kvhead", "i32"),
+)
+
+BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
+    *_BWD_INPUTS,
+    _act("dk", "head_dim", "varlen_k"),
+    _act("dv", "head_dim_v", "varlen_k"),
+    *_SEQ_META,
+    *_BWD_SCALARS,
+    Arg("num_n_blocks", "i32"),
+    Arg("num_kv_heads", "i32"),
+    Arg("num_batch", "i32"),
+))
+
+BWD_DQ_ARGS = ArgRecord("backward dQ", (
+    *_BWD_INPUTS,
+    _act("dq", "head_dim", "varlen_q"),
+    Arg("pdpsum", "rowstat", varlen="varlen_q"),
+    *_SEQ_META,
+    *_BWD_SCALARS,
+    Arg("num_m_blocks", "i32"),
+    Arg("num_heads", "i32"),
+    Arg("num_batch", "i32"),
+))

@@ -1,0 +1,376 @@
+"""Host dispatch: the one forward path and the one backward path behind every entry point (the public functions,
+autograd and the torch.library ops all call ``run_forward`` / ``run_backward``; none of them imports another).
+
+Per call, only what needs the tensors' metadata runs in Python: shape/dtype/stride checks, output allocation and
+the launch.  Everything that depends only on the configuration — tile choice, kernel configs, the compiled
+launcher, the backward's feasibility — is memoised in a plan keyed on a small tuple of flags.
+
+No device->host synchronisation: dense calls never read device memory on the host, and varlen calls do not when
+``max_seqlen_q/k`` are given (FlashAttention's API asks for them).  When one is missing it is computed on the
+device and read once (one sync), and under CUDA-graph capture it is required.  ``cu_seqlens``/``seqused``
+values are the caller's contract, as in FlashAttention; the kernels clamp every row they touch to the tensors
+they were given, so a lie gives wrong numbers but never an out-of-bounds access.  ``FA4_SM120_DEBUG_CHECKS=1``
+(read once, at the first varlen call) or ``debug_checks=True`` checks those values on the host and names the lie.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import validate as V
+from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
+from .config import (
+    FwdKernelConfig,
+    MAX_SEQLEN,
+    select_bwd_config,
+    select_dq_config,
+    select_fwd_tile,
+    table_version,
+)
+
+_LOG2_E = math.log2(math.e)
+_DEBUG_ENV: list = []  # [bool] once read
+
+
+def debug_checks_enabled(flag) -> bool:
+    """``flag`` (the keyword) wins when given; otherwise FA4_SM120_DEBUG_CHECKS=1, read once per process."""
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise ValueError(f"debug_checks must be None, True or False, got {flag!r}")
+        return flag
+    if not _DEBUG_ENV:
+        _DEBUG_ENV.append(os.environ.get("FA4_SM120_DEBUG_CHECKS", "0") == "1")
+    return _DEBUG_ENV[0]
+
+
+@dataclass(frozen=True)
+class FwdMeta:
+    """What the backward needs besides the saved tensors (host values of one forward call)."""
+
+    scale: float
+    softcap: float
+    left: int
+    right: int
+    windowed: bool
+    batch: int
+    max_q: int
+    max_k: int
+
+
+@dataclass
+class _Plan:
+    """Memoised per configuration: the forward kernel config and launcher, the backward configs (validated at
+    forward time when gradients are needed, so a training step never fails half-way)."""
+
+    fwd_cfg: FwdKernelConfig
+    fwd_fn: object = None
+    bwd_cfg: object = None
+    dq_cfg: object = None
+    bwd_fn: object = None
+    dq_fn: object = None
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
+          uk: bool, needs_grad: bool, device_index: int) -> _Plan:
+    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, table_version())
+    plan = _PLANS.get(key)
+    if plan is None:
+        tile = select_fwd_tile(d, dv, windowed)
+        plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
+                                     has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
+                                     seqused_k=uk))
+        if needs_grad:
+            flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
+                         seqused_k=uk)
+            plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags)  # raises now, not mid-step
+            plan.dq_cfg = select_dq_config(dtype, d, dv, **flags)
+        _PLANS[key] = plan
+    return plan
+
+
+def _kernel(cfg):
+    from .jit import get_kernel  # CuTe-DSL loads on the first launch, not at import
+
+    return get_kernel(cfg)
+
+
+def _launch(fn, record, device: torch.device, values: dict) -> None:
+    args = record.pack(values)
+    if device.index == torch._C._cuda_getDevice():  # torch.cuda.current_device() without its lazy-init check
+        fn(*args)
+    else:
+        with torch.cuda.device(device):
+            fn(*args)
+
+
+def _nograd(t):
+    return t.detach() if t.requires_grad else t
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---- lengths ---------------------------------------------------------------------------------------------------
+def _max_len(cu_seqlens, seqused, rows: int, name: str, max_seqlen) -> int:
+    """Longest sequence of q or k, for the grid.  Given ``max_seqlen`` is trusted (clamped to the rows that
+    exist); dense inputs use their static length; otherwise it is computed on the device and read once."""
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
+            try:
+                max_seqlen = int(max_seqlen)
+            except (TypeError, ValueError):
+                raise ValueError(f"max_seqlen_{name} must be an int, got {max_seqlen!r}") from None
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen_{name} must be >= 0, got {max_seqlen}")
+        return min(int(max_seqlen), rows)
+    if cu_seqlens is None:
+        return rows
+    if _capturing():
+        raise ValueError(f"max_seqlen_{name} is required when capturing a CUDA graph with varlen inputs")
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=0)
+    if seqused is not None:
+        lens = torch.minimum(lens, seqused.clamp(min=0))
+    return min(int(lens.max().item()) if lens.numel() else 0, rows)  # the documented single read
+
+
+def _debug_check_lengths(cu_seqlens, seqused, batch: int, static_len: int, total: int, name: str, max_seqlen):
+    """Opt-in host checks of metadata values (one device->host copy); raises ValueError naming the lie."""
+    if cu_seqlens is None and seqused is None:
+        return
+    if _capturing():
+        raise ValueError("debug_checks read cu_seqlens/seqused on the host, which cannot be done while capturing a "
+                         "CUDA graph; turn them off for the capture")
+    vals = torch.cat([t for t in (cu_seqlens, seqused) if t is not None]).tolist()
+    if cu_seqlens is not None:
+        cu, vals = vals[: batch + 1], vals[batch + 1:]
+        if cu[0] < 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(
+                f"cu_seqlens_{name} must be non-decreasing, start >= 0 and end <= {total} (the rows of {name}); "
+                f"got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+            )
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+    else:
+        lens = [static_len] * batch
+    if seqused is not None:
+        bad = [(i, u, n) for i, (u, n) in enumerate(zip(vals[:batch], lens)) if not 0 <= u <= n]
+        if bad:
+            i, u, n = bad[0]
+            raise ValueError(f"seqused_{name}[{i}]={u} must be in [0, {n}] (the length of that sequence)")
+        lens = vals[:batch]
+    longest = max(lens, default=0)
+    if max_seqlen is not None and int(max_seqlen) < longest:
+        raise ValueError(f"max_seqlen_{name}={max_seqlen} is smaller than the longest sequence ({longest})")
+
+
+def forward_meta(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal, window_size, softcap, debug_checks=None) -> FwdMeta:
+    """Host values of a call (scale, window, grid lengths), without reading device memory when the caller gave
+    what FlashAttention asks for."""
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        rows_q = seqlen_q_static = q.shape[0]
+    else:
+        batch, seqlen_q_static = q.shape[0], q.shape[1]
+        rows_q = seqlen_q_static
+    rows_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
+    scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.resolve_window(causal, window_size)
+    if (cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None) \
+            and debug_checks_enabled(debug_checks):
+        _debug_check_lengths(cu_seqlens_q, seqused_q, batch, seqlen_q_static, q.shape[0], "q", max_seqlen_q)
+        _debug_check_lengths(cu_seqlens_k, seqused_k, batch, rows_k, k.shape[0], "k", max_seqlen_k)
+    max_q = _max_len(cu_seqlens_q, seqused_q, rows_q, "q", max_seqlen_q)
+    max_k = _max_len(cu_seqlens_k, seqused_k, rows_k, "k", max_seqlen_k)
+    windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
+    return FwdMeta(scale, softcap, left, right, windowed, batch, max_q, max_k)
+
+
+def _choose_pack(pack_gqa, ratio: int, max_seqlen_q: int, tile_m: int) -> int:
+    if pack_gqa is None:
+        # Packing fills a query tile with the heads of one KV group when a sequence alone cannot.
+        return ratio if ratio > 1 and max_seqlen_q * 2 <= tile_m else 1
+    if not isinstance(pack_gqa, bool):
+        raise ValueError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+    return ratio if pack_gqa else 1
+
+
+def _log2_scales(meta: FwdMeta) -> tuple[float, float]:
+    """(scale_log2, softcap_prescale) of the score hook."""
+    if meta.softcap > 0:
+        return meta.softcap * _LOG2_E, meta.scale / meta.softcap
+    return meta.scale * _LOG2_E, 1.0
+
+
+# ---- forward ---------------------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """Rank/dtype/device/stride/shape checks of one call (raise before any launch); returns batch."""
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    V.check_tensor("q", q, 3 if varlen_q else 4)
+    dev = q.device
+    V.check_tensor("k", k, 3 if varlen_k else 4, dev)
+    V.check_tensor("v", v, 3 if varlen_k else 4, dev)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    d, dv = q.shape[-1], v.shape[-1]
+    V.check_head_dims(d, dv)
+    if k.shape[-1] != d:
+        raise ValueError(f"k.shape[-1]={k.shape[-1]} must equal q.shape[-1]={d}")
+    V.check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    if varlen_q:
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+            raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,), got "
+                             f"{type(cu_seqlens_q).__name__} {tuple(getattr(cu_seqlens_q, 'shape', ()))}")
+        batch = cu_seqlens_q.shape[0] - 1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with batch >= 0, got shape (0,)")
+    else:
+        batch = q.shape[0]
+    if varlen_k:
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    elif k.shape[:2] != v.shape[:2] or k.shape[0] != batch:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have batch {batch} and equal sequence lengths"
+        )
+    if varlen_q:
+        V.check_index_tensor("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
+    if varlen_k:
+        V.check_index_tensor("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
+    if seqused_q is not None:
+        V.check_index_tensor("seqused_q", seqused_q, batch, dev)
+    if seqused_k is not None:
+        V.check_index_tensor("seqused_k", seqused_k, batch, dev)
+    V.check_batch(batch)
+    V.check_lengths(seqlen_q=q.shape[0] if varlen_q else q.shape[1], seqlen_k=k.shape[0] if varlen_k else k.shape[1])
+    return batch
+
+
+def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None):
+    """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
+    backward configuration is validated too, before anything launches."""
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    varlen_q = cu_seqlens_q is not None
+    dev = q.device
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv, dv = k.shape[-2], v.shape[-1]
+    sink = V.check_sink(learnable_sink, hq, dev)
+    meta = forward_meta(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                        debug_checks=debug_checks)
+    plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                 cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index)
+    out = q.new_empty((*q.shape[:-1], dv))
+    lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
+                      device=dev)
+    if out.numel() == 0:
+        return out, lse, meta, sink
+    if meta.max_q == 0 or meta.max_k == 0:  # nothing to attend to anywhere: O = 0, LSE = -inf (or the sink logit)
+        out.zero_()
+        if sink is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sink[:, None].expand_as(lse) if varlen_q else sink[None, :, None].expand_as(lse))
+        return out, lse, meta, sink
+    tile_m = plan.fwd_cfg.tile.tile_m
+    ratio = hq // hkv
+    pack = _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
+    scale_log2, prescale = _log2_scales(meta)
+    if plan.fwd_fn is None:
+        plan.fwd_fn = _kernel(plan.fwd_cfg)
+    _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
+        q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, sink=sink, scale_log2=scale_log2,
+        softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
+        qheads_per_kvhead=ratio, num_m_blocks=-(-meta.max_q * pack // tile_m), num_head_groups=hq // pack,
+        num_batch=meta.batch,
+    ))
+    return out, lse, meta, sink
+
+
+# ---- backward --------------------------------------------------------------------------------------------------
+def _row_valid(lse, cu_q, used_q):
+    """Bool mask shaped like lse: rows inside their sequence (seqused/cu_seqlens), False elsewhere."""
+    if cu_q is None:
+        b, _, sq = lse.shape
+        if used_q is None:
+            return None
+        pos = torch.arange(sq, device=lse.device)
+        return (pos[None, :] < used_q[:, None]).unsqueeze(1).expand(b, lse.shape[1], sq)
+    total = lse.shape[1]
+    t = torch.arange(total, device=lse.device, dtype=torch.int32)
+    bidx = torch.searchsorted(cu_q, t, right=True) - 1
+    inside = (bidx >= 0) & (bidx < cu_q.shape[0] - 1)
+    bsafe = bidx.clamp(0, cu_q.shape[0] - 2)
+    if used_q is not None:
+        inside &= (t - cu_q[bsafe]) < used_q[bsafe]
+    return inside.unsqueeze(0).expand_as(lse)
+
+
+def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None):
+    """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
+
+    Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
+    reproducible.  Host-side pieces, O(tokens): D = rowsum(dO * O) (minus dLSE when the caller differentiates
+    through the returned LSE); the learnable-sink gradient, closed-form: d sink_h = -sum_i exp(sink_h - lse_i) D_i
+    over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ kernel."""
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    if dout.stride(-1) != 1 or dout.data_ptr() % 16:
+        dout = dout.contiguous()
+    V.check_tensor("dout", dout, out.dim(), q.device)
+    if dout.shape != out.shape:
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv, dv_dim = k.shape[-2], v.shape[-1]
+    # D in the LSE layout, (Hq, total_q) or (B, Hq, Sq), in fp32 (dO and O rounded to 16 bits would bias dS)
+    dpsum = (dout.float() * out.float()).sum(-1)
+    dpsum = (dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2)).contiguous()
+    if dlse is not None:
+        dpsum.sub_(dlse)
+    # rows outside every sequence are written by no kernel: zero them first (dense inputs cover every row)
+    partial = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
+    alloc = torch.zeros_like if partial else torch.empty_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    pdpsum = alloc(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
+    if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
+        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
+                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index)
+        if plan.bwd_fn is None:
+            plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg), _kernel(plan.dq_cfg)
+        scale_log2, prescale = _log2_scales(meta)
+        common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                      seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
+                      softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
+                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch)
+        _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(
+            common, dk=dk, dv=dv, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n), num_kv_heads=hkv))
+        _launch(plan.dq_fn, BWD_DQ_ARGS, q.device, dict(
+            common, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m), num_heads=hq))
+    elif not partial:
+        dq.zero_(), dk.zero_(), dv.zero_(), pdpsum.zero_()
+    dsink = None
+    if sink is not None:
+        d_exact = pdpsum - dlse if dlse is not None else pdpsum
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+        p_sink = torch.exp(sink.view(-1, 1) - lse_safe) if varlen_q else torch.exp(sink.view(1, -1, 1) - lse_safe)
+        contrib = p_sink * d_exact
+        valid = _row_valid(lse, cu_seqlens_q, seqused_q)
+        if valid is not None:
+            contrib = torch.where(valid, contrib, torch.zeros_like(contrib))
+        dsink = -(contrib.sum(-1) if varlen_q else contrib.sum((0, 2)))
+    return dq, dk, dv, dsink
+
+
+__all__ = ["FwdMeta", "forward_meta", "run_backward", "run_forward", "debug_checks_enabled", "MAX_SEQLEN"]

@@ -1,0 +1,17 @@
+"""Device code (CuTe-DSL), one kernel or shared role per file.  Imported only when a kernel is compiled, never at
+package import.
+
+Kernels:
+    fwd_tma.py      forward, warp-specialised: a TMA producer warp + 8 mma.sync warps (d <= 192)
+    fwd_cpasync.py  forward, all warps load (cp.async) and compute (d = 256, and the fallback)
+    bwd_dkdv.py     backward dK/dV, KV-stationary
+    bwd_dq.py       backward dQ, Q-stationary (no atomics)
+Shared per-tile device state, one implementation used by all four:
+    seqlen_info.py  SeqInfo: sequence bounds of a batch entry, clamped to the tensors
+    block_info.py   BlockInfo: KV blocks of a query tile / query blocks of a KV tile, and the visiting order
+    kv_source.py    ContiguousKV: the K/V address provider
+    score.py        ScoreHook: scale, softcap, masks; P and dS of the backward
+    rows.py         row loads/stores through the providers above
+    fwd_base.py     what both forwards share (Q load, P from S, epilogue)
+    softmax.py, cute_utils.py   online softmax and mma/ldmatrix/copy building blocks
+"""

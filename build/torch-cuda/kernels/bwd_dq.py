@@ -1,0 +1,182 @@
+"""dQ kernel of the backward (Q-stationary, atomic-free).
+
+One CTA owns ``tile_m`` query rows of one head and walks the visible key blocks in a fixed ascending order,
+recomputing S = Q K^T, P, dP = dO V^T and dS = P (dP - D) like the main backward kernel, and accumulates
+dQ = dS K in registers (dS goes straight from the accumulator into the A operand, like P in the forward).  No
+atomics: the summation order is fixed, so dQ is bitwise reproducible.  dK/dV come from bwd_dkdv.py (also
+atomic-free).  It recomputes S and dP once more, yet the pair beat dQ-by-atomics on the H100 proxy.
+
+Layouts as bwd_dkdv.py; dq is written in q's dtype (scaled by the softmax scale), rows past the sequence are
+left to the host's zero fill.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..arguments import BWD_DQ_ARGS
+from ..config import BwdKernelConfig
+from . import cute_utils as cu
+from .block_info import BlockInfo
+from .fwd_base import DTYPES
+from .kv_source import ContiguousKV
+from .rows import load_rows, store_rows_from_acc
+from .score import ScoreHook
+from .seqlen_info import SeqInfo
+
+
+class FlashBwdDqSm80:
+    ARGS = BWD_DQ_ARGS
+    block_info_cls = BlockInfo
+    kv_source_cls = ContiguousKV
+
+    def __init__(self, cfg: BwdKernelConfig):
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.d, self.dv = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
+        self.num_threads = cfg.num_warps * 32
+
+    @cute.jit
+    def __call__(
+        self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+        dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor, cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
+        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
+        stream,
+    ):
+        dt = self.dtype
+        a = cu.smem_layout_atom
+        sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d), (0, 1))
+        sdO_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_m, self.dv), (0, 1))
+        sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d), (0, 1))
+        sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
+
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(
+            q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale_log2,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l,
+            cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
+            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
+        ).launch(
+            grid=(num_m_blocks, num_heads, num_batch), block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        window_right: Int32, qheads_per_kvhead: Int32, sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
+        sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
+        copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        rows_q = mQ.shape[1]
+        rows_k = mK.shape[1]
+        if const_expr(cfg.varlen_q):
+            rows_q = mQ.shape[0]
+        if const_expr(cfg.varlen_k):
+            rows_k = mK.shape[0]
+        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, 1)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        kv = self.kv_source_cls(seq)
+        if m_block * self.tile_m < seq.seqlen_q:
+            self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
+                         qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv, SharedStorage, tidx,
+                         m_block, head)
+
+    @cute.jit
+    def process(self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
+                qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv,
+                SharedStorage: cutlass.Constexpr, tidx, m_block, head):
+        cfg = self.cfg
+        dt = self.dtype
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)
+        sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
+        sKt = cu.transpose_view(sK)
+        kv_head = head // qheads_per_kvhead
+        first_q = m_block * self.tile_m
+        load_rows(lambda pos: seq.q_row(mQ, pos, head), sQ, copy_d, tidx, first_q, seq.seqlen_q,
+                  (self.tile_m, self.d), True)
+        load_rows(lambda pos: seq.q_row(mdO, pos, head), sdO, copy_dv, tidx, first_q, seq.seqlen_q,
+                  (self.tile_m, self.dv), True)
+        cute.arch.cp_async_commit_group()
+
+        ld = cu.ldmatrix_atom
+        thr = tiled_mma.get_slice(tidx)
+        cpA = cute.make_tiled_copy_A(ld(dt, False), tiled_mma).get_slice(tidx)
+        cpB = cute.make_tiled_copy_B(ld(dt, False), tiled_mma).get_slice(tidx)
+        cpBt = cute.make_tiled_copy_B(ld(dt, True), tiled_mma).get_slice(tidx)
+        tSrQ, tSrK = thr.make_fragment_A(thr.partition_A(sQ)), thr.make_fragment_B(thr.partition_B(sK))
+        tPrdO, tPrV = thr.make_fragment_A(thr.partition_A(sdO)), thr.make_fragment_B(thr.partition_B(sV))
+        tQrKt = thr.make_fragment_B(thr.partition_B(sKt))
+        tSsQ, tSsK, tPsdO, tPsV = cpA.partition_S(sQ), cpB.partition_S(sK), cpA.partition_S(sdO), cpB.partition_S(sV)
+        tQsKt = cpBt.partition_S(sKt)
+        acc_shape_s = thr.partition_shape_C((self.tile_m, self.tile_n))
+        acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.d)), Float32)
+        acc_dQ.fill(0.0)
+
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = cu.acc_mn_view(thr.partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        row_qpos = cute.make_rmem_tensor(num_rows, Int32)
+        lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        pdp = cute.make_rmem_tensor(num_rows, Float32)  # sum_j P_ij dP_ij in fp32: D without O's rounding
+        pdp.fill(0.0)
+        for r in cutlass.range_constexpr(num_rows):
+            pos = first_q + tScS_mn[r, 0][0]
+            row_qpos[r] = pos
+            lse_log2[r] = Float32.inf
+            dpsum[r] = 0.0
+            if pos < seq.seqlen_q:
+                idx = seq.row_stat_index(head, pos)
+                lse_log2[r] = score.lse_log2(mLSE[idx])
+                dpsum[r] = mDpsum[idx]
+
+        n_min, n_max = block.kv_range(m_block)
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            first_key = n_block * self.tile_n
+            load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
+                      (self.tile_n, self.d), True)
+            load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
+                      (self.tile_n, self.dv), True)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_S.fill(0.0)
+            cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
+            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_dP.fill(0.0)
+            cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
+            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+            rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+            rdS.store(acc_dP.load().to(dt))
+            cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)
+            cute.arch.barrier()  # every warp is done with K/V before the next block overwrites them
+
+        # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
+        for r in cutlass.range_constexpr(num_rows):
+            total = cu.quad_allreduce_sum(pdp[r])
+            if tScS_mn[0, 0][1] == 0 and row_qpos[r] < seq.seqlen_q:
+                mPdPsum[seq.row_stat_index(head, row_qpos[r])] = total
+
+        acc_dQ.store(acc_dQ.load() * softmax_scale)
+        store_rows_from_acc(lambda pos: seq.q_row(mdQ, pos, head), acc_dQ, thr, first_q, seq.seqlen_q,
+                            (self.tile_m, self.d), dt)

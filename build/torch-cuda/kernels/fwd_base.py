@@ -1,0 +1,160 @@
+"""Pieces shared by the forward kernels (CuTe-DSL device code): the per-tile state (sequence info, block
+schedule, score hook, K/V source), per-row addressing with packed GQA, the Q load, P from S, and the epilogue
+(softmax finalisation, LSE and O stores).
+
+Subclasses provide ``compute_sync()`` (a barrier over the threads that own accumulators) and the main loop.
+Variants override the class attributes: ``block_info_cls`` (the KV-block schedule) and ``kv_source_cls`` (where
+K/V rows live).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..arguments import FWD_ARGS
+from ..config import FwdKernelConfig, fwd_smem_bytes
+from . import cute_utils as cu
+from .block_info import BlockInfo
+from .kv_source import ContiguousKV
+from .rows import load_rows, store_rows_from_smem
+from .score import ScoreHook
+from .seqlen_info import SeqInfo
+from .softmax import online_softmax_step, softmax_finalize
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class TileState:
+    """Everything one CTA knows about its tile besides the accumulators: ``seq`` (bounds of its batch entry),
+    ``block`` (its KV-block schedule), ``score`` (the score hook), ``kv`` (the K/V source), and its coordinates."""
+
+    seq: SeqInfo
+    block: BlockInfo
+    score: ScoreHook
+    kv: ContiguousKV
+    head_group: Int32
+    m_block: Int32
+    pack: Int32
+    num_rows: Int32
+
+    def q_head(self, row):
+        """(position, query head) of tile row ``row`` (absolute row index within the batch entry)."""
+        pos = row // self.pack
+        return pos, self.head_group * self.pack + (row - pos * self.pack)
+
+    def q_row(self, mX, row):
+        pos, head = self.q_head(row)
+        return self.seq.q_row(mX, pos, head)
+
+
+class FwdKernelBase:
+    ARGS = FWD_ARGS
+    block_info_cls = BlockInfo
+    kv_source_cls = ContiguousKV
+
+    def __init__(self, cfg: FwdKernelConfig):
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.d = cfg.head_dim
+        self.dv = cfg.head_dim_v
+        t = cfg.tile
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
+        self.num_mma_threads = t.num_warps * 32
+        self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+
+    def compute_sync(self):
+        raise NotImplementedError
+
+    def seq_rows(self, mQ, mK):
+        """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk."""
+        cfg = self.cfg
+        rows_q = mQ.shape[1]
+        rows_k = mK.shape[1]
+        if const_expr(cfg.varlen_q):
+            rows_q = mQ.shape[0]
+        if const_expr(cfg.varlen_k):
+            rows_k = mK.shape[0]
+        return rows_q, rows_k
+
+    def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                   mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack) -> TileState:
+        cfg = self.cfg
+        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        return TileState(seq, block, score, self.kv_source_cls(seq), head_group, m_block, pack,
+                         seq.seqlen_q * pack)
+
+    @cute.jit
+    def load_q(self, mQ, sQ, copy_q, tidx, ts: TileState):
+        """cp.async the Q tile, row by row (a tile row is (position, head-in-group) under packed GQA)."""
+        load_rows(lambda row: ts.q_row(mQ, row), sQ, copy_q, tidx, ts.m_block * self.tile_m, ts.num_rows,
+                  (self.tile_m, self.d), False)
+
+    @cute.jit
+    def row_coords(self, tiled_mma, tidx, m_block, pack):
+        """This thread's accumulator coordinates (and thread 0's, for compile-time column offsets) and the query
+        position of each of its rows."""
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = cu.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        row_qpos = cute.make_rmem_tensor(num_rows, Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row_qpos[r] = (m_block * self.tile_m + tScS_mn[r, 0][0]) // pack
+        return tScS_mn, t0ScS_mn, row_qpos
+
+    @cute.jit
+    def scores_to_p(
+        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
+        is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool],
+    ):
+        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> P in the input dtype,
+        returned as the A operand of the P V mma."""
+        score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        return cu.acc_as_operand_a(rP)
+
+    @cute.jit
+    def epilogue(self, ts: TileState, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
+                 tScS_mn):
+        cfg = self.cfg
+        num_my_rows = cute.size(state_max)
+        lse = cute.make_rmem_tensor(num_my_rows, Float32)
+        sink = cute.make_rmem_tensor(num_my_rows, Float32)
+        if const_expr(cfg.has_sink):
+            for r in cutlass.range_constexpr(num_my_rows):
+                row = ts.m_block * self.tile_m + tScS_mn[r, 0][0]
+                sink[r] = Float32(mSink[ts.head_group * ts.pack + row % ts.pack])
+        softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
+        self.store_lse(ts, mLSE, lse, tScS_mn)
+        self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it
+        self.store_o(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
+
+    @cute.jit
+    def store_lse(self, ts: TileState, mLSE, lse, tScS_mn):
+        if tScS_mn[0, 0][1] == 0:  # one lane of each quad owns the row
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = ts.m_block * self.tile_m + tScS_mn[r, 0][0]
+                if row < ts.num_rows:
+                    pos, head = ts.q_head(row)
+                    mLSE[ts.seq.row_stat_index(head, pos)] = lse[r]
+
+    @cute.jit
+    def store_o(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):
+        """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores."""
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        st_thr = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
+        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO))
+        self.compute_sync()
+        store_rows_from_smem(lambda row: ts.q_row(mO, row), sO, copy_o, tidx, ts.m_block * self.tile_m,
+                             ts.num_rows, (self.tile_m, self.dv), self.dtype)
