@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -99,6 +100,8 @@ def _check_one(cfg, arch: str) -> dict:
         row["problems"] = problems
     except Exception as exc:  # report, never hide, a compile failure
         row.update(compile_s=round(time.time() - t0, 1), problems=[f"compile failed: {type(exc).__name__}: {exc}"])
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)  # the cubin was read above; do not leave one folder per config
     return row
 
 

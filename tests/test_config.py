@@ -167,3 +167,29 @@ def test_import_has_no_cutlass_side_effect():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__('os').environ, "PYTHONPATH": "torch-ext"})
     assert res.stdout.split() == ["False", "True", "1.0.0"]
+
+
+def test_scalars_that_overflow_fp32_raise():
+    with pytest.raises(ValueError, match="overflows fp32"):
+        V.check_scalars(None, 1e-41, 128)  # scale / softcap = 9e39
+    with pytest.raises(ValueError, match="overflows fp32"):
+        V.check_scalars(1e39, 0.0, 128)
+    assert V.check_scalars(None, 1e-30, 128)[1] == 1e-30  # small but representable
+
+
+def test_heads_beyond_the_grid_limit_raise():
+    with pytest.raises(ValueError, match="65535"):
+        V.check_heads(65536 * 2, 2, 2)
+    V.check_heads(65535, 5, 5)
+
+
+def test_non_tensor_inputs_get_a_clear_error():
+    import torch
+
+    from flash_attn_4_sm120 import interface
+
+    with pytest.raises(ValueError, match="q must be a torch.Tensor"):
+        interface.flash_attn_func([1.0], [1.0], [1.0])
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):  # CPU tensors: refused before any launch
+        interface.flash_attn_func(q, q, q, learnable_sink=[0.0, 0.0])
