@@ -46,8 +46,9 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
             float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"],
         )
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            learnable_sink is not None and learnable_sink.requires_grad)):
+    elif torch.is_grad_enabled() and (  # getattr: a non-tensor argument reaches validation's clear error
+            getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+            or getattr(v, "requires_grad", False) or getattr(learnable_sink, "requires_grad", False)):
         out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
     else:
         out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)

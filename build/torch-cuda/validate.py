@@ -14,6 +14,7 @@ from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, suppor
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DTYPES = DTYPE_NAMES
 _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP32_MAX = 3.4028234663852886e38
 
 
 def _fail(msg: str):
@@ -91,6 +92,9 @@ def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
         _fail(f"k has {hkv} heads but v has {hkv_v}; they must match")
     if hkv == 0 or hq % hkv != 0:
         _fail(f"the number of query heads ({hq}) must be a positive multiple of the number of KV heads ({hkv})")
+    if hq > MAX_GRID_YZ:  # the forward and the dQ kernel put query heads on grid.y
+        _fail(f"{hq} query heads exceed the supported maximum {MAX_GRID_YZ} (CUDA grid limit); split the heads "
+              "over several calls")
 
 
 def resolve_window(causal: bool, window_size) -> tuple[int, int]:
@@ -128,6 +132,13 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
     softcap = 0.0 if softcap is None else float(softcap)
     if not (math.isfinite(softcap) and softcap >= 0):
         _fail(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    # the kernels get softmax_scale * log2(e), softcap * log2(e) and softmax_scale / softcap as fp32 values
+    derived = [softmax_scale * 1.4426950408889634]
+    if softcap > 0:
+        derived += [softcap * 1.4426950408889634, softmax_scale / softcap]
+    if max(derived) > _FP32_MAX:
+        _fail(f"softmax_scale={softmax_scale} with softcap={softcap} overflows fp32 in the kernel "
+              f"(softmax_scale * log2(e), softcap * log2(e) and softmax_scale / softcap must stay below {_FP32_MAX:.3g})")
     return softmax_scale, softcap
 
 
