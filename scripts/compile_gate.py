@@ -58,8 +58,8 @@ def _check_one(cfg, arch: str) -> dict:
     """Runs in a worker process: compile for ``arch`` and inspect the cubin."""
     os.environ["CUTE_DSL_ARCH"] = arch
     os.environ["CUTE_DSL_KEEP"] = "cubin"
-    dump = tempfile.mkdtemp(prefix="fa4sm120_gate_")
-    os.environ["CUTE_DSL_DUMP_DIR"] = dump
+    # CuTe-DSL reads the dump folder once per process: one folder per worker, under main()'s, removed at the end
+    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(dir=os.environ.get("FA4_GATE_DUMP_PARENT")))
     _package()
     sys.path.insert(0, str(ROOT))
     from flash_attn_4_sm120 import config, jit
@@ -100,8 +100,6 @@ def _check_one(cfg, arch: str) -> dict:
         row["problems"] = problems
     except Exception as exc:  # report, never hide, a compile failure
         row.update(compile_s=round(time.time() - t0, 1), problems=[f"compile failed: {type(exc).__name__}: {exc}"])
-    finally:
-        shutil.rmtree(dump, ignore_errors=True)  # the cubin was read above; do not leave one folder per config
     return row
 
 
@@ -122,12 +120,29 @@ def main(argv=None) -> int:
         return 2
     print(f"compile gate: {len(work)} configurations for {args.arch}, {args.jobs} jobs", flush=True)
     rows = []
+    dump_parent = tempfile.mkdtemp(prefix="fa4sm120_gate_")
+    os.environ["FA4_GATE_DUMP_PARENT"] = dump_parent  # workers inherit it
+    try:
+        rows = _run_pool(work, args)
+    finally:
+        shutil.rmtree(dump_parent, ignore_errors=True)
+    _report(rows, args)
+    bad = [r for r in rows if r["problems"]]
+    return 1 if bad else 0
+
+
+def _run_pool(work, args) -> list[dict]:
+    rows = []
     with cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futs = {pool.submit(_check_one, cfg, args.arch): cfg for cfg in work}
         for fut in cf.as_completed(futs):
             rows.append(fut.result())
             r = rows[-1]
             print(f"  {'ok  ' if not r['problems'] else 'FAIL'} {r['config']} ({r.get('compile_s', '?')} s)", flush=True)
+    return rows
+
+
+def _report(rows: list[dict], args) -> None:
     rows.sort(key=lambda r: r["config"])
     hdr = f"| {'configuration':<58} | regs | spills | frame | HMMA | EX2 | smem (B) | result |"
     print("\n" + hdr + "\n|" + "|".join("-" * (len(c) + 0) for c in hdr.split("|")[1:-1]) + "|")
@@ -141,7 +156,6 @@ def main(argv=None) -> int:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bad = [r for r in rows if r["problems"]]
     print(f"\ncompile gate: {len(rows) - len(bad)}/{len(rows)} configurations pass for {args.arch}")
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":
