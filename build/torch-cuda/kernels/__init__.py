@@ -11,6 +11,7 @@ Shared per-tile device state, one implementation used by all four:
     block_info.py   BlockInfo: KV blocks of a query tile / query blocks of a KV tile, and the visiting order
     kv_source.py    ContiguousKV: the K/V address provider
     score.py        ScoreHook: scale, softcap, masks; P and dS of the backward
+    kernel_state.py KernelState/KernelStateMixin: builds the four above, the same way in every kernel
     rows.py         row loads/stores through the providers above
     fwd_base.py     what both forwards share (Q load, P from S, epilogue)
     softmax.py, cute_utils.py   online softmax and mma/ldmatrix/copy building blocks

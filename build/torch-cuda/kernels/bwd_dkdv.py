@@ -23,12 +23,9 @@ from cutlass import Float32, Int32, const_expr
 from ..arguments import BWD_DKDV_ARGS
 from ..config import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
-from .block_info import BlockInfo
 from .fwd_base import DTYPES
-from .kv_source import ContiguousKV
+from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
-from .score import ScoreHook
-from .seqlen_info import SeqInfo
 
 
 def _mma(dtype, tile_rows: int, num_warps: int):
@@ -40,10 +37,8 @@ def _mma(dtype, tile_rows: int, num_warps: int):
     )
 
 
-class FlashBwdSm80:
+class FlashBwdSm80(KernelStateMixin):
     ARGS = BWD_DKDV_ARGS
-    block_info_cls = BlockInfo
-    kv_source_cls = ContiguousKV
 
     def __init__(self, cfg: BwdKernelConfig):
         self.cfg = cfg
@@ -125,16 +120,9 @@ class FlashBwdSm80:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
-        rows_q = mQ.shape[1]
-        rows_k = mK.shape[1]
-        if const_expr(cfg.varlen_q):
-            rows_q = mQ.shape[0]
-        if const_expr(cfg.varlen_k):
-            rows_k = mK.shape[0]
-        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, 1)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
-        kv = self.kv_source_cls(seq)
+        st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                               scale_log2, softcap_prescale, window_left, window_right, 1)
+        seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
                 seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, softmax_scale, qheads_per_kvhead,

@@ -17,18 +17,13 @@ from cutlass import Float32, Int32, const_expr
 from ..arguments import BWD_DQ_ARGS
 from ..config import BwdKernelConfig
 from . import cute_utils as cu
-from .block_info import BlockInfo
 from .fwd_base import DTYPES
-from .kv_source import ContiguousKV
+from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
-from .score import ScoreHook
-from .seqlen_info import SeqInfo
 
 
-class FlashBwdDqSm80:
+class FlashBwdDqSm80(KernelStateMixin):
     ARGS = BWD_DQ_ARGS
-    block_info_cls = BlockInfo
-    kv_source_cls = ContiguousKV
 
     def __init__(self, cfg: BwdKernelConfig):
         self.cfg = cfg
@@ -82,16 +77,9 @@ class FlashBwdDqSm80:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        rows_q = mQ.shape[1]
-        rows_k = mK.shape[1]
-        if const_expr(cfg.varlen_q):
-            rows_q = mQ.shape[0]
-        if const_expr(cfg.varlen_k):
-            rows_k = mK.shape[0]
-        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, 1)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
-        kv = self.kv_source_cls(seq)
+        st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                               scale_log2, softcap_prescale, window_left, window_right, 1)
+        seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
                          qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv, SharedStorage, tidx,

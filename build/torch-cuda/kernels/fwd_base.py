@@ -16,25 +16,18 @@ from cutlass import Float32, Int32, const_expr
 from ..arguments import FWD_ARGS
 from ..config import FwdKernelConfig, fwd_smem_bytes
 from . import cute_utils as cu
-from .block_info import BlockInfo
-from .kv_source import ContiguousKV
+from .kernel_state import KernelState, KernelStateMixin
 from .rows import load_rows, store_rows_from_smem
 from .score import ScoreHook
-from .seqlen_info import SeqInfo
 from .softmax import online_softmax_step, softmax_finalize
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
-class TileState:
-    """Everything one CTA knows about its tile besides the accumulators: ``seq`` (bounds of its batch entry),
-    ``block`` (its KV-block schedule), ``score`` (the score hook), ``kv`` (the K/V source), and its coordinates."""
+class TileState(KernelState):
+    """The kernel state (``seq``, ``block``, ``score``, ``kv``) plus the coordinates of this forward tile."""
 
-    seq: SeqInfo
-    block: BlockInfo
-    score: ScoreHook
-    kv: ContiguousKV
     head_group: Int32
     m_block: Int32
     pack: Int32
@@ -50,10 +43,8 @@ class TileState:
         return self.seq.q_row(mX, pos, head)
 
 
-class FwdKernelBase:
+class FwdKernelBase(KernelStateMixin):
     ARGS = FWD_ARGS
-    block_info_cls = BlockInfo
-    kv_source_cls = ContiguousKV
 
     def __init__(self, cfg: FwdKernelConfig):
         self.cfg = cfg
@@ -69,25 +60,11 @@ class FwdKernelBase:
     def compute_sync(self):
         raise NotImplementedError
 
-    def seq_rows(self, mQ, mK):
-        """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk."""
-        cfg = self.cfg
-        rows_q = mQ.shape[1]
-        rows_k = mK.shape[1]
-        if const_expr(cfg.varlen_q):
-            rows_q = mQ.shape[0]
-        if const_expr(cfg.varlen_k):
-            rows_k = mK.shape[0]
-        return rows_q, rows_k
-
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack) -> TileState:
-        cfg = self.cfg
-        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
-        return TileState(seq, block, score, self.kv_source_cls(seq), head_group, m_block, pack,
-                         seq.seqlen_q * pack)
+        st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
+                               softcap_prescale, window_left, window_right, pack)
+        return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
     def load_q(self, mQ, sQ, copy_q, tidx, ts: TileState):

@@ -1,0 +1,49 @@
+"""The state every kernel builds first, one implementation for the forward and both backward kernels: the
+sequence bounds of its batch entry (``SeqInfo``, clamped to the tensors), its block schedule (``BlockInfo``), the
+score hook (``ScoreHook``) and the K/V source (``ContiguousKV``).  A kernel class mixes in ``KernelStateMixin``;
+a variant changes the schedule or the K/V storage by overriding ``block_info_cls`` / ``kv_source_cls``.
+"""
+
+from dataclasses import dataclass
+
+from cutlass import const_expr
+
+from .block_info import BlockInfo
+from .kv_source import ContiguousKV
+from .score import ScoreHook
+from .seqlen_info import SeqInfo
+
+
+@dataclass(frozen=True)
+class KernelState:
+    seq: SeqInfo
+    block: BlockInfo
+    score: ScoreHook
+    kv: ContiguousKV
+
+
+class KernelStateMixin:
+    """Needs ``self.cfg``, ``self.tile_m``, ``self.tile_n``."""
+
+    block_info_cls = BlockInfo
+    kv_source_cls = ContiguousKV
+
+    def seq_rows(self, mQ, mK):
+        """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk."""
+        cfg = self.cfg
+        rows_q = mQ.shape[1]
+        rows_k = mK.shape[1]
+        if const_expr(cfg.varlen_q):
+            rows_q = mQ.shape[0]
+        if const_expr(cfg.varlen_k):
+            rows_k = mK.shape[0]
+        return rows_q, rows_k
+
+    def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
+                     softcap_prescale, window_left, window_right, pack) -> KernelState:
+        """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward."""
+        cfg = self.cfg
+        seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        return KernelState(seq, block, score, self.kv_source_cls(seq))
