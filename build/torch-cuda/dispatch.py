@@ -95,10 +95,12 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
     return plan
 
 
-def _kernel(cfg):
+def _kernel(cfg, device: torch.device):
+    """Compiled kernel for ``cfg`` on ``device``'s target (plans are per device, so this runs once per plan)."""
     from .jit import get_kernel  # CuTe-DSL loads on the first launch, not at import
 
-    return get_kernel(cfg)
+    with torch.cuda.device(device):
+        return get_kernel(cfg)
 
 
 def _launch(fn, record, device: torch.device, values: dict) -> None:
@@ -287,7 +289,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     pack = _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
     scale_log2, prescale = _log2_scales(meta)
     if plan.fwd_fn is None:
-        plan.fwd_fn = _kernel(plan.fwd_cfg)
+        plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, sink=sink, scale_log2=scale_log2,
@@ -347,7 +349,7 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index)
         if plan.bwd_fn is None:
-            plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg), _kernel(plan.dq_cfg)
+            plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
         common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
