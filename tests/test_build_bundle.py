@@ -72,9 +72,9 @@ def test_provenance_is_last_source_commit_and_survives_committing_build(project)
 def test_same_sources_give_byte_identical_output(project, tmp_path):
     assert build(project).returncode == 0
     assert build(project, "--out", str(tmp_path / "other")).returncode == 0
-    first = {p.relative_to(variant(project)): p.read_bytes() for p in variant(project).rglob("*")}
+    first = {p.relative_to(variant(project)): p.read_bytes() for p in variant(project).rglob("*") if p.is_file()}
     second = {p.relative_to(tmp_path / "other" / "torch-cuda"): p.read_bytes()
-              for p in (tmp_path / "other" / "torch-cuda").rglob("*")}
+              for p in (tmp_path / "other" / "torch-cuda").rglob("*") if p.is_file()}
     assert first == second
 
 
@@ -98,7 +98,7 @@ def test_no_bytecode_ignored_files_or_stale_files(project):
     (project / "build" / "torch-cpu").mkdir()
     proc = build(project)
     assert proc.returncode == 0
-    files = sorted(p.relative_to(variant(project)).as_posix() for p in variant(project).rglob("*"))
+    files = sorted(p.relative_to(variant(project)).as_posix() for p in variant(project).rglob("*") if p.is_file())
     sources = sorted(p.relative_to(project / PKG).as_posix() for p in (project / PKG).rglob("*.py"))
     assert files == sorted(sources + ["metadata.json"])
     assert sorted(p.name for p in (project / "build").iterdir()) == ["torch-cuda"]
