@@ -6,7 +6,10 @@
   sources, the cutlass-dsl and tvm-ffi versions and the Python version.  When a C compiler is available the
   object is also linked into ``<key>.so``, which a later process loads with tvm-ffi alone, without importing
   CuTe-DSL (whose import alone takes ~2 s); without a compiler, the ``.o`` is loaded through CuTe-DSL.  Files are
-  written to a temporary name and renamed, so concurrent processes never see a half-written object.
+  written to a temporary name and renamed, so concurrent processes never see a half-written object, and a
+  manifest (``<key>.json``: the key and the sha256 of each file) is written last.  An entry that does not match
+  its manifest — truncated, zeroed, replaced by another configuration's kernel, or left without a manifest — is
+  deleted before anything loads it, and the kernel is recompiled and rewritten: a corrupt cache heals itself.
 * ``FA4_SM120_CACHE_DIR`` moves the disk cache (default ``~/.cache/flash_attn_4_sm120``);
   ``FA4_SM120_DISK_CACHE=0`` turns it off.
 
@@ -16,6 +19,7 @@ CuTe-DSL is imported on first use, never at package import.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -184,6 +188,95 @@ def get_kernel(cfg):
     return _get_kernel((kernel_class(cfg).__name__, cfg, target_arch()), cfg, compile_kernel)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _verified_files(key: tuple, path: Path) -> list[Path]:
+    """The cached files of ``key`` that match the manifest written after them (the ``.so`` first, then the
+    ``.o``).  Anything else under this key — no manifest, another key's manifest, a truncated, zeroed or replaced
+    file — is deleted, so a corrupt entry is never loaded (a truncated ``.so`` would SIGBUS in dlopen, a damaged
+    cubin would fail at its first launch) and the recompile overwrites it for every later process."""
+    files = [p for p in (path.with_suffix(".so"), path) if p.exists()]
+    if not files:
+        return []
+    manifest = None
+    try:
+        manifest = json.loads(_manifest_path(path).read_text())
+    except (OSError, ValueError):
+        pass
+    good = []
+    for f in files:
+        ok = False
+        if isinstance(manifest, dict) and manifest.get("key") == repr(key):
+            try:
+                ok = manifest.get("sha256", {}).get(f.name) == _sha256(f)
+            except OSError:
+                ok = False
+        if ok:
+            good.append(f)
+        else:
+            log.warning("kernel cache entry %s does not match its manifest (corrupt, stale or another "
+                        "configuration's); removing it", f)
+            _unlink(f)
+    if not good:
+        _unlink(_manifest_path(path))
+    return good
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _relink_missing_so(key: tuple, path: Path, good: list[Path]) -> list[Path]:
+    """A verified ``.o`` whose ``.so`` was missing or removed: link the ``.so`` again (so later processes load
+    it without CuTe-DSL) and record it in the manifest."""
+    so = path.with_suffix(".so")
+    if so in good or path not in good:
+        return good
+    try:
+        _link_shared(str(path), so)
+        if so.exists():
+            digests = {f.name: _sha256(f) for f in (so, path)}
+            _write_atomic(_manifest_path(path), json.dumps({"key": repr(key), "sha256": digests}))
+            return [so, path]
+    except Exception as exc:  # the .o still works; the cache stays usable
+        log.info("could not relink %s: %s", so, exc)
+    return good
+
+
+def _load_cached(key: tuple, cfg, path: Path):
+    good = _relink_missing_so(key, path, _verified_files(key, path))
+    for f in good:
+        t0 = time.perf_counter()
+        try:
+            if f.suffix == ".so":
+                import tvm_ffi
+
+                fn = tvm_ffi.load_module(str(f))[_EXPORT_NAME]
+            else:
+                import cutlass.cute as cute
+
+                _load_runtime_libs()
+                fn = getattr(cute.runtime.load_module(str(f), enable_tvm_ffi=True), _EXPORT_NAME)
+            log.debug("loaded %s from %s in %.3f s", cfg.name(), f, time.perf_counter() - t0)
+            return fn
+        except Exception as exc:  # e.g. the venv moved and the runtime library is elsewhere: try the next file
+            log.info("could not load %s (%s)", f, exc)
+    return None
+
+
 def _get_kernel(key: tuple, cfg, compile_fn):
     fn = _MEMORY.get(key)
     if fn is not None:
@@ -194,47 +287,45 @@ def _get_kernel(key: tuple, cfg, compile_fn):
             return fn
         t0 = time.perf_counter()
         path = _disk_path(key)
-        if path is not None and path.with_suffix(".so").exists():
-            try:
-                import tvm_ffi
-
-                fn = tvm_ffi.load_module(str(path.with_suffix(".so")))[_EXPORT_NAME]
-                log.debug("loaded %s from %s in %.3f s", cfg.name(), path.with_suffix(".so"), time.perf_counter() - t0)
-            except Exception as exc:  # e.g. the venv moved and the runtime library is elsewhere: use the .o
-                log.info("could not load %s (%s); trying the object file", path.with_suffix(".so"), exc)
-                fn = None
-        if fn is None and path is not None and path.exists():
-            try:
-                import cutlass.cute as cute
-
-                _load_runtime_libs()
-                fn = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _EXPORT_NAME)
-                log.debug("loaded %s from %s in %.3f s", cfg.name(), path, time.perf_counter() - t0)
-            except Exception as exc:  # a corrupt or incompatible object: recompile and overwrite it
-                log.warning("ignoring unusable cached kernel %s (%s); recompiling", path, exc)
-                fn = None
+        if path is not None:
+            fn = _load_cached(key, cfg, path)
         if fn is None:
             fn = compile_fn(cfg)
             log.debug("compiled %s in %.3f s", cfg.name(), time.perf_counter() - t0)
             if path is not None:
-                _export(fn, path)
+                _export(fn, key, path)
         _MEMORY[key] = fn
         return fn
 
 
-def _export(fn, path: Path) -> None:
+def _export(fn, key: tuple, path: Path) -> None:
+    """Write ``<key>.o`` (and ``<key>.so`` when a C compiler links it), then the manifest with their sha256 —
+    last, each file through a temporary name and a rename, so a reader never trusts a half-written entry."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _unlink(_manifest_path(path))  # the entry is untrusted until the new manifest lands
         fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
         os.close(fd)
         fn.export_to_c(object_file_path=tmp, function_name=_EXPORT_NAME)
-        _link_shared(tmp, path.with_suffix(".so"))
+        so = path.with_suffix(".so")
+        _unlink(so)
+        _link_shared(tmp, so)
         os.replace(tmp, path)
+        tmp = None
+        digests = {f.name: _sha256(f) for f in (so, path) if f.exists()}
+        _write_atomic(_manifest_path(path), json.dumps({"key": repr(key), "sha256": digests}))
     except Exception as exc:  # the disk cache is an optimisation; never fail a call because of it
         log.warning("could not write kernel cache %s: %s", path, exc)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _link_shared(obj: str, so_path: Path) -> None:
