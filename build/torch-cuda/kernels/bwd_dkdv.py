@@ -117,7 +117,6 @@ class FlashBwdSm80(KernelStateMixin):
         sP_l: cute.ComposedLayout, mma_m: cute.TiledMma, mma_n: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
-        cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,

@@ -12,7 +12,7 @@ left to the host's zero fill.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 from ..arguments import BWD_DQ_ARGS
 from ..config import BwdKernelConfig
@@ -74,7 +74,6 @@ class FlashBwdDqSm80(KernelStateMixin):
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
-        cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
