@@ -248,8 +248,7 @@ def _relink_missing_so(key: tuple, path: Path, good: list[Path]) -> list[Path]:
     try:
         _link_shared(str(path), so)
         if so.exists():
-            digests = {f.name: _sha256(f) for f in (so, path)}
-            _write_atomic(_manifest_path(path), json.dumps({"key": repr(key), "sha256": digests}))
+            _write_manifest(key, path)
             return [so, path]
     except Exception as exc:  # the .o still works; the cache stays usable
         log.info("could not relink %s: %s", so, exc)
@@ -313,12 +312,17 @@ def _export(fn, key: tuple, path: Path) -> None:
         _link_shared(tmp, so)
         os.replace(tmp, path)
         tmp = None
-        digests = {f.name: _sha256(f) for f in (so, path) if f.exists()}
-        _write_atomic(_manifest_path(path), json.dumps({"key": repr(key), "sha256": digests}))
+        _write_manifest(key, path)
     except Exception as exc:  # the disk cache is an optimisation; never fail a call because of it
         log.warning("could not write kernel cache %s: %s", path, exc)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _write_manifest(key: tuple, path: Path) -> None:
+    """The entry's manifest: its key and the sha256 of each of its files (``.so``, ``.o``) that exists."""
+    digests = {f.name: _sha256(f) for f in (path.with_suffix(".so"), path) if f.exists()}
+    _write_atomic(_manifest_path(path), json.dumps({"key": repr(key), "sha256": digests}))
 
 
 def _write_atomic(path: Path, text: str) -> None:
