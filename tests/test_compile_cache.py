@@ -112,3 +112,40 @@ def test_empty_so_falls_back_to_the_object_and_is_relinked(cache):
     assert len(cache) == 1  # the verified .o loaded; nothing recompiled
     assert so.stat().st_size > 0, "the .so is linked again, so later processes do not pay for the .o path"
     _entry_is_consistent(CFG)
+
+
+def test_entries_are_owner_only(cache):
+    jit.get_kernel(CFG)
+    so, obj, manifest = _paths(CFG)
+    for f in (so, obj, manifest):
+        if f.exists():
+            assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others: {oct(f.stat().st_mode)}"
+    assert obj.parent.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("which", ["root", "fingerprint"])
+def test_cache_dir_writable_by_others_is_refused(cache, tmp_path, caplog, which):
+    jit.get_kernel(CFG)  # a good entry exists
+    jit._REFUSED_DIRS.clear()
+    so, obj, _ = _paths(CFG)
+    target = tmp_path if which == "root" else obj.parent
+    mode = target.stat().st_mode & 0o777
+    target.chmod(0o777)
+    try:
+        _fresh_process()
+        with caplog.at_level("WARNING", logger="flash_attn_4_sm120"):
+            jit.get_kernel(CFG)
+        assert len(cache) == 2, "a kernel from a directory others can write to must not be loaded"
+        assert any("other users can write" in r.getMessage() and str(target) in r.getMessage()
+                   for r in caplog.records), caplog.text
+        _fresh_process()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="flash_attn_4_sm120"):
+            jit.get_kernel(CFG)
+        assert len(cache) == 3 and not caplog.records, "one warning per directory and process"
+    finally:
+        target.chmod(mode)
+        jit._REFUSED_DIRS.clear()
+    _fresh_process()
+    jit.get_kernel(CFG)
+    assert len(cache) == 3, "a safe directory is used again"
