@@ -189,10 +189,21 @@ def attn_impls(model) -> list[str]:
     return sorted(seen)
 
 
-def build(cfg, impl, dtype, device, state=None, **kw):
+def from_config(cfg, impl, dtype, allow_all_kernels=False):
+    """``from_config`` on a deep copy of `cfg`. In transformers 5.22.2 ``from_pretrained`` takes
+    ``allow_all_kernels=True`` but ``from_config`` passes it on to the model's __init__ (TypeError): there the
+    context manager ``allow_all_hub_kernels()`` does the same."""
+    from contextlib import nullcontext
+
+    from transformers.integrations.hub_kernels import allow_all_hub_kernels
+    with allow_all_hub_kernels() if allow_all_kernels else nullcontext():
+        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+
+
+def build(cfg, impl, dtype, device, state=None, allow_all_kernels=False):
     """A model from its own deep copy of `cfg`; with `state`, the weights of another model (cast to `dtype`)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype, **kw)
+    model = from_config(cfg, impl, dtype, allow_all_kernels)
     if state is not None:
         model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
     return model.to(device).eval()
@@ -204,8 +215,7 @@ def load_models(args, device):
     cfg = make_config(args.family)
     if args.family == "gpt_oss" and not args.no_workaround:
         allow_for_gpt_oss(args.repo)
-    kw = {"allow_all_kernels": True} if args.allow_all_kernels else {}
-    ours = build(cfg, args.repo, torch.bfloat16, device, **kw)
+    ours = build(cfg, args.repo, torch.bfloat16, device, allow_all_kernels=args.allow_all_kernels)
     state = {k: v.detach().clone() for k, v in ours.state_dict().items()}
     ref = build(cfg, REFERENCE_IMPL[args.family], torch.bfloat16, device, state)
     gold = build(cfg, "eager", torch.float32, device, state)
@@ -240,24 +250,27 @@ def rel(a, b) -> float:
 
 # -- scenarios ------------------------------------------------------------------------------------------------------
 def scenario_forward(args, device):
+    """Logits of a dense batch (flash_attn_func) and of a left-padded batch (flash_attn_varlen_func)."""
     cfg, (ours, ref, gold), state, info = load_models(args, device)
     spy = install_spies(args.repo, args.reference_kernel)
-    ids, mask = inputs(cfg, device, args.padded)
-    valid = mask.bool()
-    with torch.no_grad():
-        lo, lr, lg = (m(ids, attention_mask=mask).logits[valid] for m in (ours, ref, gold))
-        res = judge(lo, lr, lg)
-        ctl_cfg = control_config(args.family, cfg)
-        if args.family == "gpt_oss":  # control: the same weights with the sinks pushed to -inf (no sink)
-            ctl_state = {k: (torch.full_like(v, -1e4) if k.endswith(".sinks") else v) for k, v in state.items()}
-            ctl = build(cfg, "eager", torch.float32, device, ctl_state)
-        elif ctl_cfg is not None:
-            ctl = build(ctl_cfg, "eager", torch.float32, device, state)
-        else:
-            ctl = None
-        if ctl is not None:
-            res["control_err"] = rel(ctl(ids, attention_mask=mask).logits[valid], lg)
-    return {**info, **spy, **res, "calls": CALLS}
+    ctl_cfg = control_config(args.family, cfg)
+    if args.family == "gpt_oss":  # control: the same weights with the sinks pushed to -inf (no sink)
+        ctl = build(cfg, "eager", torch.float32, device,
+                    {k: (torch.full_like(v, -1e4) if k.endswith(".sinks") else v) for k, v in state.items()})
+    else:
+        ctl = None if ctl_cfg is None else build(ctl_cfg, "eager", torch.float32, device, state)
+    out = {**info, **spy}
+    for case in ("dense", "padded"):
+        CALLS.clear()
+        ids, mask = inputs(cfg, device, case == "padded")
+        valid = mask.bool()
+        with torch.no_grad():
+            lo, lr, lg = (m(ids, attention_mask=mask).logits[valid] for m in (ours, ref, gold))
+            res = judge(lo, lr, lg)
+            if ctl is not None:
+                res["control_err"] = rel(ctl(ids, attention_mask=mask).logits[valid], lg)
+        out[case] = {**res, "calls": list(CALLS)}
+    return out
 
 
 def scenario_train(args, device):
@@ -370,9 +383,7 @@ def scenario_select(args, device):
     cfg = make_config(args.family)
     if args.family == "gpt_oss" and not args.no_workaround:
         allow_for_gpt_oss(args.repo)
-    kw = {"allow_all_kernels": True} if args.allow_all_kernels else {}
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=args.repo, dtype=torch.bfloat16,
-                                             **kw)
+    model = from_config(cfg, args.repo, torch.bfloat16, args.allow_all_kernels)
     spy = install_spies(args.repo, reference_kernel=True)
     process = mfau._process_flash_kwargs_fn
     supports = process.keywords["supports_mapping"] if hasattr(process, "keywords") else {}
