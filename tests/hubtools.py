@@ -137,3 +137,34 @@ def script(name: str, *args: str, env: dict[str, str] | None = None, cwd: Path |
            ) -> subprocess.CompletedProcess:
     """Run scripts/<name> of this checkout with the test interpreter."""
     return run([PYTHON, str(ROOT / "scripts" / name), *args], env if env is not None else dict(os.environ), cwd=cwd)
+
+
+# -- transformers scenarios (tests/tf_scenarios.py runs in the child) -------------------------------------------------
+TF_SCENARIOS = Path(__file__).resolve().parent / "tf_scenarios.py"
+
+
+def run_tf_scenario(hub: LocalHub, home: Path, scenario: str, *args: str, timeout: float = 900) -> dict:
+    """Run one tests/tf_scenarios.py scenario against `hub` in a fresh interpreter and return its JSON result.
+
+    The child sees the transformers that this interpreter imports (its folder goes on PYTHONPATH when it is not one
+    of the interpreter's own site-packages, e.g. an extra payload), the local hub as HF_ENDPOINT and a private HF
+    home; a failed scenario is raised with the child's traceback and stderr."""
+    import site
+
+    import transformers
+
+    env = isolated_env(home, endpoint=hub.endpoint)
+    tf_dir = str(Path(transformers.__file__).resolve().parent.parent)
+    if tf_dir not in {str(Path(p).resolve()) for p in site.getsitepackages()}:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tf_dir, env.get("PYTHONPATH")) if p)
+    proc = run([PYTHON, str(TF_SCENARIOS), scenario, *args], env, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"scenario child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
+    result = json.loads(lines[-1])
+    if not result["ok"]:
+        raise AssertionError(f"scenario {scenario} {' '.join(args)} raised {result['type']}: {result['message']}\n"
+                             f"{result['traceback']}\n--- child stderr ---\n{proc.stderr[-6000:]}")
+    result["stderr"] = proc.stderr
+    return result
