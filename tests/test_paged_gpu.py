@@ -405,3 +405,19 @@ def test_kvcache_cuda_graph_capture_and_replay(paged):
             r, l_, p = _ref_rows(q[bi:bi + 1], kb, vb, dict(causal=True))
             refs.append(r), lses.append(l_), pts.append(p)
         _compare(out, lse, torch.cat(refs), torch.cat(lses), torch.cat(pts))
+
+
+def test_paged_under_torch_compile():
+    """The page table goes through the torch.library op (no graph break); inference only."""
+    pg = Paged([90, 7], 16, 2, 128, 128, seed=131)
+    g = torch.Generator(device="cuda").manual_seed(132)
+    q = _rand(2, 1, 8, 128, dtype=torch.bfloat16, gen=g)
+
+    @torch.compile(fullgraph=True)
+    def decode(q, kp, vp, used, table):
+        return fa.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True,
+                                         return_lse=True)
+
+    with torch.no_grad():
+        out, lse = decode(q, pg.kp, pg.vp, pg.seqused, pg.table)
+    check_dense_q(out, lse, q, pg, causal=True)
