@@ -125,9 +125,9 @@ def test_lengths_and_batch_limits():
 
 
 def test_features_table_drives_errors():
-    assert FEATURES["forward"].supported and not FEATURES["paged_kv"].supported
-    with pytest.raises(NotImplementedError, match="paged_kv"):
-        features.require("paged_kv", "page_table")
+    assert FEATURES["forward"].supported and not FEATURES["block_sparse"].supported
+    with pytest.raises(NotImplementedError, match="block_sparse"):
+        features.require("block_sparse", "block_sparse_tensors")
     features.require("forward")  # supported: no error
 
 

@@ -80,8 +80,8 @@ VARLEN_CASES = {
                               seqused_k=torch.tensor([9, 1], dtype=torch.int32, device="cuda")), ValueError,
                          "seqused_k[0]"),
     "page table": (lambda: dict(cu_seqlens_q=_cu([8, 8]), cu_seqlens_k=_cu([8, 8]),
-                        page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda")), NotImplementedError,
-                   "paged_kv"),
+                        page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda")), ValueError,
+                   "page_table cannot be combined with cu_seqlens_k"),
 }
 
 

@@ -12,6 +12,7 @@ Kinds:
           flag named by ``varlen`` is on; D is the config attribute named by ``dim``
   rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
+  i32mat  a 2-D int32 tensor, last dim contiguous (page table)
   f32vec  a 1-D fp32 tensor (learnable sink)
   f32/i32 a runtime scalar
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
@@ -70,6 +71,7 @@ FWD_ARGS = ArgRecord("forward", (
     _act("out", "head_dim_v", "varlen_q"),
     Arg("lse", "rowstat", varlen="varlen_q"),
     *_SEQ_META,
+    Arg("page_table", "i32mat", when="paged"),
     Arg("sink", "f32vec", when="has_sink"),
     Arg("scale_log2", "f32"),
     Arg("softcap_prescale", "f32"),

@@ -79,6 +79,7 @@ class FwdKernelConfig:
     varlen_k: bool = False  # k/v are (total_k, H, D) with cu_seqlens_k
     seqused_q: bool = False
     seqused_k: bool = False
+    paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
 
     def name(self) -> str:
         flags = [
@@ -91,6 +92,7 @@ class FwdKernelConfig:
                 ("vk", self.varlen_k),
                 ("uq", self.seqused_q),
                 ("uk", self.seqused_k),
+                ("paged", self.paged),
             )
             if on
         ]
@@ -185,17 +187,25 @@ _TILE_PREFERENCE_WINDOWED: dict[int, tuple[FwdTile, ...]] = {
 }
 
 
-def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False) -> tuple[FwdTile, ...]:
+def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, paged: bool = False
+                    ) -> tuple[FwdTile, ...]:
+    """Tiles in preference order.  Paged K/V runs the cp.async kernel only: a page may be smaller than a K/V tile
+    (any page size from 1 up), so rows are gathered one by one with per-row addresses, which TMA tile loads
+    cannot do."""
     key = max(head_dim, head_dim_v)
     if windowed and key in _TILE_PREFERENCE_WINDOWED:
-        return _TILE_PREFERENCE_WINDOWED[key]
-    return _TILE_PREFERENCE[key]
+        tiles = _TILE_PREFERENCE_WINDOWED[key]
+    else:
+        tiles = _TILE_PREFERENCE[key]
+    if paged:
+        tiles = tuple(t for t in tiles if not t.tma)
+    return tiles
 
 
-def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
-    return _select_fwd_tile(head_dim, head_dim_v, bool(windowed), _TABLE_VERSION[0])
+    return _select_fwd_tile(head_dim, head_dim_v, bool(windowed), bool(paged), _TABLE_VERSION[0])
 
 
 _TABLE_VERSION = [0]
@@ -213,9 +223,9 @@ def table_version() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, _version: int) -> FwdTile:
+def _select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool, _version: int) -> FwdTile:
     reasons = []
-    for tile in candidate_tiles(head_dim, head_dim_v, windowed):
+    for tile in candidate_tiles(head_dim, head_dim_v, windowed, paged):
         problems = fwd_tile_problems(head_dim, head_dim_v, tile)
         if not problems:
             return tile
@@ -269,6 +279,30 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
         seqused_k=True,
     )
     return [base, heavy]
+
+
+def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
+    """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
+    lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
+    excluded, a page table replaces cu_seqlens_k)."""
+    out = []
+    for windowed in (False, True):
+        tile = select_fwd_tile(d, dv, windowed, paged=True)
+        base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
+        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
+                        seqused_k=True)
+        out += [c for c in (base, heavy) if c not in out]
+    return out
+
+
+def paged_gate_worklist() -> list[FwdKernelConfig]:
+    """The paged configurations the compile gate builds: bf16 (fp16 differs only in the mma type), head-dim pairs
+    with dv == d (the most registers and shared memory of each tile), lightest and heaviest feature set."""
+    out = []
+    for d, dv in supported_head_dim_pairs():
+        if d == dv:
+            out += paged_gate_configs("bf16", d, dv)
+    return out
 
 
 # ---- backward ------------------------------------------------------------------------------------------------

@@ -49,7 +49,12 @@ FEATURES: dict[str, Feature] = {
                 "forward and backward are torch.library ops with fake implementations: no graph breaks"),
         Feature("deterministic", SUPPORTED, "deterministic=True",
                 "always on: no atomics anywhere, gradients are bitwise reproducible at no cost"),
-        Feature("paged_kv", PLANNED, "page_table=", "raises NotImplementedError"),
+        Feature("paged_kv", SUPPORTED, "flash_attn_varlen_func(page_table=, seqused_k=)",
+                "k/v (num_pages, page_size, Hkv, D), any page size >= 1, every forward feature; fused (2, ...) "
+                "cache views; cp.async kernel; inference only (a grad-requiring call raises)"),
+        Feature("kvcache", SUPPORTED, "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=, ...)",
+                "FA2/FA3 keywords; appends k/v (paged or contiguous, cache_batch_idx); no host sync, "
+                "CUDA-graph capturable; rotary raises NotImplementedError"),
         Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
         Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),

@@ -11,7 +11,8 @@ import torch
 
 from . import ops
 from .autograd import FlashAttnFunction
-from .dispatch import run_forward
+from . import validate as V
+from .dispatch import PAGED_GRAD_ERROR, run_forward
 from .features import require
 
 
@@ -24,11 +25,11 @@ def _unsupported(**values) -> None:
 
 
 def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) -> None:
-    if num_splits != 1:
+    if num_splits.__class__ is not int:  # 1.0 or True are not ints here (isinstance would take bool)
         if not isinstance(num_splits, int) or isinstance(num_splits, bool):
             raise ValueError(f"num_splits must be an int, got {num_splits!r}")
-        if num_splits > 1:
-            require("split_kv", f"num_splits={num_splits}")
+    if num_splits > 1:
+        require("split_kv", f"num_splits={num_splits}")
     if block_sparse_tensors is not None:
         require("block_sparse", "block_sparse_tensors")
     if dropout_p:
@@ -36,19 +37,25 @@ def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) ->
     # deterministic: accepted for compatibility; the backward is always deterministic (no atomics)
 
 
+def _needs_grad(*tensors) -> bool:
+    # getattr: a non-tensor argument reaches validation's clear error
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+
+
 def _attention(q, k, v, learnable_sink, return_lse, kw):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
+    needs_grad = _needs_grad(q, k, v, learnable_sink)
+    if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
+        raise ValueError(PAGED_GRAD_ERROR)
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
         out, lse = ops.fwd(
             q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
-            float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"],
+            float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"], kw.get("page_table"),
         )
-    elif torch.is_grad_enabled() and (  # getattr: a non-tensor argument reaches validation's clear error
-            getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
-            or getattr(v, "requires_grad", False) or getattr(learnable_sink, "requires_grad", False)):
+    elif needs_grad:
         out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
     else:
         out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
@@ -71,6 +78,7 @@ def flash_attn_func(
     block_sparse_tensors=None,
     return_lse: bool = False,
     dropout_p: float = 0.0,
+    page_table: torch.Tensor | None = None,
     qv=None,
     gather_kv_indices=None,
     score_mod=None,
@@ -88,6 +96,9 @@ def flash_attn_func(
     applies ``softcap * tanh(s / softcap)`` to the scaled scores.  ``learnable_sink`` (Hq,) adds one logit per
     head to the softmax denominator.  ``pack_gqa`` packs the query heads of a KV group into one tile (None:
     automatic).  ``deterministic`` concerns the backward only (the forward is always deterministic).
+    ``page_table`` (B, max_pages_per_seq) int32: paged K/V, k/v (num_pages, page_size, Hkv, D), every sequence
+    max_pages_per_seq * page_size keys long (``flash_attn_varlen_func`` takes per-sequence lengths in seqused_k);
+    inference only.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
@@ -99,7 +110,7 @@ def flash_attn_func(
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
-        debug_checks=None,
+        debug_checks=None, page_table=page_table,
     ))
 
 
@@ -148,9 +159,14 @@ def flash_attn_varlen_func(
     they are not read on the host, and a lie gives wrong numbers but never an out-of-bounds access.
     ``debug_checks=True`` (or FA4_SM120_DEBUG_CHECKS=1) checks them on the host and raises ValueError naming the
     lie.  Other arguments as in ``flash_attn_func``.
+
+    Paged K/V (flash-attn-4's ``page_table``): k/v are (num_pages, page_size, Hkv, D) (any page size >= 1; k and v
+    may be two views of one fused cache), ``page_table`` int32 (B, max_pages_per_seq) maps the i-th page of a
+    sequence to a page of k/v, ``seqused_k`` gives the lengths (default: every page full) and ``max_seqlen_k``
+    defaults to max_pages_per_seq * page_size.  Rows of a last page past seqused_k are never read.  Cannot be
+    combined with ``cu_seqlens_k``; inference only (a call that needs grad raises).  Page indices are the caller's
+    contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
-    if page_table is not None:
-        require("paged_kv", "page_table")
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
@@ -162,4 +178,139 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
+        page_table=page_table,
     ))
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    num_splits: int = 0,
+    pack_gqa: bool | None = None,
+    return_softmax_lse: bool = False,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    debug_checks: bool | None = None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = True,
+    rotary_seqlens=None,
+    cache_leftpad=None,
+    alibi_slopes=None,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    cu_seqlens_k_new=None,
+    scheduler_metadata=None,
+    attention_chunk: int = 0,
+    sm_margin: int = 0,
+):
+    """Attention of q over a KV cache, optionally appending new keys/values first (FlashAttention-2/3's
+    ``flash_attn_with_kvcache``; inference only).
+
+    q (B, Sq, Hq, D), or (total_q, Hq, D) with ``cu_seqlens_q`` (then without k/v).  The cache is contiguous,
+    k_cache/v_cache (B_cache, S_cache, Hkv, D|Dv) with ``cache_batch_idx`` (B,) int32 choosing the row of each
+    batch entry (default: entry b uses row b), or paged, (num_pages, page_size, Hkv, D|Dv) with ``page_table``
+    (or its FlashAttention-2 name ``block_table``) int32 (B, max_pages_per_seq), any page size >= 1.  k/v may
+    be views of one fused cache.
+
+    ``k``/``v`` (B, S_new, Hkv, D|Dv), when given, are written into the cache at positions
+    ``cache_seqlens[b] + i`` (crossing page boundaries as needed) before the attention, which then sees
+    ``cache_seqlens + S_new`` keys.  ``cache_seqlens``: int or int32 (B,) tensor, the keys already in the cache
+    (None: the whole cache, no append).  ``causal`` is bottom-right aligned (the new queries are the last
+    positions).  ``num_splits``: 0 (automatic) or 1 runs one split; split-KV is not in this release.
+
+    No device->host sync and CUDA-graph capturable (give ``max_seqlen_q`` with ``cu_seqlens_q``).  Returns out
+    (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
+    (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad, qv and FP8 descales raise NotImplementedError.
+    """
+    from . import kvcache as KV
+
+    if rotary_cos is not None or rotary_sin is not None or rotary_seqlens is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin/rotary_seqlens: rotary embedding inside "
+                                  "flash_attn_with_kvcache is not supported by flash-attn-4-sm120; apply the rotary "
+                                  "embedding to q and k before the call and leave these at None")
+    if (alibi_slopes is not None or cache_leftpad is not None or qv is not None or q_descale is not None
+            or k_descale is not None or v_descale is not None or cu_seqlens_k_new is not None
+            or scheduler_metadata is not None):
+        _unsupported(alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, q_descale=q_descale,
+                     k_descale=k_descale, v_descale=v_descale, cu_seqlens_k_new=cu_seqlens_k_new,
+                     scheduler_metadata=scheduler_metadata)
+    if attention_chunk:
+        raise NotImplementedError(f"attention_chunk={attention_chunk} is not supported by flash-attn-4-sm120; "
+                                  "leave it at 0")
+    if sm_margin:
+        raise NotImplementedError(f"sm_margin={sm_margin} is not supported by flash-attn-4-sm120; leave it at 0")
+    _check_common(num_splits, None, 0.0, False)
+    if _needs_grad(q, k_cache, v_cache, k, v, learnable_sink):
+        raise ValueError("flash_attn_with_kvcache is inference-only (no backward through a KV cache): call it under "
+                         "torch.no_grad() or with tensors that do not require grad")
+    if page_table is not None and block_table is not None and page_table is not block_table:
+        raise ValueError("give the page table once: page_table or block_table (its FlashAttention-2 name), not both")
+    pages = page_table if page_table is not None else block_table
+    if pages is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with a page table: with paged K/V the page table "
+                         "already chooses the cache pages of each sequence")
+    varlen_q = cu_seqlens_q is not None
+    V.check_tensor("q", q, 3 if varlen_q else 4)
+    dev = q.device
+    V.check_tensor("k_cache", k_cache, 4, dev)
+    V.check_tensor("v_cache", v_cache, 4, dev)
+    if varlen_q:
+        if k is not None or v is not None:
+            raise NotImplementedError("appending k/v with cu_seqlens_q (varlen q) is not supported by "
+                                      "flash-attn-4-sm120; append with a dense q, or write the cache first")
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+            raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,)")
+        batch = cu_seqlens_q.shape[0] - 1
+    else:
+        batch = q.shape[0]
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q is for a varlen q (with cu_seqlens_q); a dense q has its length in "
+                             "q.shape[1]")
+    if pages is not None:
+        V.check_page_table(pages, k_cache, v_cache, batch, dev, None)
+        capacity = pages.shape[1] * k_cache.shape[1]
+    else:
+        if tuple(k_cache.shape[:2]) != tuple(v_cache.shape[:2]):
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
+                             "(batch, seqlen) dims")
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            V.check_index_tensor("cache_batch_idx", cache_batch_idx, batch, dev)
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}; give cache_batch_idx or "
+                             "a cache with one row per batch entry")
+    new = KV.check_new_kv(k, v, k_cache, v_cache, batch, dev)
+    if new and cache_seqlens is None:
+        raise ValueError("cache_seqlens is required when appending k/v (it says where the new keys go)")
+    seqlens = KV.check_cache_seqlens(cache_seqlens, batch, capacity, new, dev)
+    if new:
+        KV.append(k_cache, v_cache, k, v, seqlens, pages, cache_batch_idx)
+    seqused_k = None if seqlens is None else (seqlens + new if new else seqlens)
+    if pages is None and cache_batch_idx is not None:
+        # a contiguous cache with a row per batch entry is a paged cache of B_cache pages of S_cache rows
+        pages = cache_batch_idx.view(batch, 1)
+    kc, vc = k_cache, v_cache
+    if pages is None and k_cache.shape[0] > batch:
+        kc, vc = k_cache[:batch], v_cache[:batch]  # rows b < batch, as FlashAttention reads them (views)
+    out, lse = _attention(q, kc, vc, learnable_sink, return_softmax_lse, dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_q=None, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks, page_table=pages,
+    ))
+    return (out, lse) if return_softmax_lse else out

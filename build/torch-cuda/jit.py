@@ -118,6 +118,9 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(rowstat(2 if varlen else 3))
         elif arg.kind == "i32vec":
             out.append(vec(cutlass.Int32))
+        elif arg.kind == "i32mat":
+            out.append(cute.runtime.make_fake_tensor(
+                cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4))
         elif arg.kind == "f32vec":
             out.append(vec(Float32))
         elif arg.kind == "f32":
@@ -141,6 +144,9 @@ def kernel_class(cfg):
 
         return FlashBwdSm80
     if cfg.tile.tma:
+        if cfg.paged:
+            raise ValueError(f"{cfg.name()}: paged K/V runs the cp.async kernel; the TMA tile {cfg.tile.name()} "
+                             "cannot gather rows from pages")
         from .kernels.fwd_tma import FlashFwdWsSm120
 
         return FlashFwdWsSm120

@@ -33,6 +33,10 @@ from .config import (
 )
 
 _LOG2_E = math.log2(math.e)
+PAGED_GRAD_ERROR = (
+    "paged K/V (page_table) is inference-only: the backward does not read pages. Call it under torch.no_grad() "
+    "or with tensors that do not require grad (got q, k, v or learnable_sink with requires_grad=True)"
+)
 _DEBUG_ENV: list = []  # [bool] once read
 
 
@@ -78,14 +82,14 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
-          uk: bool, needs_grad: bool, device_index: int) -> _Plan:
-    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, table_version())
+          uk: bool, needs_grad: bool, device_index: int, paged: bool = False) -> _Plan:
+    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_fwd_tile(d, dv, windowed)
+        tile = select_fwd_tile(d, dv, windowed, paged)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                                     seqused_k=uk))
+                                     seqused_k=uk, paged=paged))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk)
@@ -177,10 +181,32 @@ def _debug_check_lengths(cu_seqlens, seqused, batch: int, static_len: int, total
         raise ValueError(f"max_seqlen_{name}={max_seqlen} is smaller than the longest sequence ({longest})")
 
 
+def _debug_check_pages(page_table, seqused_k, page_size: int, num_pages: int) -> None:
+    """Opt-in host check of a page table (one device->host copy): every page a sequence uses (the first
+    ceil(seqused_k / page_size) entries of its row; the rest may be padding such as -1) is in [0, num_pages)."""
+    if _capturing():
+        raise ValueError("debug_checks read page_table on the host, which cannot be done while capturing a CUDA "
+                         "graph; turn them off for the capture")
+    batch, max_pages = page_table.shape
+    if batch == 0 or max_pages == 0:
+        return
+    if seqused_k is None:
+        used = torch.full((batch,), max_pages, dtype=torch.int64, device=page_table.device)
+    else:
+        used = (seqused_k.long().clamp(0, max_pages * page_size) + page_size - 1) // page_size
+    cols = torch.arange(max_pages, device=page_table.device)
+    bad = (cols[None, :] < used[:, None]) & ((page_table < 0) | (page_table >= num_pages))
+    where = bad.nonzero()
+    if where.numel():
+        b, c = where[0].tolist()
+        raise ValueError(f"page_table[{b}, {c}]={int(page_table[b, c])} is outside [0, {num_pages}) (the pages of "
+                         f"k/v) and sequence {b} uses that entry (seqused_k gives it {int(used[b])} pages)")
+
+
 def forward_meta(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, window_size, softcap, debug_checks=None) -> FwdMeta:
+                 softmax_scale, causal, window_size, softcap, debug_checks=None, page_table=None) -> FwdMeta:
     """Host values of a call (scale, window, grid lengths), without reading device memory when the caller gave
-    what FlashAttention asks for."""
+    what FlashAttention asks for.  With ``page_table`` the k extent is max_pages_per_seq * page_size."""
     if cu_seqlens_q is not None:
         batch = cu_seqlens_q.shape[0] - 1
         rows_q = seqlen_q_static = q.shape[0]
@@ -188,12 +214,16 @@ def forward_meta(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_
         batch, seqlen_q_static = q.shape[0], q.shape[1]
         rows_q = seqlen_q_static
     rows_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
+    if page_table is not None:
+        rows_k = page_table.shape[1] * k.shape[1]
     scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.resolve_window(causal, window_size)
-    if (cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None) \
-            and debug_checks_enabled(debug_checks):
+    if (cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None
+            or page_table is not None) and debug_checks_enabled(debug_checks):
         _debug_check_lengths(cu_seqlens_q, seqused_q, batch, seqlen_q_static, q.shape[0], "q", max_seqlen_q)
         _debug_check_lengths(cu_seqlens_k, seqused_k, batch, rows_k, k.shape[0], "k", max_seqlen_k)
+        if page_table is not None:
+            _debug_check_pages(page_table, seqused_k, k.shape[1], k.shape[0])
     max_q = _max_len(cu_seqlens_q, seqused_q, rows_q, "q", max_seqlen_q)
     max_k = _max_len(cu_seqlens_k, seqused_k, rows_k, "k", max_seqlen_k)
     windowed = causal or left != V.WINDOW_UNBOUNDED or right != V.WINDOW_UNBOUNDED
@@ -217,8 +247,11 @@ def _log2_scales(meta: FwdMeta) -> tuple[float, float]:
 
 
 # ---- forward ---------------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table=None):
     """Rank/dtype/device/stride/shape checks of one call (raise before any launch); returns batch."""
+    if page_table is not None and cu_seqlens_k is not None:
+        raise ValueError("page_table cannot be combined with cu_seqlens_k: with paged K/V the lengths come from "
+                         "seqused_k (leave cu_seqlens_k=None)")
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
     dev = q.device
@@ -240,7 +273,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             raise ValueError("cu_seqlens_q must have shape (batch + 1,) with batch >= 0, got shape (0,)")
     else:
         batch = q.shape[0]
-    if varlen_k:
+    if page_table is not None:
+        V.check_page_table(page_table, k, v, batch, dev, cu_seqlens_k)
+    elif varlen_k:
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
     elif k.shape[:2] != v.shape[:2] or k.shape[0] != batch:
@@ -262,10 +297,14 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
 
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
-                learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None):
+                learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
+                page_table=None):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
-    backward configuration is validated too, before anything launches."""
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
+    only: with ``needs_grad`` it raises)."""
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
+    if page_table is not None and needs_grad:
+        raise ValueError(PAGED_GRAD_ERROR)
     varlen_q = cu_seqlens_q is not None
     dev = q.device
     hq, d = q.shape[-2], q.shape[-1]
@@ -274,9 +313,10 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     meta = forward_meta(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                        debug_checks=debug_checks)
+                        debug_checks=debug_checks, page_table=page_table)
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
-                 cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index)
+                 cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
+                 page_table is not None)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -297,7 +337,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, sink=sink, scale_log2=scale_log2,
+        cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
+        scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=-(-meta.max_q * pack // tile_m), num_head_groups=hq // pack,
         num_batch=meta.batch,

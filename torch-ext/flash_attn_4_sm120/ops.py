@@ -26,20 +26,21 @@ def fwd(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
     softmax_scale: float | None, causal: bool, window_left: int | None, window_right: int | None, softcap: float,
-    pack_gqa: bool | None, debug_checks: bool | None,
+    pack_gqa: bool | None, debug_checks: bool | None, page_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse, _, _ = run_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), learnable_sink=sink, softcap=softcap, pack_gqa=pack_gqa,
-        needs_grad=True, debug_checks=debug_checks,
+        needs_grad=page_table is None,  # paged K/V is inference-only (the caller refused grad-requiring inputs)
+        debug_checks=debug_checks, page_table=page_table,
     )
     return out, lse
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, pack_gqa, debug_checks):
+              softmax_scale, causal, window_left, window_right, softcap, pack_gqa, debug_checks, page_table=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -81,7 +82,7 @@ _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "wind
 def _setup_context(ctx, inputs, output):
     args = dict(zip(("q", "k", "v", "sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
                      "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right",
-                     "softcap", "pack_gqa", "debug_checks"), inputs))
+                     "softcap", "pack_gqa", "debug_checks", "page_table"), inputs))
     out, lse = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, *(args[n] for n in _SAVED_ARGS))
     ctx.static = {n: args[n] for n in _STATIC_ARGS}
@@ -94,7 +95,7 @@ def _backward(ctx, dout, dlse):
         dlse = torch.zeros_like(lse)
     dq, dk, dv, dsink = bwd(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, **ctx.static)
     dsink = None if ctx.sink_dtype is None else dsink.to(ctx.sink_dtype)
-    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

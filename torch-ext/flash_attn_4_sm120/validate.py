@@ -165,3 +165,36 @@ def check_lengths(**lengths: int) -> None:
 def check_batch(batch: int) -> None:
     if batch > MAX_GRID_YZ:
         _fail(f"batch size {batch} exceeds the supported maximum {MAX_GRID_YZ} (CUDA grid limit)")
+
+
+def check_page_table(page_table, k, v, batch: int, device: torch.device, cu_seqlens_k) -> tuple[int, int, int]:
+    """Paged K/V (flash-attn-4's ``page_table``): k/v (num_pages, page_size, Hkv, D), page_table int32
+    (batch, max_pages_per_seq).  Returns (num_pages, page_size, max_pages_per_seq)."""
+    if cu_seqlens_k is not None:
+        _fail("page_table cannot be combined with cu_seqlens_k: with paged K/V the lengths come from seqused_k "
+              "(leave cu_seqlens_k=None)")
+    if not isinstance(page_table, torch.Tensor):
+        _fail(f"page_table must be a torch.Tensor of dtype int32, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32:
+        _fail(f"page_table must have dtype torch.int32, got {page_table.dtype}")
+    if page_table.dim() != 2:
+        _fail(f"page_table must be 2-D (batch, max_pages_per_seq), got shape {tuple(page_table.shape)}")
+    if page_table.shape[0] != batch:
+        _fail(f"page_table has {page_table.shape[0]} rows but the batch is {batch}")
+    if page_table.device != device:
+        _fail(f"page_table is on {page_table.device} but q is on {device}")
+    if page_table.stride(-1) != 1 and page_table.shape[-1] > 1:
+        _fail(f"page_table must be contiguous in its last dimension (strides {tuple(page_table.stride())})")
+    if tuple(k.shape[:2]) != tuple(v.shape[:2]):
+        _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same pages: (num_pages, page_size, Hkv, D) "
+              f"with equal num_pages and page_size")
+    num_pages, page_size = k.shape[0], k.shape[1]
+    if page_size < 1:
+        _fail(f"page_size (k.shape[1]) must be >= 1, got {page_size}")
+    if num_pages < 1:
+        _fail("k/v hold no pages (k.shape[0] == 0); a paged cache needs at least one page")
+    max_pages = page_table.shape[1]
+    if max_pages * page_size > MAX_SEQLEN:
+        _fail(f"max_pages_per_seq * page_size = {max_pages} * {page_size} exceeds the supported maximum sequence "
+              f"length {MAX_SEQLEN}")
+    return num_pages, page_size, max_pages

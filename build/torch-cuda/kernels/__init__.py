@@ -3,13 +3,13 @@ package import.
 
 Kernels:
     fwd_tma.py      forward, warp-specialised: a TMA producer warp + 8 mma.sync warps (d <= 192)
-    fwd_cpasync.py  forward, all warps load (cp.async) and compute (d = 256, and the fallback)
+    fwd_cpasync.py  forward, all warps load (cp.async) and compute (d = 256, paged K/V, and the fallback)
     bwd_dkdv.py     backward dK/dV, KV-stationary
     bwd_dq.py       backward dQ, Q-stationary (no atomics)
 Shared per-tile device state, one implementation used by all four:
     seqlen_info.py  SeqInfo: sequence bounds of a batch entry, clamped to the tensors
     block_info.py   BlockInfo: KV blocks of a query tile / query blocks of a KV tile, and the visiting order
-    kv_source.py    ContiguousKV: the K/V address provider
+    kv_source.py    ContiguousKV / PagedKV: the K/V address providers
     score.py        ScoreHook: scale, softcap, masks; P and dS of the backward
     kernel_state.py KernelState/KernelStateMixin: builds the four above, the same way in every kernel
     rows.py         row loads/stores through the providers above

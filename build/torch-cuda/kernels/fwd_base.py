@@ -61,9 +61,10 @@ class FwdKernelBase(KernelStateMixin):
         raise NotImplementedError
 
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                   mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack) -> TileState:
+                   mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
+                   mPageTable=None) -> TileState:
         st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                               softcap_prescale, window_left, window_right, pack)
+                               softcap_prescale, window_left, window_right, pack, mK, mPageTable)
         return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit

@@ -3,13 +3,15 @@
 Layouts (torch order, last dim contiguous, rows 16-byte aligned):
     q, out  (B, Sq, Hq, D|Dv)   or varlen (total_q, Hq, D|Dv) with cu_seqlens_q (B+1,) int32
     k, v    (B, Sk, Hkv, D|Dv)  or varlen (total_k, Hkv, D|Dv) with cu_seqlens_k (B+1,) int32
+            or paged (num_pages, page_size, Hkv, D|Dv) with page_table (B, max_pages_per_seq) int32
     lse     (B, Hq, Sq) fp32    or varlen (Hq, total_q)
     seqused_q/k (B,) int32 (optional), sink (Hq,) fp32 (optional)
 
 Algorithm (FlashAttention-2 on mma.sync m16n8k16):
     one CTA = one tile of ``tile_m`` query rows of one (batch, head group); warps are stacked along M.
     Q is loaded once (cp.async) and, if ``q_in_regs``, kept in registers as mma A fragments.
-    KV blocks stream through ``num_stages`` smem stages with cp.async, last block first; V(j) loads while
+    KV blocks stream through ``num_stages`` smem stages with cp.async, last block first (paged K/V: row by row,
+    each row's address from the page table, so a block may span pages of any size); V(j) loads while
     S = Q K(j)^T runs, K(j-1) loads while softmax and O += P V(j) run.  P stays in registers (the S accumulator
     is re-read as the A operand).  Only boundary blocks are masked (see masking.py).  The epilogue stages O in
     smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the natural-log LSE.
@@ -50,6 +52,7 @@ class FlashFwdSm80(FwdKernelBase):
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
         seqused_k: cute.Tensor | None,
+        page_table: cute.Tensor | None,
         sink: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -82,7 +85,7 @@ class FlashFwdSm80(FwdKernelBase):
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
@@ -108,6 +111,7 @@ class FlashFwdSm80(FwdKernelBase):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         mSink: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -134,9 +138,10 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = num_m_blocks - 1 - bx
         else:
             m_block = bx
-        rows_q, rows_k = self.seq_rows(mQ, mK)
+        rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack)
+                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
+                             mPageTable)
         if m_block * self.tile_m < ts.num_rows:
             self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout,
                               sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)
@@ -153,13 +158,14 @@ class FlashFwdSm80(FwdKernelBase):
         sVt = cu.transpose_view(sV)
 
         kv_head = (ts.head_group * ts.pack) // qheads_per_kvhead
-        gK = cute.local_tile(ts.kv.head_view(mK, kv_head), (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(ts.kv.head_view(mV, kv_head), (self.tile_n, self.dv), (None, 0))
-
         thr_copy_k = copy_q.get_slice(tidx)
         thr_copy_v = copy_v.get_slice(tidx)
-        tKgK, tKsK = thr_copy_k.partition_S(gK), thr_copy_k.partition_D(sK)
-        tVgV, tVsV = thr_copy_v.partition_S(gV), thr_copy_v.partition_D(sV)
+        tKsK, tVsV = thr_copy_k.partition_D(sK), thr_copy_v.partition_D(sV)
+        tKgK, tVgV = None, None
+        if const_expr(not self.is_paged()):  # paged K/V: rows are addressed one by one (load_kv_rows)
+            gK = cute.local_tile(ts.kv.head_view(mK, kv_head), (self.tile_n, self.d), (None, 0))
+            gV = cute.local_tile(ts.kv.head_view(mV, kv_head), (self.tile_n, self.dv), (None, 0))
+            tKgK, tVgV = thr_copy_k.partition_S(gK), thr_copy_v.partition_S(gV)
         cK = cute.make_identity_tensor((self.tile_n, self.d))
         cV = cute.make_identity_tensor((self.tile_n, self.dv))
         tKcK, t0KcK = thr_copy_k.partition_S(cK), copy_q.get_slice(0).partition_S(cK)
@@ -194,8 +200,14 @@ class FlashFwdSm80(FwdKernelBase):
             self.load_q(mQ, sQ, copy_q, tidx, ts)
             cute.arch.cp_async_commit_group()
             seqlen_k = ts.seq.seqlen_k
-            load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
-            load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
+            if const_expr(self.is_paged()):
+                load_k = partial(self.load_kv_rows, copy_q, lambda pos: ts.kv.row(mK, pos, kv_head), tKsK, tKcK,
+                                 seqlen_k, False)
+                load_v = partial(self.load_kv_rows, copy_v, lambda pos: ts.kv.row(mV, pos, kv_head), tVsV, tVcV,
+                                 seqlen_k, True)
+            else:
+                load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
+                load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
             n_first = n_max - 1
             for s in cutlass.range_constexpr(self.num_stages):
                 if const_expr(s == 0):
@@ -306,3 +318,26 @@ class FlashFwdSm80(FwdKernelBase):
                         tXsX[None, n, None, stage].fill(0)
         else:
             cute.copy(tiled_copy, tXgX[None, None, None, block], tXsX[None, None, None, stage])
+
+    @cute.jit
+    def load_kv_rows(self, tiled_copy, row_of, tXsX, tXcX, seqlen_k: Int32, zero_fill: cutlass.Constexpr[bool],
+                     block: Int32, stage, need_pred: cutlass.Constexpr[bool]):
+        """cp.async one K or V block into ``stage``, each row from its own address ``row_of(pos)`` (paged K/V).
+        Rows past seqlen_k are never read (the rest of a last page may hold anything, even NaN): K rows there are
+        skipped (masked later), V rows zero-filled (P is 0 there, but 0 * garbage could be NaN)."""
+        vec = cute.size(tXsX.shape[0][0])
+        first = block * self.tile_n
+        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            pos = first + tXcX[0, m, 0][0]
+            if const_expr(need_pred):
+                if pos < seqlen_k:
+                    g = cute.tiled_divide(row_of(pos), (vec,))
+                    for kk in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+                        cute.copy(tiled_copy, g[None, tXcX[0, 0, kk][1] // vec], tXsX[None, m, kk, stage])
+                else:
+                    if const_expr(zero_fill):
+                        tXsX[None, m, None, stage].fill(0)
+            else:
+                g = cute.tiled_divide(row_of(pos), (vec,))
+                for kk in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+                    cute.copy(tiled_copy, g[None, tXcX[0, 0, kk][1] // vec], tXsX[None, m, kk, stage])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cutlass import const_expr
 
 from .block_info import BlockInfo
-from .kv_source import ContiguousKV
+from .kv_source import ContiguousKV, PagedKV
 from .score import ScoreHook
 from .seqlen_info import SeqInfo
 
@@ -28,8 +28,9 @@ class KernelStateMixin:
     block_info_cls = BlockInfo
     kv_source_cls = ContiguousKV
 
-    def seq_rows(self, mQ, mK):
-        """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk."""
+    def seq_rows(self, mQ, mK, mPageTable=None):
+        """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk; with a page table (paged
+        K/V), max_pages_per_seq * page_size (the host checks that it fits int32)."""
         cfg = self.cfg
         rows_q = mQ.shape[1]
         rows_k = mK.shape[1]
@@ -37,13 +38,25 @@ class KernelStateMixin:
             rows_q = mQ.shape[0]
         if const_expr(cfg.varlen_k):
             rows_k = mK.shape[0]
+        if const_expr(self.is_paged()):
+            rows_k = mPageTable.shape[1] * mK.shape[1]
         return rows_q, rows_k
 
+    def is_paged(self) -> bool:
+        return getattr(self.cfg, "paged", False)  # backward configs have no paged flag
+
+    def kv_source(self, seq: SeqInfo, mK, mPageTable):
+        """The K/V address provider: ``PagedKV`` when the config is paged, else ``kv_source_cls``."""
+        if const_expr(self.is_paged()):
+            return PagedKV.create(seq, mK, mPageTable)
+        return self.kv_source_cls(seq)
+
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                     softcap_prescale, window_left, window_right, pack) -> KernelState:
-        """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward."""
+                     softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None) -> KernelState:
+        """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
+        ``mK``/``mPageTable``: needed by a paged configuration only."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
         score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
-        return KernelState(seq, block, score, self.kv_source_cls(seq))
+        return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

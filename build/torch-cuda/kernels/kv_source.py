@@ -4,12 +4,19 @@ page table) is a new provider, not a change in five kernels.
 
 ``ContiguousKV``: k/v are (B, Sk, Hkv, D) or varlen (total_k, Hkv, D); the rows of one sequence are contiguous,
 starting at ``SeqInfo.offset_k`` (clamped to the tensor).
+
+``PagedKV``: k/v are (num_pages, page_size, Hkv, D) (any strides with a contiguous last dim, e.g. one half of a
+fused (2, num_pages, ...) cache); key ``pos`` of batch entry b is row ``pos % page_size`` of page
+``page_table[b, pos // page_size]``.  Any page size works (rows are addressed one by one, so a K/V tile may span
+several pages).  Page indices are the caller's contract, as in FlashAttention: they are clamped to
+[0, num_pages - 1], so a wrong one reads a wrong page but never outside the pool.
 """
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+from cutlass import Int32, const_expr
 
 from .seqlen_info import SeqInfo
 
@@ -36,3 +43,22 @@ class ContiguousKV:
     def row(self, mX: cute.Tensor, pos, kv_head) -> cute.Tensor:
         """(D,) row of key ``pos`` (0 <= pos < seqlen_k)."""
         return self.seq.k_row(mX, pos, kv_head)
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    seq: SeqInfo
+    page_table: cute.Tensor  # (B, max_pages_per_seq) int32
+    page_size: Int32
+    last_page: Int32  # num_pages - 1
+
+    @staticmethod
+    def create(seq: SeqInfo, mK: cute.Tensor, mPageTable: cute.Tensor) -> "PagedKV":
+        return PagedKV(seq, mPageTable, Int32(mK.shape[1]), Int32(mK.shape[0]) - 1)
+
+    def row(self, mX: cute.Tensor, pos, kv_head) -> cute.Tensor:
+        """(D,) row of key ``pos`` (0 <= pos < seqlen_k <= max_pages_per_seq * page_size, so the column of the
+        page table is in range)."""
+        col = pos // self.page_size
+        page = cutlass.min(cutlass.max(self.page_table[self.seq.batch, col], 0), self.last_page)
+        return mX[page, pos - col * self.page_size, kv_head, None]

@@ -61,6 +61,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
         seqused_k: cute.Tensor | None,
+        page_table: cute.Tensor | None,  # always None: paged K/V runs the cp.async kernel (config.candidate_tiles)
         sink: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
