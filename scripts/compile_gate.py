@@ -6,10 +6,12 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
 
-A configuration passes when its cubin has HMMA (mma.sync) instructions, none of the instructions SM120 lacks
+A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
+combine kernel has no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config.paged_gate_worklist, config.bwd_gate_configs).
+lightest and heaviest feature set (config.gate_configs, config.paged_gate_worklist, config.bwd_gate_configs),
+plus the combine kernel's (config.combine_gate_configs).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _worklist(pattern: str | None):
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
             items += config.bwd_gate_configs(dtype, d, dv)
+    items += config.combine_gate_configs()
     return [c for c in items if pattern is None or pattern in c.name()]
 
 
@@ -70,7 +73,10 @@ def _check_one(cfg, arch: str) -> dict:
     row = {"config": cfg.name(), "arch": arch}
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
-        if isinstance(cfg, config.DqKernelConfig):
+        is_combine = isinstance(cfg, config.CombineKernelConfig)
+        if is_combine:
+            expected_smem = 0
+        elif isinstance(cfg, config.DqKernelConfig):
             expected_smem = config.dq_smem_bytes(cfg)
         elif isinstance(cfg, config.BwdKernelConfig):
             expected_smem = config.bwd_smem_bytes(cfg)
@@ -86,8 +92,10 @@ def _check_one(cfg, arch: str) -> dict:
             cubin_arch=rep.arch, forbidden=rep.forbidden,
         )
         problems = []
-        if rep.counts["HMMA"] == 0:
+        if rep.counts["HMMA"] == 0 and not is_combine:
             problems.append("no HMMA")
+        if rep.counts["HMMA"] and is_combine:
+            problems.append("HMMA in the combine kernel")
         if rep.forbidden:
             problems.append("forbidden: " + ",".join(rep.forbidden))
         if rep.spills or rep.frame_bytes:

@@ -79,3 +79,36 @@ def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
         out[q0:q0 + lq] = o[0]
         lse[:, q0:q0 + lq] = l_[0]
     return out, lse
+
+
+def combine_ref(out_partial, lse_partial):
+    """Split-KV combine in fp64: out_partial (splits, ..., D), lse_partial (splits, ...) -> out (..., D), lse (...).
+
+    Weights exp(lse_i - LSE); an empty split (lse_i = -inf) contributes exactly 0 whatever its out_partial holds;
+    a row whose splits are all empty gives out = 0, lse = -inf; NaN propagates."""
+    lp = lse_partial.double()
+    lse = torch.logsumexp(lp, dim=0)  # -inf when every split is empty
+    empty = lp == -math.inf
+    w = torch.where(empty, torch.zeros_like(lp), torch.exp(lp - lse))
+    op = torch.where(empty[..., None], torch.zeros_like(out_partial, dtype=torch.float64), out_partial.double())
+    return (w[..., None] * op).sum(0), lse
+
+
+def split_partials(q, k, v, num_splits, **kw):
+    """Partial results of attention over ``num_splits`` contiguous KV chunks (the last ones may be empty), in
+    flash-attn-4's combine layout: out_partial fp32 (splits, B, Sq, Hq, Dv), lse_partial fp32 (splits, B, Sq, Hq).
+    Empty chunks get out 0 and lse -inf.  (No masks: each chunk sees all its keys.)"""
+    b, sq, hq = q.shape[:3]
+    sk = k.shape[1]
+    per = -(-sk // num_splits)
+    outs, lses = [], []
+    for i in range(num_splits):
+        lo, hi = min(i * per, sk), min((i + 1) * per, sk)
+        if hi == lo:
+            outs.append(torch.zeros((b, sq, hq, v.shape[-1]), dtype=torch.float32, device=q.device))
+            lses.append(torch.full((b, sq, hq), -math.inf, dtype=torch.float32, device=q.device))
+            continue
+        o, l_ = attention_ref(q.float(), k[:, lo:hi].float(), v[:, lo:hi].float(), **kw)
+        outs.append(o.float())
+        lses.append(l_.transpose(1, 2).float())
+    return torch.stack(outs), torch.stack(lses)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .arguments import ArgRecord
-from .config import BwdKernelConfig, DqKernelConfig
+from .config import COMBINE_VEC, BwdKernelConfig, CombineKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -129,7 +129,8 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
 
     from .kernels.fwd_base import DTYPES
 
-    dt = DTYPES[cfg.dtype]
+    dt = DTYPES.get(getattr(cfg, "dtype", None))
+    all_dtypes = {**DTYPES, "fp32": Float32}
 
     def act(lead_dims: int, last: int):  # (…, last) with last contiguous and 16-byte aligned rows
         shape = tuple(cute.sym_int() for _ in range(lead_dims)) + (last,)
@@ -140,6 +141,15 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
         return cute.runtime.make_fake_tensor(
             Float32, tuple(cute.sym_int() for _ in range(rank)),
             stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+
+    def rows(rank: int, dtype, last: int):  # (…, last), last contiguous, rows aligned to COMBINE_VEC elements
+        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=COMBINE_VEC) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=COMBINE_VEC * dtype.width // 8)
+
+    def strided(rank: int):
+        return cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int() for _ in range(rank)),
+                                             stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=4)
 
     def vec(dtype):
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
@@ -154,6 +164,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(act(2 if varlen else 3, getattr(cfg, arg.dim)))
         elif arg.kind == "rowstat":
             out.append(rowstat(2 if varlen else 3))
+        elif arg.kind == "rows":
+            out.append(rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim)))
+        elif arg.kind == "strided":
+            out.append(strided(arg.rank))
         elif arg.kind == "i32vec":
             out.append(vec(cutlass.Int32))
         elif arg.kind == "i32mat":
@@ -173,6 +187,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
 
 def kernel_class(cfg):
     """The kernel class that serves ``cfg`` (by the config's type and tile; no arch comparisons)."""
+    if isinstance(cfg, CombineKernelConfig):
+        from .kernels.combine import FlashCombine
+
+        return FlashCombine
     if isinstance(cfg, DqKernelConfig):
         from .kernels.bwd_dq import FlashBwdDqSm80
 
@@ -227,7 +245,7 @@ def _disk_path(key: tuple) -> Path | None:
 
 
 def get_kernel(cfg):
-    """Compiled kernel for ``cfg`` (a forward, dK/dV or dQ config) on the current target: memory, then disk
+    """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ or combine config) on the current target: memory, then disk
     cache, then compile."""
     return _get_kernel((kernel_class(cfg).__name__, cfg, target_arch()), cfg, compile_kernel)
 
