@@ -15,6 +15,9 @@ Kinds:
   i32mat  a 2-D int32 tensor, last dim contiguous (page table)
   f32vec  a 1-D fp32 tensor (learnable sink)
   f32/i32 a runtime scalar
+  rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
+          static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
+  strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views)
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
 """
 
@@ -30,6 +33,8 @@ class Arg:
     dim: str | None = None
     varlen: str | None = None
     when: str | None = None
+    rank: int = 0  # kinds "rows" / "strided"
+    dtype: str | None = None  # kind "rows": the config attribute holding the dtype name
 
 
 @dataclass(frozen=True)
@@ -122,4 +127,14 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),
     Arg("num_batch", "i32"),
+))
+
+# Split-KV combine: out_partial (splits, B, S, H, D) and lse_partial (splits, B, S, H) -> out (B, S, H, D), lse
+# (B, S, H); varlen calls are viewed with B = 1 on the host.
+COMBINE_ARGS = ArgRecord("combine", (
+    Arg("out_partial", "rows", dim="head_dim", rank=5, dtype="partial_dtype"),
+    Arg("lse_partial", "strided", rank=4),
+    Arg("out", "rows", dim="head_dim", rank=4, dtype="out_dtype"),
+    Arg("lse", "strided", rank=3, when="has_lse"),
+    Arg("num_rows", "i32"),
 ))

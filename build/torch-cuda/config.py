@@ -419,3 +419,51 @@ def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     base = select_bwd_config(dtype, d, dv)
     dq = select_dq_config(dtype, d, dv)
     return [base, replace(base, **heavy), dq, replace(dq, **heavy)]
+
+
+# ---- split-KV combine ----------------------------------------------------------------------------------------
+COMBINE_DTYPES = ("fp32", "bf16", "fp16")
+COMBINE_MAX_SPLITS = 256  # flash-attn-4's combine limit; the kernel's loop over splits is dynamic
+COMBINE_MAX_HEAD_DIM = 512
+COMBINE_VEC = 4  # elements per vector load/store of a thread (16 B of fp32 partials)
+COMBINE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class CombineKernelConfig:
+    """Compile key of the split-KV combine kernel (kernels/combine.py).  The number of splits, batch, sequence
+    length, heads and every stride are runtime values: they never recompile."""
+
+    partial_dtype: str  # dtype of out_partial: "fp32" | "bf16" | "fp16"
+    out_dtype: str  # dtype of out
+    head_dim: int
+    has_lse: bool = True  # write the combined LSE
+
+    def name(self) -> str:
+        return f"combine_{self.partial_dtype}_{self.out_dtype}_d{self.head_dim}" + ("_lse" if self.has_lse else "")
+
+
+def combine_threads_per_row(head_dim: int) -> int:
+    """Threads sharing one (batch, position, head) row: the largest power of two (<= 32) dividing the number of
+    vectors of the row, so a row's threads sit in one warp and read consecutive 16-byte vectors."""
+    vectors = head_dim // COMBINE_VEC
+    tpr = 1
+    while tpr < 32 and vectors % (tpr * 2) == 0:
+        tpr *= 2
+    return tpr
+
+
+def combine_head_dim_problem(head_dim: int) -> str | None:
+    """Why the combine kernel cannot take this head dim (None: it can)."""
+    if head_dim <= 0 or head_dim % 8 != 0 or head_dim > COMBINE_MAX_HEAD_DIM:
+        return f"head_dim={head_dim} must be a positive multiple of 8 and at most {COMBINE_MAX_HEAD_DIM}"
+    return None
+
+
+def combine_gate_configs() -> list[CombineKernelConfig]:
+    """Combine variants the compile gate builds: fp32 partials (what the split forward writes) into each output
+    dtype, at the head dims of the forward (lightest: no LSE; heaviest: largest head dim with LSE)."""
+    items = [CombineKernelConfig("fp32", "bf16", d, True) for d in HEAD_DIMS]
+    items += [CombineKernelConfig("fp32", "fp32", 128, False), CombineKernelConfig("fp32", "fp16", 256, True),
+              CombineKernelConfig("bf16", "bf16", 128, True)]
+    return items

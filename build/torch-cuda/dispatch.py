@@ -130,10 +130,15 @@ def _max_len(cu_seqlens, seqused, rows: int, name: str, max_seqlen) -> int:
     exist); dense inputs use their static length; otherwise it is computed on the device and read once."""
     if max_seqlen is not None:
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
+            # integer-valued numbers (numpy ints, 7.0) are accepted; 2.5, a tensor or a string is not
             try:
-                max_seqlen = int(max_seqlen)
-            except (TypeError, ValueError):
-                raise ValueError(f"max_seqlen_{name} must be an int, got {max_seqlen!r}") from None
+                as_int = int(max_seqlen)
+                exact = not isinstance(max_seqlen, torch.Tensor) and as_int == max_seqlen
+            except (TypeError, ValueError, OverflowError):
+                exact = False
+            if not exact:
+                raise ValueError(f"max_seqlen_{name} must be an int, got {max_seqlen!r}")
+            max_seqlen = as_int
         if max_seqlen < 0:
             raise ValueError(f"max_seqlen_{name} must be >= 0, got {max_seqlen}")
         return min(int(max_seqlen), rows)

@@ -55,6 +55,11 @@ FEATURES: dict[str, Feature] = {
         Feature("kvcache", SUPPORTED, "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=, ...)",
                 "FA2/FA3 keywords; appends k/v (paged or contiguous, cache_batch_idx); no host sync, "
                 "CUDA-graph capturable; rotary raises NotImplementedError"),
+        Feature("combine", SUPPORTED, "flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, "
+                "return_lse=True)",
+                "flash-attn-4's split-KV combine: fp32/bf16/fp16 partials, up to 256 splits, head_dim up to 512; "
+                "empty splits (LSE -inf) contribute 0, NaN propagates; cu_seqlens/seqused/varlen_batch_idx "
+                "raise NotImplementedError"),
         Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
         Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),

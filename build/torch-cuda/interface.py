@@ -11,8 +11,13 @@ import torch
 
 from . import ops
 from .autograd import FlashAttnFunction
+<<<<<<< HEAD
 from . import validate as V
 from .dispatch import PAGED_GRAD_ERROR, run_forward
+=======
+from .combine import run_combine
+from .dispatch import run_forward
+>>>>>>> 879d7a5 (Split-KV combine kernel (kernels/combine.py) and flash_attn_combine (flash-attn-4 b36 signature))
 from .features import require
 
 
@@ -182,6 +187,7 @@ def flash_attn_varlen_func(
     ))
 
 
+<<<<<<< HEAD
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -314,3 +320,29 @@ def flash_attn_with_kvcache(
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks, page_table=pages,
     ))
     return (out, lse) if return_softmax_lse else out
+=======
+def flash_attn_combine(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    seqused: torch.Tensor | None = None,
+    varlen_batch_idx: torch.Tensor | None = None,
+    return_lse: bool = True,
+):
+    """Combine the partial results of a split-KV attention (flash-attn-4 b36's signature and layouts).
+
+    ``out_partial`` (num_splits, B, S, H, D) — or, varlen, (num_splits, total_q, H, D) — fp32 (bf16/fp16 also
+    accepted), each split normalised by its own softmax sum; ``lse_partial`` fp32 (num_splits, B, S, H) /
+    (num_splits, total_q, H), the natural-log LSE of each split, any strides.  Returns ``(out, lse)``: out
+    (B, S, H, D) / (total_q, H, D) in ``out_dtype`` (default: out_partial's dtype) or written into ``out``; lse
+    fp32 (B, S, H) / (total_q, H) (a view whose sequence dimension is contiguous), None when
+    ``return_lse=False``.  A split with LSE = -inf is empty and contributes 0 (its out_partial is not read); a row
+    whose splits are all empty gets out = 0 and lse = -inf; NaN propagates.  num_splits <= 256, head_dim a
+    multiple of 8 up to 512.  Inference only: inputs that require grad raise.
+    """
+    if cu_seqlens is not None or seqused is not None or varlen_batch_idx is not None:
+        _unsupported(cu_seqlens=cu_seqlens, seqused=seqused, varlen_batch_idx=varlen_batch_idx)
+    return run_combine(out_partial, lse_partial, out=out, out_dtype=out_dtype, return_lse=return_lse)
+>>>>>>> 879d7a5 (Split-KV combine kernel (kernels/combine.py) and flash_attn_combine (flash-attn-4 b36 signature))

@@ -10,6 +10,9 @@
   manifest (``<key>.json``: the key and the sha256 of each file) is written last.  An entry that does not match
   its manifest — truncated, zeroed, replaced by another configuration's kernel, or left without a manifest — is
   deleted before anything loads it, and the kernel is recompiled and rewritten: a corrupt cache heals itself.
+  Files are fsynced before the rename and readable by their owner only (0600, directories 0700); a cache
+  directory that another user owns or can write to is not used at all (one warning naming it and why; kernels
+  are then compiled in memory).
 * ``FA4_SM120_CACHE_DIR`` moves the disk cache (default ``~/.cache/flash_attn_4_sm120``);
   ``FA4_SM120_DISK_CACHE=0`` turns it off.
 
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 from .arguments import ArgRecord
-from .config import BwdKernelConfig, DqKernelConfig
+from .config import COMBINE_VEC, BwdKernelConfig, CombineKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -40,11 +43,46 @@ _FINGERPRINT: str | None = None
 _RUNTIME_LIBS_LOADED = False
 
 
+_REFUSED_DIRS: set[str] = set()
+
+
 def disk_cache_dir() -> Path | None:
     if os.environ.get("FA4_SM120_DISK_CACHE", "1") == "0":
         return None
     root = os.environ.get("FA4_SM120_CACHE_DIR") or os.path.join(Path.home(), ".cache", "flash_attn_4_sm120")
     return Path(root)
+
+
+def _unsafe_reason(d: Path) -> str | None:
+    """Why another user could plant a kernel in ``d`` (another owner, group- or world-writable), else None.
+    A missing directory is safe: it is created owner-only."""
+    if not hasattr(os, "getuid"):  # no POSIX ownership to check
+        return None
+    try:
+        st = d.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"it cannot be inspected ({exc})"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"other users can write to it (mode {oct(st.st_mode & 0o777)}; `chmod go-w {d}` fixes it)"
+    return None
+
+
+def _safe_dir(d: Path) -> bool:
+    """True when the cache directory ``d`` (and the root above it) is this user's alone; otherwise warn once
+    and do not use the disk cache: a kernel loaded from there runs with this process's rights."""
+    for part in (d.parent, d):
+        reason = _unsafe_reason(part)
+        if reason is not None:
+            if str(part) not in _REFUSED_DIRS:
+                _REFUSED_DIRS.add(str(part))
+                log.warning("not using the kernel cache in %s: %s; kernels are compiled in memory instead "
+                            "(set FA4_SM120_CACHE_DIR to a directory of your own)", part, reason)
+            return False
+    return True
 
 
 def _dist_version(name: str) -> str:
@@ -91,7 +129,8 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
 
     from .kernels.fwd_base import DTYPES
 
-    dt = DTYPES[cfg.dtype]
+    dt = DTYPES.get(getattr(cfg, "dtype", None))
+    all_dtypes = {**DTYPES, "fp32": Float32}
 
     def act(lead_dims: int, last: int):  # (…, last) with last contiguous and 16-byte aligned rows
         shape = tuple(cute.sym_int() for _ in range(lead_dims)) + (last,)
@@ -102,6 +141,15 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
         return cute.runtime.make_fake_tensor(
             Float32, tuple(cute.sym_int() for _ in range(rank)),
             stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+
+    def rows(rank: int, dtype, last: int):  # (…, last), last contiguous, rows aligned to COMBINE_VEC elements
+        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=COMBINE_VEC) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=COMBINE_VEC * dtype.width // 8)
+
+    def strided(rank: int):
+        return cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int() for _ in range(rank)),
+                                             stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=4)
 
     def vec(dtype):
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
@@ -116,6 +164,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(act(2 if varlen else 3, getattr(cfg, arg.dim)))
         elif arg.kind == "rowstat":
             out.append(rowstat(2 if varlen else 3))
+        elif arg.kind == "rows":
+            out.append(rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim)))
+        elif arg.kind == "strided":
+            out.append(strided(arg.rank))
         elif arg.kind == "i32vec":
             out.append(vec(cutlass.Int32))
         elif arg.kind == "i32mat":
@@ -135,6 +187,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
 
 def kernel_class(cfg):
     """The kernel class that serves ``cfg`` (by the config's type and tile; no arch comparisons)."""
+    if isinstance(cfg, CombineKernelConfig):
+        from .kernels.combine import FlashCombine
+
+        return FlashCombine
     if isinstance(cfg, DqKernelConfig):
         from .kernels.bwd_dq import FlashBwdDqSm80
 
@@ -189,7 +245,7 @@ def _disk_path(key: tuple) -> Path | None:
 
 
 def get_kernel(cfg):
-    """Compiled kernel for ``cfg`` (a forward, dK/dV or dQ config) on the current target: memory, then disk
+    """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ or combine config) on the current target: memory, then disk
     cache, then compile."""
     return _get_kernel((kernel_class(cfg).__name__, cfg, target_arch()), cfg, compile_kernel)
 
@@ -262,6 +318,8 @@ def _relink_missing_so(key: tuple, path: Path, good: list[Path]) -> list[Path]:
 
 
 def _load_cached(key: tuple, cfg, path: Path):
+    if not _safe_dir(path.parent):
+        return None
     good = _relink_missing_so(key, path, _verified_files(key, path))
     for f in good:
         t0 = time.perf_counter()
@@ -292,6 +350,8 @@ def _get_kernel(key: tuple, cfg, compile_fn):
             return fn
         t0 = time.perf_counter()
         path = _disk_path(key)
+        if path is not None and not _safe_dir(path.parent):
+            path = None
         if path is not None:
             fn = _load_cached(key, cfg, path)
         if fn is None:
@@ -308,11 +368,13 @@ def _export(fn, key: tuple, path: Path) -> None:
     last, each file through a temporary name and a rename, so a reader never trusts a half-written entry."""
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         _unlink(_manifest_path(path))  # the entry is untrusted until the new manifest lands
-        fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)  # mode 0600
         os.close(fd)
         fn.export_to_c(object_file_path=tmp, function_name=_EXPORT_NAME)
+        _fsync(tmp)
         so = path.with_suffix(".so")
         _unlink(so)
         _link_shared(tmp, so)
@@ -332,10 +394,23 @@ def _write_manifest(key: tuple, path: Path) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)  # mode 0600
     with os.fdopen(fd, "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync(path) -> None:
+    """Flush a file to disk before it is renamed into place (a crash then leaves the old entry or the new one,
+    never a renamed-but-empty file) and make it readable by its owner only."""
+    os.chmod(path, 0o600)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _link_shared(obj: str, so_path: Path) -> None:
@@ -360,4 +435,5 @@ def _link_shared(obj: str, so_path: Path) -> None:
         os.unlink(tmp_so)
         log.info("not linking %s (%s): %s", so_path.name, cc, res.stderr.strip()[:300])
         return
+    _fsync(tmp_so)
     os.replace(tmp_so, so_path)

@@ -116,3 +116,40 @@ class BlockInfo:
                 state = step(start_c - 1 - i, state, is_first=False, mask_seqlen=False, mask_right=False,
                              mask_left=True)
         return state
+
+
+@dataclass(frozen=True)
+class SplitBlockInfo(BlockInfo):
+    """Split-KV schedule: split ``split_idx`` of ``num_splits`` visits only its share of the KV blocks a query tile
+    sees.  The tile's range [n_min, n_max) (masks and window included) is cut into ``num_splits`` runs of
+    ceil(count / num_splits) blocks; split s takes [n_min + s*per, min(n_min + (s+1)*per, n_max)), which may be
+    empty (the kernels then write O = 0 and LSE = -inf, which the combine skips).
+
+    The split's first (highest) block takes every mask the tile may need (seqlen, right, left): a superset, so it
+    is correct whichever phase of the unsplit plan that block belongs to.  The other blocks keep the phase they
+    have in the unsplit plan (A: right+left, B: none, C: left), intersected with the split's run.
+    Inference only (the dQ kernel's ``kv_range`` is not split).
+    """
+
+    split_idx: Int32 = 0
+    num_splits: Int32 = 1
+
+    @cute.jit
+    def kv_plan(self, m_block: Int32):
+        n_min, n_max, count_a, count_b, count_c = BlockInfo.kv_plan(self, m_block)
+        # phase boundaries of the unsplit plan (blocks descending from n_max - 1):
+        #   A: [a_lo, n_max - 1)   B: [b_lo, a_lo)   C: [n_min, b_lo)
+        a_lo = n_max - 1 - count_a
+        b_lo = a_lo - count_b
+        total = cutlass.max(n_max - n_min, 0)
+        per = (total + self.num_splits - 1) // self.num_splits
+        lo = cutlass.min(n_min + self.split_idx * per, n_max)
+        hi = cutlass.min(lo + per, n_max)
+        first = hi - 1  # the split's first block (all masks)
+        # every block of [lo, first) keeps its phase: count the part of each phase inside the run
+        s_count_a = cutlass.max(first - cutlass.max(a_lo, lo), 0)
+        s_start_b = first - s_count_a
+        s_count_b = cutlass.max(s_start_b - cutlass.max(b_lo, lo), 0)
+        s_start_c = s_start_b - s_count_b
+        s_count_c = cutlass.max(s_start_c - lo, 0)
+        return lo, hi, s_count_a, s_count_b, s_count_c

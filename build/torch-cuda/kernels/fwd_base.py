@@ -19,6 +19,7 @@ from . import cute_utils as cu
 from .kernel_state import KernelState, KernelStateMixin
 from .rows import load_rows, store_rows_from_smem
 from .score import ScoreHook
+from .seqlen_info import SeqInfo
 from .softmax import online_softmax_step, softmax_finalize
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -59,6 +60,12 @@ class FwdKernelBase(KernelStateMixin):
 
     def compute_sync(self):
         raise NotImplementedError
+
+    @property
+    def grid_x_extra(self) -> int:
+        """1 when q rows can lie outside every sequence (varlen q, seqused_q): a last grid column of CTAs, past
+        the ``num_m_blocks`` tile columns, writes them (``fill_unused_rows``)."""
+        return 1 if self.cfg.varlen_q or self.cfg.seqused_q else 0
 
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
@@ -115,6 +122,42 @@ class FwdKernelBase(KernelStateMixin):
         self.store_lse(ts, mLSE, lse, tScS_mn)
         self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it
         self.store_o(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
+
+    @cute.jit
+    def fill_unused_rows(self, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack,
+                         num_threads: cutlass.Constexpr[int]):
+        """Rows of q inside no sequence (varlen padding before ``cu_seqlens_q[0]`` or after ``cu_seqlens_q[-1]``,
+        rows past ``seqused_q``) get O = 0 and LSE = -inf, the rule of a row with no keys, so no output row keeps
+        what ``torch.empty`` held.  Run by the extra grid column (``grid_x_extra``): one CTA per head group and
+        batch entry, one element per thread and step (such rows are rare: the loop is empty for packed, fully used
+        inputs).  A CTA of its own, so the tile kernels' register budget is untouched."""
+        cfg = self.cfg
+        if const_expr(cfg.varlen_q or cfg.seqused_q):
+            tidx, _, _ = cute.arch.thread_idx()
+            _, head_group, batch = cute.arch.block_idx()
+            _, _, num_batch = cute.arch.grid_dim()
+            offset_q, seqlen_q = SeqInfo._bounds(cfg.varlen_q, cfg.seqused_q, batch, rows_q, mCuSeqlensQ,
+                                                 mSeqUsedQ)
+            seq = SeqInfo(batch, offset_q, Int32(0), seqlen_q, Int32(0), cfg.varlen_q, False)
+            tail, lead = seq.unused_q_positions(batch, num_batch, rows_q, mCuSeqlensQ)
+            n_items = (tail + lead) * pack * self.dv
+            zero = Float32(0.0).to(self.dtype)
+            for e in cutlass.range(tidx, n_items, num_threads, unroll=1):
+                row = e // self.dv
+                col = e - row * self.dv
+                p = row // pack
+                head = head_group * pack + (row - p * pack)
+                pos = seqlen_q + p
+                if p >= tail:
+                    pos = p - tail - lead
+                if const_expr(cfg.varlen_q):  # the addressing of SeqInfo.q_row / row_stat_index
+                    mO[offset_q + pos, head, col] = zero
+                    if col == 0:
+                        mLSE[head, offset_q + pos] = -Float32.inf
+                else:
+                    mO[batch, pos, head, col] = zero
+                    if col == 0:
+                        mLSE[batch, head, pos] = -Float32.inf
 
     @cute.jit
     def store_lse(self, ts: TileState, mLSE, lse, tScS_mn):

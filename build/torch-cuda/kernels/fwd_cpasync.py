@@ -89,7 +89,7 @@ class FlashFwdSm80(FwdKernelBase):
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
-            grid=(num_m_blocks, num_head_groups, num_batch),
+            grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
             block=(self.num_mma_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             # one CTA per SM is what SM120's 99 KB allows; without this ptxas may cap registers (168) to fit three
@@ -130,6 +130,30 @@ class FlashFwdSm80(FwdKernelBase):
         copy_o: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
     ):
+        # thread and block indices are read inside each branch: live across the branch they would be spilled
+        # around the producer's setmaxnreg
+        bx, _, _ = cute.arch.block_idx()
+        rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
+        tile = partial(
+            self.run_tile, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
+            scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
+            rows_q, rows_k,
+        )
+        if const_expr(self.grid_x_extra):
+            if bx == num_m_blocks:
+                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
+            else:
+                tile()
+        else:
+            tile()
+
+    @cute.jit
+    def run_tile(
+        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, scale_log2,
+        softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, sQ_layout, sK_layout,
+        sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, rows_q, rows_k,
+    ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bx, head_group, batch = cute.arch.block_idx()
@@ -138,7 +162,6 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = num_m_blocks - 1 - bx
         else:
             m_block = bx
-        rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
                              mPageTable)

@@ -113,7 +113,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
         ).launch(
-            grid=(num_m_blocks, num_head_groups, num_batch),
+            grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
             block=(self.num_mma_threads + 128, 1, 1),
             min_blocks_per_mp=1,  # lets ptxas honour setmaxnreg (it drops it without a per-thread register bound)
             smem=SharedStorage.size_in_bytes(),
@@ -129,10 +129,33 @@ class FlashFwdWsSm120(FwdKernelBase):
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
         copy_q: cute.TiledCopy, copy_o: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
+        # thread and block indices are read inside each branch: live across the branch they would be spilled
+        # around the producer's setmaxnreg
+        bx, _, _ = cute.arch.block_idx()
+        tile = partial(
+            self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
+            softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
+            tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
+        )
+        if const_expr(self.grid_x_extra):
+            if bx == num_m_blocks:
+                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
+            else:
+                tile()
+        else:
+            tile()
+
+    @cute.jit
+    def run_tile(
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
+        softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
+        tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o,
+        SharedStorage: cutlass.Constexpr,
+    ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bx, head_group, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx  # longest tiles first
         else:

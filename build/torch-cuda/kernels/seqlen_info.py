@@ -62,6 +62,22 @@ class SeqInfo:
             seqlen = cute.arch.make_warp_uniform(seqlen)
         return offset, seqlen
 
+    @cute.jit
+    def unused_q_positions(self, batch, num_batch, rows_q, mCuSeqlensQ):
+        """(tail, lead): the rows of q this entry owns that no query uses.  An entry owns the rows from its start
+        to the next entry's start (the last entry: to the end of q); the ``tail`` ones past its (seqused) length
+        are positions seqlen_q .. seqlen_q + tail - 1, and the first entry also owns the ``lead`` rows before its
+        start (positions -lead .. -1).  Dense q without seqused has none.  Clamped like the bounds above."""
+        rows = Int32(rows_q)
+        own_end = rows - self.offset_q
+        lead = Int32(0)
+        if const_expr(self.varlen_q):
+            if batch + 1 < num_batch:
+                own_end = _clamp(mCuSeqlensQ[batch + 1], self.offset_q, rows) - self.offset_q
+            if batch == 0:
+                lead = self.offset_q
+        return own_end - self.seqlen_q, lead
+
     # ---- addressing: every gmem row of q/o/dq/do (q side) and k/v/dk/dv (k side) goes through these
     def q_row(self, mX: cute.Tensor, pos, head) -> cute.Tensor:
         """The (D,) row of query position ``pos`` (0 <= pos < seqlen_q) of ``head``."""

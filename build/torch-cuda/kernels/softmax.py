@@ -56,7 +56,8 @@ def softmax_finalize(
     """Normalise acc_O by the row sums and write the natural-log LSE of each row into ``lse``.
 
     With a learnable sink, the sink logit joins the denominator: LSE = log(sum_j exp(s_j) + exp(sink)).
-    A row with nothing to attend to gets O = 0 and LSE = -inf (or the sink logit when a sink is present).
+    A row with nothing to attend to gets O = 0 and LSE = -inf (or the sink logit when a sink is present).  NaN in
+    the scores or the sink propagates to the row's O and LSE.
     """
     o_mn = acc_mn_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(state_max)):
@@ -66,8 +67,11 @@ def softmax_finalize(
         if const_expr(has_sink):
             sink_scaled = sink[r] * LOG2_E
             m_scaled = sink_scaled if m == -Float32.inf else m_scaled
-            total = total + cute.math.exp2(sink_scaled - m_scaled, fastmath=True)
-        empty = total == 0.0 or total != total
+            # no scores and a -inf sink: nothing at all (exp2(-inf - -inf) would be NaN); a NaN sink stays NaN
+            sink_term = 0.0 if m_scaled == -Float32.inf else cute.math.exp2(sink_scaled - m_scaled, fastmath=True)
+            total = total + sink_term
+        # NaN (from NaN scores or a NaN sink) is not "empty": it propagates to O and the LSE, never hides
+        empty = total == 0.0
         inv = 1.0 if empty else cute.arch.rcp_approx(total)
         o_mn[r, None].store(o_mn[r, None].load() * inv)
         lse[r] = -Float32.inf if empty else (m_scaled + cute.math.log2(total, fastmath=True)) * LN_2

@@ -1,0 +1,138 @@
+"""Split-KV combine: merge the partial outputs of ``num_splits`` KV ranges into one attention output.
+
+Layouts (the host views a varlen call, (splits, total_q, H, D), as batch 1):
+    out_partial  (splits, B, S, H, D)  fp32 (or bf16/fp16), D contiguous, rows 4-element aligned
+    lse_partial  (splits, B, S, H)     fp32 natural-log LSE of each split, any strides
+    out          (B, S, H, D)          fp32/bf16/fp16, D contiguous
+    lse          (B, S, H)             fp32, any strides (optional: config.has_lse)
+
+For one row (b, s, h) with split LSEs l_i and partial outputs O_i (each normalised by its own split's sum):
+    m   = max_i l_i                  (0 when every l_i is -inf, so no -inf - -inf appears)
+    LSE = m + log(sum_i exp(l_i - m))
+    O   = sum_i exp(l_i - LSE) * O_i
+An empty split (l_i = -inf) contributes exactly 0 and its O_i is never read (it may hold anything); a row whose
+splits are all empty gets O = 0 and LSE = -inf.  NaN is not hidden: a NaN LSE makes the row's LSE and O NaN, and a
+NaN in the O_i of a non-empty split reaches O.
+
+Work split: ``tpr`` threads (a power of two <= 32, config.combine_threads_per_row) own one row; each holds
+``D / (4 * tpr)`` 4-element vectors of it.  The row's threads read the split LSEs strided, reduce max and sum with
+butterfly shuffles, then walk the splits ``UNROLL`` at a time (independent loads in flight), scaling and adding
+the partial vectors.  Rows past the end are clamped to the last row (so every lane joins the shuffles) and not
+stored.  No shared memory, no atomics; the number of splits is a runtime value.
+
+Profile: ncu --kernel-name regex:combine --section MemoryWorkloadAnalysis python benchmarks/... (a split call).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..arguments import COMBINE_ARGS
+from ..config import COMBINE_THREADS, COMBINE_VEC, CombineKernelConfig, combine_threads_per_row
+from .cute_utils import LN_2, LOG2_E
+
+_DTYPES = {"fp32": Float32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+class FlashCombine:
+    ARGS = COMBINE_ARGS
+    UNROLL = 4  # splits whose loads are issued together
+
+    def __init__(self, cfg: CombineKernelConfig):
+        self.cfg = cfg
+        self.partial_dtype = _DTYPES[cfg.partial_dtype]
+        self.out_dtype = _DTYPES[cfg.out_dtype]
+        self.d = cfg.head_dim
+        self.tpr = combine_threads_per_row(cfg.head_dim)
+        self.vecs = cfg.head_dim // (COMBINE_VEC * self.tpr)  # vectors per thread
+        self.num_threads = COMBINE_THREADS
+        self.rows_per_cta = COMBINE_THREADS // self.tpr
+        self.launch_smem_bytes = 0
+
+    @cute.jit
+    def __call__(self, out_partial: cute.Tensor, lse_partial: cute.Tensor, out: cute.Tensor,
+                 lse: cute.Tensor | None, num_rows: Int32, stream):
+        self.kernel(out_partial, lse_partial, out, lse, num_rows).launch(
+            grid=((num_rows + self.rows_per_cta - 1) // self.rows_per_cta, 1, 1), block=(self.num_threads, 1, 1),
+            smem=0, stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor | None,
+               num_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        tpr = self.tpr
+        lane = tidx % tpr
+        row = bidx * self.rows_per_cta + tidx // tpr
+        valid = row < num_rows
+        row = cutlass.min(row, num_rows - 1)
+        num_heads, seqlen = mO.shape[2], mO.shape[1]
+        head = row % num_heads
+        pos_b = row // num_heads
+        pos = pos_b % seqlen
+        batch = pos_b // seqlen
+        num_splits = mOp.shape[0]
+        lse_row = mLSEp[None, batch, pos, head]
+
+        lse_final = self.combined_lse(lse_row, num_splits, lane)
+
+        vec = COMBINE_VEC
+        acc = cute.make_rmem_tensor((vec, self.vecs), Float32)
+        acc.fill(0.0)
+        frag = cute.make_rmem_tensor((vec, self.vecs, self.UNROLL), self.partial_dtype)
+        scales = cute.make_rmem_tensor((self.UNROLL,), Float32)
+        for i0 in cutlass.range(0, num_splits, self.UNROLL, unroll=1):
+            for u in cutlass.range_constexpr(self.UNROLL):
+                scales[u] = Float32(0.0)
+                i = i0 + u
+                if i < num_splits:
+                    l_i = lse_row[i]
+                    if l_i != -Float32.inf:  # an empty split is skipped; a NaN one is not
+                        scales[u] = cute.math.exp2((l_i - lse_final) * LOG2_E, fastmath=True)
+                        g = cute.tiled_divide(mOp[i, batch, pos, head, None], (vec,))
+                        for j in cutlass.range_constexpr(self.vecs):
+                            cute.autovec_copy(g[None, lane + j * tpr], frag[None, j, u])
+                    else:
+                        frag[None, None, u].fill(0.0)
+                else:
+                    frag[None, None, u].fill(0.0)
+            for u in cutlass.range_constexpr(self.UNROLL):
+                acc.store(acc.load() + frag[None, None, u].load().to(Float32) * scales[u])
+
+        if valid:
+            res = cute.make_rmem_tensor((vec, self.vecs), self.out_dtype)
+            res.store(acc.load().to(self.out_dtype))
+            g = cute.tiled_divide(mO[batch, pos, head, None], (vec,))
+            for j in cutlass.range_constexpr(self.vecs):
+                cute.autovec_copy(res[None, j], g[None, lane + j * tpr])
+            if const_expr(self.cfg.has_lse):
+                if lane == 0:
+                    mLSE[batch, pos, head] = lse_final
+
+    @cute.jit
+    def combined_lse(self, lse_row: cute.Tensor, num_splits: Int32, lane: Int32) -> Float32:
+        """LSE of the row over all splits (every lane of the row's group gets it); -inf when all are empty."""
+        tpr = self.tpr
+        m = Float32(-Float32.inf)
+        for i in cutlass.range(lane, num_splits, tpr, unroll=1):
+            m = cute.arch.fmax(m, lse_row[i])
+        m = self.group_reduce(m, True)
+        m_safe = Float32(0.0) if m == -Float32.inf else m
+        total = Float32(0.0)
+        for i in cutlass.range(lane, num_splits, tpr, unroll=1):
+            total = total + cute.math.exp2((lse_row[i] - m_safe) * LOG2_E, fastmath=True)
+        total = self.group_reduce(total, False)
+        # total is NaN when an LSE is NaN (fmax drops NaN, the sum does not): the NaN reaches LSE and O
+        return -Float32.inf if total == 0.0 else m_safe + cute.math.log2(total, fastmath=True) * LN_2
+
+    @cute.jit
+    def group_reduce(self, x: Float32, is_max: cutlass.Constexpr[bool]) -> Float32:
+        """Max or sum over the ``tpr`` lanes of one row (butterfly shuffles inside the aligned lane group)."""
+        for k in cutlass.range_constexpr(self.tpr.bit_length() - 1):
+            y = cute.arch.shuffle_sync_bfly(x, offset=self.tpr >> (k + 1))
+            if const_expr(is_max):
+                x = cute.arch.fmax(x, y)
+            else:
+                x = x + y
+        return x
