@@ -11,13 +11,9 @@ import torch
 
 from . import ops
 from .autograd import FlashAttnFunction
-<<<<<<< HEAD
 from . import validate as V
-from .dispatch import PAGED_GRAD_ERROR, run_forward
-=======
 from .combine import run_combine
-from .dispatch import run_forward
->>>>>>> 879d7a5 (Split-KV combine kernel (kernels/combine.py) and flash_attn_combine (flash-attn-4 b36 signature))
+from .dispatch import PAGED_GRAD_ERROR, run_forward
 from .features import require
 
 
@@ -187,7 +183,6 @@ def flash_attn_varlen_func(
     ))
 
 
-<<<<<<< HEAD
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -320,7 +315,8 @@ def flash_attn_with_kvcache(
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks, page_table=pages,
     ))
     return (out, lse) if return_softmax_lse else out
-=======
+
+
 def flash_attn_combine(
     out_partial: torch.Tensor,
     lse_partial: torch.Tensor,
@@ -345,4 +341,3 @@ def flash_attn_combine(
     if cu_seqlens is not None or seqused is not None or varlen_batch_idx is not None:
         _unsupported(cu_seqlens=cu_seqlens, seqused=seqused, varlen_batch_idx=varlen_batch_idx)
     return run_combine(out_partial, lse_partial, out=out, out_dtype=out_dtype, return_lse=return_lse)
->>>>>>> 879d7a5 (Split-KV combine kernel (kernels/combine.py) and flash_attn_combine (flash-attn-4 b36 signature))
