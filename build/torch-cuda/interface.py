@@ -281,8 +281,12 @@ def flash_attn_with_kvcache(
     else:
         batch = q.shape[0]
         if max_seqlen_q is not None:
-            raise ValueError("max_seqlen_q is for a varlen q (with cu_seqlens_q); a dense q has its length in "
-                             "q.shape[1]")
+            # FlashAttention-3 callers (transformers' paged decode) pass it with a dense q too: the length is
+            # q.shape[1] then, and a consistent value is accepted and not needed
+            if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < q.shape[1]:
+                raise ValueError(f"max_seqlen_q={max_seqlen_q!r} with a dense q must be an int >= q.shape[1] "
+                                 f"({q.shape[1]}); it is only needed with cu_seqlens_q (or leave it at None)")
+            max_seqlen_q = None
     if pages is not None:
         V.check_page_table(pages, k_cache, v_cache, batch, dev, None)
         capacity = pages.shape[1] * k_cache.shape[1]
