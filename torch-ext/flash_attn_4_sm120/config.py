@@ -280,8 +280,9 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
         seqused_k=True,
     )
-    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan
-    return [base, heavy, replace(heavy, split_kv=True)]
+    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
+    # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
+    return [base, heavy] + ([replace(heavy, split_kv=True)] if dtype == "bf16" else [])
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:

@@ -17,7 +17,7 @@ from ..arguments import FWD_ARGS
 from ..config import FwdKernelConfig, fwd_smem_bytes
 from . import cute_utils as cu
 from .kernel_state import KernelState, KernelStateMixin
-from .rows import load_rows, store_rows_from_acc, store_rows_from_smem
+from .rows import load_rows, store_row_pairs_from_acc, store_rows_from_smem
 from .score import ScoreHook
 from .seqlen_info import SeqInfo
 from .softmax import online_softmax_step, softmax_finalize
@@ -73,7 +73,10 @@ class FwdKernelBase(KernelStateMixin):
         if const_expr(not self.cfg.split_kv):
             return bz, None
         num_splits = mO.shape[0]
-        return bz // num_splits, (bz % num_splits, num_splits)
+        # uniform over the CTA: in uniform registers, off the mma warps' budget (in general registers the
+        # quotient, live to the epilogue, made the d256 tile spill)
+        batch = cute.arch.make_warp_uniform(bz // num_splits)
+        return batch, (cute.arch.make_warp_uniform(bz - batch * num_splits), num_splits)
 
     def split_slice(self, mX):
         """This CTA's split of a split-KV partial (O or LSE), else ``mX``.  The split index is recomputed from the
@@ -202,8 +205,8 @@ class FwdKernelBase(KernelStateMixin):
         """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores.  Split-KV: fp32 partials,
         stored straight from the accumulators (decode tiles have few rows)."""
         if const_expr(self.cfg.split_kv):
-            store_rows_from_acc(lambda row: ts.q_row(mO, row), acc_O, tiled_mma.get_slice(tidx),
-                                ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv), Float32)
+            store_row_pairs_from_acc(lambda row: ts.q_row(mO, row), acc_O, tiled_mma.get_slice(tidx),
+                                     ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv), Float32)
         else:
             self.store_o_smem(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
 
