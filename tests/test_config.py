@@ -58,9 +58,11 @@ def test_config_name_and_hash_are_stable():
     assert a == b and hash(a) == hash(b) and a.name() == "fwd_bf16_d128v128_128x64w8s2q_win"
 
 
-def test_gate_configs_light_and_heavy():
-    light, heavy = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+def test_gate_configs_light_heavy_and_split():
+    light, heavy, split = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
     assert not light.windowed and heavy.windowed and heavy.has_sink and heavy.varlen_q
+    assert split.split_kv and split.has_sink and split.windowed and split.varlen_q
+    assert not light.split_kv and not heavy.split_kv
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ match).  Everything that passes arguments to a kernel goes through its record:
 
 Kinds:
   act     a (…, D) activation in the kernel's dtype: rank 4 (B, S, H, D), or rank 3 (total, H, D) when the config
-          flag named by ``varlen`` is on; D is the config attribute named by ``dim``
-  rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on
+          flag named by ``varlen`` is on; D is the config attribute named by ``dim``.  When the config flag named
+          by ``split`` is on: fp32 with a leading num_splits dim (split-KV partials)
+  rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on (a leading num_splits
+          dim when ``split`` is on)
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
   i32mat  a 2-D int32 tensor, last dim contiguous (page table)
   f32vec  a 1-D fp32 tensor (learnable sink)
@@ -35,6 +37,7 @@ class Arg:
     when: str | None = None
     rank: int = 0  # kinds "rows" / "strided"
     dtype: str | None = None  # kind "rows": the config attribute holding the dtype name
+    split: str | None = None  # kinds "act" / "rowstat": the config flag that makes it a split-KV partial
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ FWD_ARGS = ArgRecord("forward", (
     _act("q", "head_dim", "varlen_q"),
     _act("k", "head_dim", "varlen_k"),
     _act("v", "head_dim_v", "varlen_k"),
-    _act("out", "head_dim_v", "varlen_q"),
-    Arg("lse", "rowstat", varlen="varlen_q"),
+    Arg("out", "act", dim="head_dim_v", varlen="varlen_q", split="split_kv"),
+    Arg("lse", "rowstat", varlen="varlen_q", split="split_kv"),
     *_SEQ_META,
     Arg("page_table", "i32mat", when="paged"),
     Arg("sink", "f32vec", when="has_sink"),

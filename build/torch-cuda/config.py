@@ -80,6 +80,7 @@ class FwdKernelConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
+    split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
 
     def name(self) -> str:
         flags = [
@@ -93,6 +94,7 @@ class FwdKernelConfig:
                 ("uq", self.seqused_q),
                 ("uk", self.seqused_k),
                 ("paged", self.paged),
+                ("split", self.split_kv),
             )
             if on
         ]
@@ -270,28 +272,30 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
 
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code.
-    Feature flags only add code on boundary tiles, the epilogue or the prologue; the heaviest variant bounds
-    register pressure from above."""
+    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
+    heaviest split-KV variant.  Feature flags only add code on boundary tiles, the epilogue or the prologue; the
+    heaviest variant bounds register pressure from above."""
     base = FwdKernelConfig(dtype, d, dv, tile)
     heavy = replace(
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
         seqused_k=True,
     )
-    return [base, heavy]
+    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
+    # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
+    return [base, heavy] + ([replace(heavy, split_kv=True)] if dtype == "bf16" else [])
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
     """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
     lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k)."""
+    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one."""
     out = []
     for windowed in (False, True):
         tile = select_fwd_tile(d, dv, windowed, paged=True)
         base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
-        out += [c for c in (base, heavy) if c not in out]
+        out += [c for c in (base, heavy, replace(heavy, split_kv=True)) if c not in out]
     return out
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import splitkv as SK
 from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
 from .config import (
@@ -82,14 +83,15 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
-          uk: bool, needs_grad: bool, device_index: int, paged: bool = False) -> _Plan:
-    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, table_version())
+          uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False) -> _Plan:
+    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split,
+           table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_fwd_tile(d, dv, windowed, paged)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                                     seqused_k=uk, paged=paged))
+                                     seqused_k=uk, paged=paged, split_kv=split))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk)
@@ -298,10 +300,11 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None):
+                page_table=None, num_splits=1):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
-    only: with ``needs_grad`` it raises)."""
+    only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic)."""
+    num_splits = SK.check_num_splits(num_splits)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
@@ -333,16 +336,28 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     ratio = hq // hkv
     pack = _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
     scale_log2, prescale = _log2_scales(meta)
+    num_m_blocks = -(-meta.max_q * pack // tile_m)
+    splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
+                                   ctas=num_m_blocks * (hq // pack) * meta.batch,
+                                   n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev)
+    o_dst, lse_dst = out, lse
+    if splits > 1:  # fp32 partials with a leading split dim, combined below
+        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, False, dev.index,
+                     page_table is not None, True)
+        o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
-        q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+        q=_nograd(q), k=_nograd(k), v=_nograd(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
         scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
-        qheads_per_kvhead=ratio, num_m_blocks=-(-meta.max_q * pack // tile_m), num_head_groups=hq // pack,
-        num_batch=meta.batch,
+        qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
+        num_batch=meta.batch * splits,
     ))
+    if splits > 1:
+        SK.combine_into(o_dst, lse_dst, out, lse, varlen_q)
     return out, lse, meta, sink
 
 

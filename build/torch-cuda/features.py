@@ -60,7 +60,10 @@ FEATURES: dict[str, Feature] = {
                 "flash-attn-4's split-KV combine: fp32/bf16/fp16 partials, up to 256 splits, head_dim up to 512; "
                 "empty splits (LSE -inf) contribute 0, NaN propagates; cu_seqlens/seqused/varlen_batch_idx "
                 "raise NotImplementedError"),
-        Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
+        Feature("split_kv", SUPPORTED, "num_splits=N (N > 1) or 0 (automatic)",
+                "fp32 partials + the combine kernel; paged or contiguous, every forward feature (sink in split 0); "
+                "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only; "
+                "num_splits > 1 under torch.compile raises NotImplementedError"),
         Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),

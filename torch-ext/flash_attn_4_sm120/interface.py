@@ -14,6 +14,7 @@ from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
 from .dispatch import PAGED_GRAD_ERROR, run_forward
+from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
 from .features import require
 
 
@@ -26,11 +27,12 @@ def _unsupported(**values) -> None:
 
 
 def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) -> None:
-    if num_splits.__class__ is not int:  # 1.0 or True are not ints here (isinstance would take bool)
-        if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-            raise ValueError(f"num_splits must be an int, got {num_splits!r}")
-    if num_splits > 1:
+    num_splits = check_num_splits(num_splits)  # 1.0 or True are not ints here
+    if num_splits != 1:
         require("split_kv", f"num_splits={num_splits}")
+        if dropout_p and num_splits > 1:
+            raise ValueError(f"dropout_p={dropout_p} with num_splits={num_splits}: dropout is for training and "
+                             "split-KV is inference-only; leave num_splits at 1")
     if block_sparse_tensors is not None:
         require("block_sparse", "block_sparse_tensors")
     if dropout_p:
@@ -48,7 +50,15 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
     needs_grad = _needs_grad(q, k, v, learnable_sink)
     if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
         raise ValueError(PAGED_GRAD_ERROR)
+    if kw["num_splits"] > 1 and needs_grad:
+        raise ValueError(SPLIT_GRAD_ERROR)
+    if needs_grad:
+        kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
+        if kw["num_splits"] > 1:
+            raise NotImplementedError(f"num_splits={kw['num_splits']} under torch.compile is not supported by "
+                                      "flash-attn-4-sm120 (the compiled op runs one split); use num_splits=1 or 0 "
+                                      "(automatic: one split when compiled), or call it outside torch.compile")
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
         out, lse = ops.fwd(
@@ -99,7 +109,9 @@ def flash_attn_func(
     automatic).  ``deterministic`` concerns the backward only (the forward is always deterministic).
     ``page_table`` (B, max_pages_per_seq) int32: paged K/V, k/v (num_pages, page_size, Hkv, D), every sequence
     max_pages_per_seq * page_size keys long (``flash_attn_varlen_func`` takes per-sequence lengths in seqused_k);
-    inference only.
+    inference only.  ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
+    partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
+    that needs grad or under torch.compile).
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
@@ -111,7 +123,7 @@ def flash_attn_func(
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
-        debug_checks=None, page_table=page_table,
+        debug_checks=None, page_table=page_table, num_splits=num_splits,
     ))
 
 
@@ -179,7 +191,7 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
-        page_table=page_table,
+        page_table=page_table, num_splits=num_splits,
     ))
 
 
@@ -233,7 +245,8 @@ def flash_attn_with_kvcache(
     ``cache_seqlens[b] + i`` (crossing page boundaries as needed) before the attention, which then sees
     ``cache_seqlens + S_new`` keys.  ``cache_seqlens``: int or int32 (B,) tensor, the keys already in the cache
     (None: the whole cache, no append).  ``causal`` is bottom-right aligned (the new queries are the last
-    positions).  ``num_splits``: 0 (automatic) or 1 runs one split; split-KV is not in this release.
+    positions).  ``num_splits``: 0 (the default, automatic: enough KV splits to fill the GPU), 1 (no split) or
+    N > 1 (exactly N, combined by the split-KV combine kernel).
 
     No device->host sync and CUDA-graph capturable (give ``max_seqlen_q`` with ``cu_seqlens_q``).  Returns out
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
@@ -317,6 +330,7 @@ def flash_attn_with_kvcache(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_q=None, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks, page_table=pages,
+        num_splits=num_splits,
     ))
     return (out, lse) if return_softmax_lse else out
 

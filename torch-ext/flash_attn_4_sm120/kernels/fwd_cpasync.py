@@ -156,7 +156,8 @@ class FlashFwdSm80(FwdKernelBase):
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, batch = cute.arch.block_idx()
+        bx, head_group, bz = cute.arch.block_idx()
+        batch, split = self.split_coords(bz, mO)
         # Causal/windowed tiles near the end of the sequence have the most work: schedule them first.
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx
@@ -164,7 +165,7 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
-                             mPageTable)
+                             mPageTable, split)
         if m_block * self.tile_m < ts.num_rows:
             self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout,
                               sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)

@@ -154,14 +154,16 @@ class FlashFwdWsSm120(FwdKernelBase):
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, batch = cute.arch.block_idx()
+        bx, head_group, bz = cute.arch.block_idx()
+        batch, split = self.split_coords(bz, mO)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx  # longest tiles first
         else:
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack)
+                             mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack,
+                             split=split)
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)

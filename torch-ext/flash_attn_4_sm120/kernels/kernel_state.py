@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cutlass import const_expr
 
-from .block_info import BlockInfo
+from .block_info import BlockInfo, SplitBlockInfo
 from .kv_source import ContiguousKV, PagedKV
 from .score import ScoreHook
 from .seqlen_info import SeqInfo
@@ -52,11 +52,18 @@ class KernelStateMixin:
         return self.kv_source_cls(seq)
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                     softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None) -> KernelState:
+                     softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None,
+                     split=None) -> KernelState:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
-        ``mK``/``mPageTable``: needed by a paged configuration only."""
+        ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
+        a split-KV forward (its KV range comes from SplitBlockInfo), else None."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
+        if const_expr(split is not None):
+            block = SplitBlockInfo(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack,
+                                   *split)
+        else:
+            block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right,
+                                        pack)
         score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))
