@@ -271,6 +271,17 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
     return out
 
 
+# Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
+# set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
+# already uses.  Split calls on that tile run the 64x32 tile of the same table row instead (0 spills).
+SPLIT_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 32, 4, 1, False)}
+
+
+def split_tile(tile: FwdTile) -> FwdTile:
+    """The tile a split-KV call runs for ``tile`` (the same one unless it spills with split-KV)."""
+    return SPLIT_TILE_FALLBACK.get(tile, tile)
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
     heaviest split-KV variant.  Feature flags only add code on boundary tiles, the epilogue or the prologue; the
@@ -282,7 +293,7 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
     )
     # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
     # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    return [base, heavy] + ([replace(heavy, split_kv=True)] if dtype == "bf16" else [])
+    return [base, heavy] + ([replace(heavy, split_kv=True, tile=split_tile(tile))] if dtype == "bf16" else [])
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
@@ -295,7 +306,7 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
         base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
-        out += [c for c in (base, heavy, replace(heavy, split_kv=True)) if c not in out]
+        out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
     return out
 
 
