@@ -9,10 +9,11 @@ import torch
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, None), softcap=0.0, sink=None,
-                  upcast=True):
+                  upcast=True, mask=None):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D|Dv) -> out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) fp32.
 
     Masks follow FlashAttention: query i sees key j iff j <= i + Sk - Sq (+ right) and j >= i + Sk - Sq - left.
+    ``mask``: an explicit boolean (B|1, Hq|1, Sq, Sk) mask of allowed entries, ANDed with the others.
     Rows that see nothing give out = 0 and lse = -inf (or the sink logit).
     """
     dtype = q.dtype
@@ -41,6 +42,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     if left is not None and left >= 0:
         allowed &= j >= i + shift - left
     s = s.masked_fill(~allowed, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), -math.inf)
     if sink is not None:
         s = torch.cat([s, sink.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)

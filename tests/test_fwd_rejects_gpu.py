@@ -41,7 +41,7 @@ CASES = {
     "sink dtype": (lambda: qkv(), lambda: {"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.int32)},
                    ValueError, "dtype"),
     "split kv": (lambda: qkv(), {"num_splits": 4}, NotImplementedError, "split_kv"),
-    "block sparse": (lambda: qkv(), {"block_sparse_tensors": object()}, NotImplementedError, "block_sparse"),
+    "block sparse type": (lambda: qkv(), {"block_sparse_tensors": object()}, ValueError, "BlockSparseTensors"),
     "dropout": (lambda: qkv(), {"dropout_p": 0.1}, NotImplementedError, "dropout"),
     "score_mod": (lambda: qkv(), {"score_mod": lambda *a: a[0]}, NotImplementedError, "score_mod"),
     "pack_gqa type": (lambda: qkv(hq=8, hkv=2), {"pack_gqa": "yes"}, ValueError, "pack_gqa"),
