@@ -56,6 +56,22 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     return out.to(dtype), lse
 
 
+def sparse_allowed(visited, full, sq, sk, causal=False, window=(None, None)):
+    """Element mask of a block-sparse call: keys in a listed block, with causal/window applied to mask blocks
+    (``visited`` and not ``full``) only; ``visited``/``full`` (B|1, H|1, sq, sk) bool."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=visited.device)[:, None]
+    j = torch.arange(sk, device=visited.device)[None, :]
+    win = torch.ones(sq, sk, dtype=torch.bool, device=visited.device)
+    if right is not None and right >= 0:
+        win &= j <= i + sk - sq + right
+    if left is not None and left >= 0:
+        win &= j >= i + sk - sq - left
+    return visited & (full | win)
+
+
 def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
     """Reference for packed (total, H, D) inputs: the dense reference per sequence.  Rows past seqused_q are
     not compared (returned as NaN); lse is (Hq, total_q)."""

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .config import select_fwd_tile
+from .config import select_sparse_tile
 
 DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every cp.async tile
 
@@ -73,7 +73,7 @@ def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool
     if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
             or not all(_positive_int(b) for b in block_size)):
         _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {block_size!r}")
-    tile = select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)  # the cp.async tiles
+    tile = select_sparse_tile(head_dim, head_dim_v, windowed)  # cp.async tiles
     q_block, kv_block = block_size
     if q_block % tile.tile_m or kv_block % tile.tile_n:
         _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "

@@ -211,6 +211,23 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
+# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
+# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
+# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+_TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
+    192: (FwdTile(128, 32, 8, 2),),
+    256: (FwdTile(64, 32, 4, 2),),
+}
+
+
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
+    for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+
+
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
@@ -312,7 +329,7 @@ def sparse_gate_worklist() -> list[FwdKernelConfig]:
         if d != dv:
             continue
         for windowed in (False, True):
-            tile = select_fwd_tile(d, dv, windowed, paged=True)  # the cp.async tiles (sparse runs that kernel)
+            tile = select_sparse_tile(d, dv, windowed)
             base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
             heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
                             seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)

@@ -30,6 +30,7 @@ from .config import (
     select_bwd_config,
     select_dq_config,
     select_fwd_tile,
+    select_sparse_tile,
     table_version,
 )
 
@@ -89,7 +90,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
            table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_fwd_tile(d, dv, windowed, paged or sparse[0] > 0)
+        tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, sparse_q_ratio=sparse[0],

@@ -43,7 +43,6 @@ class SparseBlockInfo(BlockInfo):
     full_row: cute.Tensor = None
     n_mask: Int32 = 0  # listed blocks (clamped), not tiles
     n_full: Int32 = 0
-    n_blocks: Int32 = 0  # KV blocks of this sequence (an index is clamped to [0, n_blocks])
 
     @staticmethod
     @cute.jit
@@ -58,11 +57,9 @@ class SparseBlockInfo(BlockInfo):
             qq = _clamp(qb, 0, mCnt.shape[2] - 1)
             count = _clamp(Int32(mCnt[bb, hh, qq]), 0, mIdx.shape[3])
             rows.append((mIdx[bb, hh, qq, None], count))
-        kv_block = block.tile_n * kv_ratio
-        n_blocks = (block.seq.seqlen_k + kv_block - 1) // kv_block
         return SparseBlockInfo(block.tile_m, block.tile_n, block.windowed, block.seq, block.window_left,
                                block.window_right, block.pack, kv_ratio, rows[0][0], rows[1][0], rows[0][1],
-                               rows[1][1], n_blocks)
+                               rows[1][1])
 
     @cute.jit
     def kv_plan(self, m_block: Int32):
@@ -88,7 +85,9 @@ class SparseBlockInfo(BlockInfo):
             u = t - n_full
             blk = Int32(self.mask_row[u // kr])
             sub = u % kr
-        return _clamp(blk, 0, self.n_blocks) * kr + sub
+        kv_block = self.tile_n * kr
+        n_blocks = (self.seq.seqlen_k + kv_block - 1) // kv_block  # KV blocks of this sequence
+        return _clamp(blk, 0, n_blocks) * kr + sub
 
     @cute.jit
     def run_kv_schedule(self, step, state, plan):
