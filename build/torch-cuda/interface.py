@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
+from .block_sparse import SPARSE_GRAD_ERROR
 from .combine import run_combine
 from .dispatch import PAGED_GRAD_ERROR, run_forward
 from .features import require
@@ -48,6 +49,14 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
     needs_grad = _needs_grad(q, k, v, learnable_sink)
     if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
         raise ValueError(PAGED_GRAD_ERROR)
+    if kw.get("block_sparse_tensors") is not None:  # forward only, eager only (for now)
+        if needs_grad:
+            raise NotImplementedError(SPARSE_GRAD_ERROR)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("block_sparse_tensors is not supported under torch.compile yet (the "
+                                      "torch.library op does not take it); call it eagerly")
+        out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
+        return out, (lse if return_lse else None)
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
@@ -111,7 +120,7 @@ def flash_attn_func(
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
-        debug_checks=None, page_table=page_table,
+        debug_checks=None, page_table=page_table, block_sparse_tensors=block_sparse_tensors,
     ))
 
 
@@ -179,7 +188,7 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
-        page_table=page_table,
+        page_table=page_table, block_sparse_tensors=block_sparse_tensors,
     ))
 
 
