@@ -16,6 +16,7 @@ Kinds:
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
   i32mat  a 2-D int32 tensor, last dim contiguous (page table)
   f32vec  a 1-D fp32 tensor (learnable sink)
+  i32nd   an int32 tensor of ``rank`` dims, last dim contiguous, int32 strides (block-sparse counts and indices)
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
@@ -81,6 +82,10 @@ FWD_ARGS = ArgRecord("forward", (
     *_SEQ_META,
     Arg("page_table", "i32mat", when="paged"),
     Arg("sink", "f32vec", when="has_sink"),
+    Arg("mask_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
+    Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
     Arg("scale_log2", "f32"),
     Arg("softcap_prescale", "f32"),
     Arg("window_left", "i32"),

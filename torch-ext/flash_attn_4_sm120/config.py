@@ -81,6 +81,14 @@ class FwdKernelConfig:
     seqused_k: bool = False
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
+    # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
+    # sparse_kv_ratio KV tiles; 0 = off
+    sparse_q_ratio: int = 0
+    sparse_kv_ratio: int = 0
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.sparse_q_ratio > 0
 
     def name(self) -> str:
         flags = [
@@ -95,6 +103,7 @@ class FwdKernelConfig:
                 ("uk", self.seqused_k),
                 ("paged", self.paged),
                 ("split", self.split_kv),
+                (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
             if on
         ]
@@ -204,6 +213,23 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
+# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
+# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
+# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+_TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
+    192: (FwdTile(128, 32, 8, 2),),
+    256: (FwdTile(64, 32, 4, 2),),
+}
+
+
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
+    for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+
+
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
@@ -307,6 +333,22 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
         out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
+    return out
+
+
+def sparse_gate_worklist() -> list[FwdKernelConfig]:
+    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct cp.async tile the
+    lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity combines with)."""
+    out = []
+    for d, dv in supported_head_dim_pairs():
+        if d != dv:
+            continue
+        for windowed in (False, True):
+            tile = select_sparse_tile(d, dv, windowed)
+            base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                            seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
+            out += [c for c in (base, heavy) if c not in out]
     return out
 
 

@@ -63,6 +63,11 @@ class FlashFwdWsSm120(FwdKernelBase):
         seqused_k: cute.Tensor | None,
         page_table: cute.Tensor | None,  # always None: paged K/V runs the cp.async kernel (config.candidate_tiles)
         sink: cute.Tensor | None,
+        # always None: block sparsity runs the cp.async kernel (config.candidate_tiles)
+        mask_block_cnt: cute.Tensor | None,
+        mask_block_idx: cute.Tensor | None,
+        full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
