@@ -81,6 +81,14 @@ class FwdKernelConfig:
     seqused_k: bool = False
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
+    # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
+    # sparse_kv_ratio KV tiles; 0 = off
+    sparse_q_ratio: int = 0
+    sparse_kv_ratio: int = 0
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.sparse_q_ratio > 0
 
     def name(self) -> str:
         flags = [
@@ -95,6 +103,7 @@ class FwdKernelConfig:
                 ("uk", self.seqused_k),
                 ("paged", self.paged),
                 ("split", self.split_kv),
+                (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
             if on
         ]
@@ -204,6 +213,23 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
+# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
+# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
+# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+_TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
+    192: (FwdTile(128, 32, 8, 2),),
+    256: (FwdTile(64, 32, 4, 2),),
+}
+
+
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
+    for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+
+
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
@@ -271,6 +297,17 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
     return out
 
 
+# Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
+# set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
+# already uses.  Split calls on that tile run the 64x32 tile of the same table row instead (0 spills).
+SPLIT_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 32, 4, 1, False)}
+
+
+def split_tile(tile: FwdTile) -> FwdTile:
+    """The tile a split-KV call runs for ``tile`` (the same one unless it spills with split-KV)."""
+    return SPLIT_TILE_FALLBACK.get(tile, tile)
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
     heaviest split-KV variant.  Feature flags only add code on boundary tiles, the epilogue or the prologue; the
@@ -282,7 +319,7 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
     )
     # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
     # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    return [base, heavy] + ([replace(heavy, split_kv=True)] if dtype == "bf16" else [])
+    return [base, heavy] + ([replace(heavy, split_kv=True, tile=split_tile(tile))] if dtype == "bf16" else [])
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
@@ -295,7 +332,23 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
         base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
-        out += [c for c in (base, heavy, replace(heavy, split_kv=True)) if c not in out]
+        out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
+    return out
+
+
+def sparse_gate_worklist() -> list[FwdKernelConfig]:
+    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct cp.async tile the
+    lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity combines with)."""
+    out = []
+    for d, dv in supported_head_dim_pairs():
+        if d != dv:
+            continue
+        for windowed in (False, True):
+            tile = select_sparse_tile(d, dv, windowed)
+            base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                            seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
+            out += [c for c in (base, heavy) if c not in out]
     return out
 
 

@@ -22,14 +22,18 @@ from dataclasses import dataclass
 import torch
 
 from . import splitkv as SK
+from . import block_sparse as BS
 from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
+from .launch import compiled_kernel as _kernel, launch as _launch
 from .config import (
     FwdKernelConfig,
     MAX_SEQLEN,
     select_bwd_config,
     select_dq_config,
     select_fwd_tile,
+    split_tile,
+    select_sparse_tile,
     table_version,
 )
 
@@ -83,15 +87,21 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
-          uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False) -> _Plan:
-    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split,
+          uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
+          sparse: tuple = (0, 0)) -> _Plan:
+    """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
+    runs the cp.async tiles)."""
+    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
            table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_fwd_tile(d, dv, windowed, paged)
+        tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
+        if split:
+            tile = split_tile(tile)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                                     seqused_k=uk, paged=paged, split_kv=split))
+                                     seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
+                                     sparse_kv_ratio=sparse[1]))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk)
@@ -99,23 +109,6 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags)
         _PLANS[key] = plan
     return plan
-
-
-def _kernel(cfg, device: torch.device):
-    """Compiled kernel for ``cfg`` on ``device``'s target (plans are per device, so this runs once per plan)."""
-    from .jit import get_kernel  # CuTe-DSL loads on the first launch, not at import
-
-    with torch.cuda.device(device):
-        return get_kernel(cfg)
-
-
-def _launch(fn, record, device: torch.device, values: dict) -> None:
-    args = record.pack(values)
-    if device.index == torch._C._cuda_getDevice():  # torch.cuda.current_device() without its lazy-init check
-        fn(*args)
-    else:
-        with torch.cuda.device(device):
-            fn(*args)
 
 
 def _nograd(t):
@@ -300,14 +293,18 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None, num_splits=1):
+                page_table=None, num_splits=1, block_sparse_tensors=None):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
-    only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic)."""
+    only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic).
+    ``block_sparse_tensors``: see block_sparse.py (forward only; one split)."""
     num_splits = SK.check_num_splits(num_splits)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
+    sparse = block_sparse_tensors is not None
+    if sparse:
+        BS.refuse_combinations(needs_grad, page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
     dev = q.device
     hq, d = q.shape[-2], q.shape[-1]
@@ -317,9 +314,14 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         debug_checks=debug_checks, page_table=page_table)
+    ratios, sparse_args = (0, 0), (None, None, None, None)
+    if sparse:
+        ratios, sparse_args = BS.check_block_sparse(
+            block_sparse_tensors, batch=meta.batch, heads=hq, max_q=meta.max_q, max_k=meta.max_k, head_dim=d,
+            head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                 page_table is not None)
+                 paged=page_table is not None, sparse=ratios)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -334,7 +336,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         return out, lse, meta, sink
     tile_m = plan.fwd_cfg.tile.tile_m
     ratio = hq // hkv
-    pack = _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
+    pack = 1 if sparse else _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
     scale_log2, prescale = _log2_scales(meta)
     num_m_blocks = -(-meta.max_q * pack // tile_m)
     splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
@@ -344,14 +346,15 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     if splits > 1:  # fp32 partials with a leading split dim, combined below
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, False, dev.index,
-                     page_table is not None, True)
+                     paged=page_table is not None, split=True)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
-        scale_log2=scale_log2,
+        mask_block_cnt=sparse_args[0], mask_block_idx=sparse_args[1], full_block_cnt=sparse_args[2],
+        full_block_idx=sparse_args[3], scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
         num_batch=meta.batch * splits,

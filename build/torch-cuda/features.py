@@ -64,7 +64,12 @@ FEATURES: dict[str, Feature] = {
                 "fp32 partials + the combine kernel; paged or contiguous, every forward feature (sink in split 0); "
                 "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only; "
                 "num_splits > 1 under torch.compile raises NotImplementedError"),
-        Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
+        Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
+                "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
+                "block sizes multiples of the cp.async tile, B/H broadcast, varlen, GQA (unpacked); "
+                "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); backward planned "
+                "(a grad-requiring call raises NotImplementedError); no paged K/V, no split-KV, no torch.compile "
+                "yet"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",

@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
+from .block_sparse import SPARSE_GRAD_ERROR
 from .combine import run_combine
 from .dispatch import PAGED_GRAD_ERROR, run_forward
 from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
@@ -54,6 +55,18 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
         raise ValueError(SPLIT_GRAD_ERROR)
     if needs_grad:
         kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
+    if kw.get("block_sparse_tensors") is not None:  # forward only, eager only, one split (for now)
+        if needs_grad:
+            raise NotImplementedError(SPARSE_GRAD_ERROR)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("block_sparse_tensors is not supported under torch.compile yet (the "
+                                      "torch.library op does not take it); call it eagerly")
+        if kw["num_splits"] > 1:
+            raise ValueError(f"num_splits={kw['num_splits']} with block_sparse_tensors is not supported by "
+                             "flash-attn-4-sm120 (block-sparse calls run one split); use num_splits=1 or 0")
+        kw["num_splits"] = 1  # automatic (<= 0) means one split for a block-sparse call
+        out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
+        return out, (lse if return_lse else None)
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         if kw["num_splits"] > 1:
             raise NotImplementedError(f"num_splits={kw['num_splits']} under torch.compile is not supported by "
@@ -124,6 +137,7 @@ def flash_attn_func(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
+        block_sparse_tensors=block_sparse_tensors,
     ))
 
 
@@ -191,7 +205,7 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
-        page_table=page_table, num_splits=num_splits,
+        page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
     ))
 
 
