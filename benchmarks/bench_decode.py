@@ -22,29 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd import time_fn  # noqa: E402  (CUDA-event medians after warm-up, shared by every benchmark)
+
 HQ, HKV = 32, 8
 SHAPES = ((1, 32768), (8, 8192), (64, 2048))
-
-
-def time_fn(fn, warmup=5, iters=30) -> float:
-    """Median milliseconds of ``iters`` CUDA-event timed calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def copy_gbps(nbytes: int = 1 << 30) -> float:
@@ -108,7 +95,7 @@ def run_case(fa, peer, case, b, kv, hq, hkv, d, page_size, sq, copy_bw):
         err = (fn().float() - ref.float()).abs().max().item()
         if not err <= 2e-2:
             raise RuntimeError(f"{case} {label}: differs from the unsplit call by {err}")
-        ms = time_fn(fn)
+        ms = time_fn(fn, warmup=5, iters=30)
         row[f"{label}_ms"] = ms
         row[f"{label}_gbps"] = kv_bytes / ms / 1e6
         row[f"{label}_pct_of_copy"] = row[f"{label}_gbps"] / copy_bw
@@ -120,7 +107,7 @@ def run_case(fa, peer, case, b, kv, hq, hkv, d, page_size, sq, copy_bw):
             err = (out.float() - ref.float()).abs().max().item()
             if not err <= 2e-2:
                 raise RuntimeError(f"differs from ours by {err}")
-            ms = time_fn(fn)
+            ms = time_fn(fn, warmup=5, iters=30)
             row["fa4_sm120_ms"] = ms
             row["fa4_sm120_gbps"] = kv_bytes / ms / 1e6
             row["speedup_vs_fa4_sm120"] = ms / row["ours_auto_ms"]
