@@ -150,6 +150,18 @@ class FwdKernelBase(KernelStateMixin):
         self.store_o(ts, self.split_slice(mO), acc_O, sO, tiled_mma, copy_o, tidx)
 
     @cute.jit
+    def tile_or_fill(self, bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack,
+                     num_threads: cutlass.Constexpr[int]):
+        """One CTA's work: its tile (``tile()``), or, in the extra grid column, the out-of-sequence q rows."""
+        if const_expr(self.grid_x_extra):
+            if bx == num_m_blocks:
+                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, num_threads)
+            else:
+                tile()
+        else:
+            tile()
+
+    @cute.jit
     def fill_unused_rows(self, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack,
                          num_threads: cutlass.Constexpr[int]):
         """Rows of q inside no sequence (varlen padding before ``cu_seqlens_q[0]`` or after ``cu_seqlens_q[-1]``,

@@ -151,13 +151,7 @@ class FlashFwdSm80(FwdKernelBase):
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
             rows_q, rows_k,
         )
-        if const_expr(self.grid_x_extra):
-            if bx == num_m_blocks:
-                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
-            else:
-                tile()
-        else:
-            tile()
+        self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
 
     @cute.jit
     def run_tile(

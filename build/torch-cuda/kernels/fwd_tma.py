@@ -142,13 +142,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
         )
-        if const_expr(self.grid_x_extra):
-            if bx == num_m_blocks:
-                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
-            else:
-                tile()
-        else:
-            tile()
+        self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
 
     @cute.jit
     def run_tile(
