@@ -308,6 +308,33 @@ def split_tile(tile: FwdTile) -> FwdTile:
     return SPLIT_TILE_FALLBACK.get(tile, tile)
 
 
+# Decode tiles: a split-KV call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS:
+# decode and speculative decode) runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead of the
+# prefill tile, whose 128 rows would be mostly padding.  Measured on the H100 proxy (benchmarks/results/
+# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
+# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
+# (page 64) 99 us -> 78 us.
+DECODE_MAX_ROWS = 64
+_DECODE_TILES: dict[int, FwdTile] = {
+    32: FwdTile(64, 64, 4, 2), 64: FwdTile(64, 64, 4, 2), 96: FwdTile(64, 64, 4, 2), 128: FwdTile(64, 64, 4, 2),
+    192: FwdTile(64, 32, 4, 2), 256: FwdTile(64, 32, 4, 2),
+}
+
+
+def decode_tile(head_dim: int, head_dim_v: int) -> FwdTile | None:
+    """The tile of a split-KV call with at most DECODE_MAX_ROWS query rows per CTA, or None (use split_tile).
+    Memoised like select_fwd_tile."""
+    return _decode_tile(head_dim, head_dim_v, _TABLE_VERSION[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | None:
+    tile = _DECODE_TILES.get(max(head_dim, head_dim_v))
+    if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
+        return None
+    return tile
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
     heaviest split-KV variant.  Feature flags only add code on boundary tiles, the epilogue or the prologue; the
@@ -319,7 +346,25 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
     )
     # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
     # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    return [base, heavy] + ([replace(heavy, split_kv=True, tile=split_tile(tile))] if dtype == "bf16" else [])
+    out = [base, heavy]
+    if dtype == "bf16":
+        out.append(replace(heavy, split_kv=True, tile=split_tile(tile)))
+    return out
+
+
+def decode_gate_worklist() -> list[FwdKernelConfig]:
+    """The decode tiles' split-KV configurations the compile gate builds: bf16, dv == d at the largest head dim of
+    each decode tile (and d=192, the other user of the 64x32 one), contiguous and paged, lightest and heaviest
+    feature set."""
+    out = []
+    for d in (128, 192, 256):
+        tile = decode_tile(d, d)
+        if tile is None:
+            continue
+        base = FwdKernelConfig("bf16", d, d, tile, split_kv=True, seqused_k=True)
+        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True)
+        out += [base, heavy, replace(base, paged=True), replace(heavy, paged=True)]
+    return out
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
