@@ -1,6 +1,6 @@
-"""Host-path profile (a tuning aid): cProfile of repeated calls of one public function on a tiny problem, so the
-per-call Python cost shows by function.  Cases: dense flash_attn_func; flash_attn_with_kvcache decode (B=1, Hq 32 /
-Hkv 8, d128, KV 4K) with num_splits=1 and automatic splits, contiguous and paged.
+"""Where the host time of one call goes: cProfile over many back-to-back calls of the tiny problem of
+bench_host.py (B=1, S=128, Hq 8 / Hkv 2, d128, bf16, causal), forward and forward+backward, plus the GPU kernels
+of one forward+backward (torch.profiler), to tell host-bound from GPU-bound.
 
     python benchmarks/profile_host.py [--calls 500] [--top 25]
 """
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 import sys
-import time
 
 import torch
 
@@ -22,47 +20,43 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_host: no CUDA GPU", file=sys.stderr)
+        return 2
     import flash_attn_4_sm120 as fa
 
-    dev, dt = "cuda", torch.bfloat16
-    q1 = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
-    kc = torch.randn(1, 4096, 8, 128, device=dev, dtype=dt)
-    vc = torch.randn_like(kc)
-    kp, vp = kc.view(64, 64, 8, 128), vc.view(64, 64, 8, 128)
-    table = torch.arange(64, device=dev, dtype=torch.int32).view(1, 64)
-    seqlens = torch.full((1,), 4000, device=dev, dtype=torch.int32)
-    q = torch.randn(1, 128, 8, 128, device=dev, dtype=dt)
-    k = torch.randn(1, 128, 2, 128, device=dev, dtype=dt)
-    cases = {
-        "dense_fwd": lambda: fa.flash_attn_func(q, k, k, causal=True),
-        "kvcache_split1": lambda: fa.flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=seqlens, num_splits=1),
-        "kvcache_auto": lambda: fa.flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=seqlens, num_splits=0),
-        "kvcache_paged_auto": lambda: fa.flash_attn_with_kvcache(q1, kp, vp, cache_seqlens=seqlens,
-                                                                 page_table=table, num_splits=0),
-        "sdpa_flash_fwd": lambda: torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1), k.transpose(1, 2).repeat_interleave(4, 1),
-            is_causal=True),
-    }
-    with torch.no_grad():
-        for name, fn in cases.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            host = (time.perf_counter() - t0) / args.calls * 1e6
-            torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
-            print(f"=== {name}: {host:.1f} us/call host (unprofiled)")
-            print("\n".join(s.getvalue().splitlines()[:args.top + 12]))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    gout = torch.randn_like(q)
+
+    def fwd():
+        fa.flash_attn_func(q, k, v, causal=True)
+
+    def fwd_bwd():
+        out, _ = fa.flash_attn_func(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), gout)
+
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"==== {name}: {args.calls} calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(10):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=20))
     return 0
 
 
