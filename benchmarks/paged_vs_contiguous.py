@@ -34,14 +34,17 @@ def main(argv=None):
     with torch.no_grad():
         for shape in args.shapes:
             b, kv = (int(x) for x in shape.split("x"))
-            for variant, ps in (("contiguous", 0), ("contiguous_cpasync", 0), ("paged", 16), ("paged", 64),
-                                ("paged", 256)):
+            for variant, ps in (("contiguous", 0), ("contiguous_cpasync", 0), ("contiguous_decode", 0),
+                                ("paged", 16), ("paged", 64), ("paged", 256), ("paged_decode", 16),
+                                ("paged_decode", 64)):
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 kc, vc, table = make_cache(b, kv, 8, 128, ps, gen)
                 q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
                 seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
                 if variant == "contiguous_cpasync":
                     D.select_fwd_tile = lambda d, dv, w, paged=False: orig(d, dv, w, True)
+                if variant.endswith("_decode"):  # the decode tile on unsplit calls too
+                    D.select_fwd_tile = lambda d, dv, w, paged=False: C.decode_tile(d, dv)
                 C.clear_caches()
                 try:
                     for n in (1, 0):

@@ -308,9 +308,9 @@ def split_tile(tile: FwdTile) -> FwdTile:
     return SPLIT_TILE_FALLBACK.get(tile, tile)
 
 
-# Decode tiles: a split-KV call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS:
-# decode and speculative decode) runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead of the
-# prefill tile, whose 128 rows would be mostly padding.  Measured on the H100 proxy (benchmarks/results/
+# Decode tiles: a call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS: decode
+# and speculative decode), split or not, runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
+# of the prefill tile, whose 128 rows would be mostly padding (unsplit B=64 KV 2K: 210 -> 183 us).  Measured on the H100 proxy (benchmarks/results/
 # decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
 # bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
 # (page 64) 99 us -> 78 us.
@@ -353,17 +353,19 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
 
 
 def decode_gate_worklist() -> list[FwdKernelConfig]:
-    """The decode tiles' split-KV configurations the compile gate builds: bf16, dv == d at the largest head dim of
-    each decode tile (and d=192, the other user of the 64x32 one), contiguous and paged, lightest and heaviest
-    feature set."""
+    """The decode tiles' configurations the compile gate builds: bf16, dv == d at the largest head dim of each
+    decode tile (and d=192, the other user of the 64x32 one): contiguous and paged, the lightest feature set and
+    the heaviest with and without split-KV."""
     out = []
     for d in (128, 192, 256):
         tile = decode_tile(d, d)
         if tile is None:
             continue
-        base = FwdKernelConfig("bf16", d, d, tile, split_kv=True, seqused_k=True)
-        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True)
-        out += [base, heavy, replace(base, paged=True), replace(heavy, paged=True)]
+        base = FwdKernelConfig("bf16", d, d, tile, seqused_k=True)
+        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                        seqused_q=True)
+        out += [base, heavy, replace(heavy, varlen_k=False, split_kv=True), replace(base, paged=True),
+                replace(heavy, varlen_k=False, paged=True, split_kv=True)]
     return out
 
 
