@@ -1,0 +1,246 @@
+"""Block-sparse backward on the CPU: the device-side transpose of the forward's lists (torch ops, run here on CPU
+tensors) against a plain-Python reference, the block-size rules of a call that needs grad, the checks of
+``block_sparse_tensors_bwd`` (each bad input raises before any launch), the compile keys and the records."""
+
+import pytest
+import torch
+
+from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
+from flash_attn_4_sm120 import block_sparse as BS
+from flash_attn_4_sm120 import arguments, config, dispatch
+
+
+def _transpose_ref(cnt, idx, num_kv_blocks):
+    """Per (b, h, kv block): the sorted query blocks that list it, with the kernels' clamping (count to
+    [0, width], index to [0, num_kv_blocks], where num_kv_blocks itself lists nothing)."""
+    b, h, nq = cnt.shape
+    width = idx.shape[-1]
+    out = {}
+    for bi in range(b):
+        for hi in range(h):
+            lists = [set() for _ in range(num_kv_blocks)]
+            for qb in range(nq):
+                c = min(max(int(cnt[bi, hi, qb]), 0), width)
+                for j in range(c):
+                    kb = min(max(int(idx[bi, hi, qb, j]), 0), num_kv_blocks)
+                    if kb < num_kv_blocks:
+                        lists[kb].add(qb)
+            out[bi, hi] = [sorted(s) for s in lists]
+    return out
+
+
+def _as_lists(cnt, idx):
+    b, h, nk = cnt.shape
+    return {(bi, hi): [idx[bi, hi, kb, :int(cnt[bi, hi, kb])].tolist() for kb in range(nk)]
+            for bi in range(b) for hi in range(h)}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 4, 4), (1, 4, 6, 3), (2, 1, 1, 9)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_transpose_matches_python_reference(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, nq, nk = shape
+    m = torch.rand(b, h, nq, nk, generator=g) < 0.4
+    full = m & (torch.rand(b, h, nq, nk, generator=g) < 0.5)
+    m[..., 0, :] = False  # a query block with no KV block
+    full[..., 0, :] = False
+    bst = block_sparse_from_mask(m, (128, 128), full_mask=full)
+    tensors = (bst.mask_block_cnt, bst.mask_block_idx, bst.full_block_cnt, bst.full_block_idx)
+    out = BS.transpose_block_sparse(tensors, nk)
+    assert len(out) == 4
+    for t in out:
+        assert t.dtype == torch.int32 and t.is_contiguous()
+    mc, mi, fc, fi = out
+    assert mc.shape == (b, h, nk) and mi.shape == (b, h, nk, nq)
+    assert _as_lists(mc, mi) == _transpose_ref(*tensors[:2], nk)
+    assert _as_lists(fc, fi) == _transpose_ref(*tensors[2:], nk)
+    # the transposed mask blocks are the (kv, q) pairs of the forward's mask blocks, exactly
+    partial = (m & ~full).transpose(-1, -2)
+    for bi in range(b):
+        for hi in range(h):
+            for kb in range(nk):
+                assert _as_lists(mc, mi)[bi, hi][kb] == partial[bi, hi, kb].nonzero().flatten().tolist()
+    # transposing twice gives the forward's lists back (same count per query block, same sets)
+    back = BS.transpose_block_sparse(out, nq)
+    assert torch.equal(back[0], bst.mask_block_cnt) and torch.equal(back[2], bst.full_block_cnt)
+    assert _as_lists(back[0], back[1]) == _as_lists(bst.mask_block_cnt, bst.mask_block_idx)
+
+
+def test_transpose_clamps_lying_counts_and_indices_like_the_kernel():
+    cnt = torch.tensor([[[9, -3, 2]]], dtype=torch.int32)  # width 3: 9 -> 3, -3 -> 0
+    idx = torch.tensor([[[[0, 7, -5], [1, 1, 1], [2, 1 << 30, 1]]]], dtype=torch.int32)
+    z3 = torch.zeros(1, 1, 1, dtype=torch.int32)
+    z4 = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    mc, mi, fc, fi = BS.transpose_block_sparse((cnt, idx, z3, z4), 3)
+    # q block 0 lists 0, 7 (clamped to 3: nothing), -5 (clamped to 0); q block 2 lists 2 and 1<<30 (nothing)
+    assert _as_lists(mc, mi) == {(0, 0): [[0], [], [2]]}
+    assert _as_lists(mc, mi) == _transpose_ref(cnt, idx, 3)
+    assert fc.shape == (1, 1, 3) and int(fc.sum()) == 0  # the "no full blocks" stand-in transposes to nothing
+
+
+def test_transpose_of_broadcast_and_strided_inputs():
+    m = torch.rand(1, 1, 3, 4, generator=torch.Generator().manual_seed(3)) < 0.5
+    bst = block_sparse_from_mask(m, (128, 128))
+    wide = torch.zeros(1, 1, 3, 8, dtype=torch.int32)
+    wide[..., ::2] = bst.mask_block_idx
+    tensors = (bst.mask_block_cnt, wide[..., ::2], torch.zeros(1, 1, 1, dtype=torch.int32),
+               torch.zeros(1, 1, 1, 1, dtype=torch.int32))
+    mc, mi, _, _ = BS.transpose_block_sparse(tensors, 4)
+    assert mc.shape == (1, 1, 4)
+    assert _as_lists(mc, mi) == _transpose_ref(bst.mask_block_cnt, bst.mask_block_idx, 4)
+
+
+def test_transpose_is_deterministic():
+    m = torch.rand(2, 2, 9, 11, generator=torch.Generator().manual_seed(4)) < 0.5
+    bst = block_sparse_from_mask(m, (128, 128))
+    t = (bst.mask_block_cnt, bst.mask_block_idx, bst.mask_block_cnt, bst.mask_block_idx)
+    a, b = BS.transpose_block_sparse(t, 11), BS.transpose_block_sparse(t, 11)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+# ---- block sizes and checks of a call that needs grad -------------------------------------------------------------
+def _tiles(d):
+    fwd = config.select_sparse_tile(d, d, False)
+    dkdv = config.select_bwd_config("bf16", d, d)
+    dq = config.select_dq_config("bf16", d, d)
+    return fwd, dkdv, dq
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_grad_block_multiples_are_multiples_of_every_tile(d):
+    fwd, dkdv, dq = _tiles(d)
+    mult = BS.grad_block_multiples(d, d, False)
+    for q, k in (mult["forward"], mult["auto"]):
+        assert q % fwd.tile_m == 0 and q % dq.tile_m == 0 and k % fwd.tile_n == 0 and k % dq.tile_n == 0
+    q, k = mult["auto"]
+    assert q % dkdv.tile_m == 0 and k % dkdv.tile_n == 0
+    assert mult["backward"] == (dkdv.tile_m, dkdv.tile_n)
+    # the default block size works everywhere
+    assert 128 % q == 0 and 128 % k == 0
+
+
+def _prepare(bst, bst_bwd=None, d=128, max_q=3 * 128, max_k=5 * 128, debug=False, windowed=False):
+    args = dict(batch=2, heads=4, max_q=max_q, max_k=max_k, head_dim=d, head_dim_v=d, windowed=windowed,
+                device=torch.device("cpu"))
+    _, fwd = BS.check_block_sparse(bst, **args)
+    return BS.prepare_backward(bst, bst_bwd, fwd, **args, debug=debug)
+
+
+def _fwd(b=2, h=4, nq=3, width=5, block_size=(128, 128)):
+    z3 = torch.zeros(b, h, nq, dtype=torch.int32)
+    z4 = torch.zeros(b, h, nq, width, dtype=torch.int32)
+    return BlockSparseTensors(z3, z4, z3.clone(), z4.clone(), block_size)
+
+
+def _bwd(b=2, h=4, nk=5, width=3, block_size=(128, 128), full=True):
+    z3 = torch.zeros(b, h, nk, dtype=torch.int32)
+    z4 = torch.zeros(b, h, nk, width, dtype=torch.int32)
+    return BlockSparseTensors(z3, z4, z3.clone() if full else None, z4.clone() if full else None, block_size)
+
+
+def test_prepare_backward_ratios_auto_and_given():
+    _, dkdv, dq = _tiles(128)
+    sg = _prepare(_fwd())
+    assert sg.bwd_tensors is None and sg.num_kv_blocks == 5
+    assert sg.dq_ratios == (128 // dq.tile_m, 128 // dq.tile_n)
+    assert sg.dkdv_ratios == (128 // dkdv.tile_m, 128 // dkdv.tile_n)
+    bwd = sg.backward_tensors()  # built from the forward's lists
+    assert bwd[0].shape == (2, 4, 5) and bwd[1].shape == (2, 4, 5, 3)
+    # given KV-major lists, with their own block size (a multiple of the dK/dV tile)
+    bs = (dkdv.tile_m, 2 * dkdv.tile_n)
+    sg = _prepare(_fwd(), _bwd(nk=-(-5 * 128 // bs[1]), block_size=bs))
+    assert sg.dkdv_ratios == (1, 2)
+    assert sg.backward_tensors() is sg.bwd_tensors
+    sg = _prepare(_fwd(), _bwd(b=1, h=1, full=False))  # broadcast, no full blocks
+    assert sg.bwd_tensors[2].shape == (1, 1, 1)
+
+
+def test_prepare_backward_rejects_block_sizes_the_backward_cannot_honour():
+    # d=192: forward tile 128x32, dQ 64x64, dK/dV 32x64: kv_block 32 runs the forward but not the backward
+    fwd, dkdv, dq = _tiles(192)
+    assert fwd.tile_n == 32 and dq.tile_n == 64
+    bst = _fwd(width=20, block_size=(128, 32))
+    with pytest.raises(ValueError, match=r"kv_block a multiple of 64"):
+        _prepare(bst, d=192)
+    # the KV-major lists' block size must be a multiple of the dK/dV tile
+    dkdv = config.select_bwd_config("bf16", 128, 128)
+    with pytest.raises(ValueError, match=r"block_sparse_tensors_bwd: block_size=\(16, 128\).*multiple of "
+                                         rf"{dkdv.tile_m}"):
+        _prepare(_fwd(), _bwd(block_size=(16, 128)))
+    with pytest.raises(ValueError, match="block_sparse_tensors_bwd: block_size must be a pair"):
+        _prepare(_fwd(), _bwd(block_size=(128, 0)))
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("dtype", "int32"), ("rank", "dims"), ("batch", "batch extent"), ("heads", "head extent"),
+    ("rows", "KV blocks"), ("idx_shape", "first three dims"), ("half_full", "together"),
+    ("type", "BlockSparseTensors"), ("device", "on meta"),
+])
+def test_bwd_tensors_rejected_before_launch(case, needle):
+    g = _bwd()
+    bad = {
+        "dtype": lambda: g._replace(mask_block_cnt=g.mask_block_cnt.long()),
+        "rank": lambda: g._replace(mask_block_idx=g.mask_block_idx[..., 0]),
+        "batch": lambda: _bwd(b=3),
+        "heads": lambda: _bwd(h=2),
+        "rows": lambda: _bwd(nk=4),  # 5 KV blocks of 128 keys are needed
+        "idx_shape": lambda: g._replace(mask_block_idx=torch.zeros(2, 4, 4, 3, dtype=torch.int32)),
+        "half_full": lambda: g._replace(full_block_idx=None),
+        "type": lambda: (g.mask_block_cnt, g.mask_block_idx),
+        "device": lambda: g._replace(mask_block_cnt=g.mask_block_cnt.to("meta")),
+    }[case]()
+    with pytest.raises(ValueError, match=f"block_sparse_tensors_bwd: .*{needle}"):
+        _prepare(_fwd(), bad)
+
+
+def test_bwd_debug_checks_name_lying_values():
+    g = _bwd()
+    cnt = g.mask_block_cnt.clone()
+    cnt[1, 3, 4] = 4  # width 3
+    with pytest.raises(ValueError, match=r"mask_block_cnt\[1, 3, 4\]=4 is outside \[0, 3\]"):
+        _prepare(_fwd(), g._replace(mask_block_cnt=cnt), debug=True)
+    _prepare(_fwd(), g._replace(mask_block_cnt=cnt))  # not read on the host without debug checks
+    cnt = g.full_block_cnt.clone()
+    idx = g.full_block_idx.clone()
+    cnt[0, 0, 0] = 1
+    idx[0, 0, 0, 0] = 3  # 3 query blocks: 0..2
+    with pytest.raises(ValueError, match=r"full_block_idx\[0, 0, 0, 0\]=3 is outside \[0, 3\) \(the query blocks"):
+        _prepare(_fwd(), g._replace(full_block_cnt=cnt, full_block_idx=idx), debug=True)
+
+
+# ---- compile keys, records, plans -------------------------------------------------------------------------------
+def test_sparse_backward_configs_records_and_plan():
+    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+    for rec in (arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS):
+        for n in names:
+            assert n in rec.names
+            assert next(a for a in rec.args if a.name == n).when == "block_sparse"
+    cfg = config.select_bwd_config("bf16", 128, 128, sparse_q_ratio=2, sparse_kv_ratio=1)
+    assert cfg.block_sparse and cfg.name().endswith("sparse2x1")
+    assert not config.select_bwd_config("bf16", 128, 128).block_sparse
+    dq = config.select_dq_config("bf16", 128, 128, sparse_q_ratio=1, sparse_kv_ratio=2)
+    assert dq.block_sparse and dq.name().startswith("dq") and "sparse1x2" in dq.name()
+    work = config.sparse_bwd_gate_worklist()
+    assert 0 < len(work) <= 12 and all(c.block_sparse for c in work)
+    assert {type(c) for c in work} == {config.BwdKernelConfig, config.DqKernelConfig}
+    plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
+                          sparse=(1, 2), sparse_bwd=(1, 2, 2, 2))
+    assert plan.dq_cfg.sparse_q_ratio == 1 and plan.dq_cfg.sparse_kv_ratio == 2
+    assert plan.bwd_cfg.sparse_q_ratio == 2 and plan.bwd_cfg.sparse_kv_ratio == 2
+    assert plan.bwd_cfg.windowed and plan.fwd_cfg.sparse_q_ratio == 1
+    # a dense plan's backward is not sparse
+    plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, True, 0, False)
+    assert not plan.bwd_cfg.block_sparse and not plan.dq_cfg.block_sparse
+
+
+def test_features_and_public_signature():
+    import inspect
+
+    import flash_attn_4_sm120 as fa
+    from flash_attn_4_sm120 import features
+
+    assert features.FEATURES["block_sparse_backward"].supported
+    for fn in (fa.flash_attn_func, fa.flash_attn_varlen_func):
+        p = inspect.signature(fn).parameters["block_sparse_tensors_bwd"]
+        assert p.kind == p.KEYWORD_ONLY and p.default is None
