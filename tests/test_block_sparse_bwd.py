@@ -244,3 +244,26 @@ def test_features_and_public_signature():
     for fn in (fa.flash_attn_func, fa.flash_attn_varlen_func):
         p = inspect.signature(fn).parameters["block_sparse_tensors_bwd"]
         assert p.kind == p.KEYWORD_ONLY and p.default is None
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents"])
+def test_transpose_equals_flex_q_side_tensors(kind):
+    """torch's create_block_mask builds both orientations; our device-side transpose of its KV lists gives its
+    q-side lists (the listed entries; the padding past the counts is unspecified)."""
+    fx = pytest.importorskip("torch.nn.attention.flex_attention")
+    s = 1000
+    doc = (torch.arange(s) // 300).clamp(max=2)
+    mods = {
+        "causal": lambda b, h, qi, kv: qi >= kv,
+        "window": lambda b, h, qi, kv: (qi >= kv) & (qi - kv <= 300),
+        "documents": lambda b, h, qi, kv: doc[qi] == doc[kv],
+    }
+    bm = fx.create_block_mask(mods[kind], None, None, s, s, device="cpu", BLOCK_SIZE=(128, 128))
+    fwd = BS.block_sparse_from_flex(bm)
+    bwd = BS.block_sparse_bwd_from_flex(bm)
+    t = BS.transpose_block_sparse(fwd[:4], -(-s // 128))
+    assert torch.equal(t[0], bwd.mask_block_cnt) and torch.equal(t[2], bwd.full_block_cnt)
+    assert _as_lists(t[0], t[1]) == _as_lists(bwd.mask_block_cnt, bwd.mask_block_idx)
+    assert _as_lists(t[2], t[3]) == _as_lists(bwd.full_block_cnt, bwd.full_block_idx)
+    with pytest.raises(ValueError, match="BlockMask"):
+        BS.block_sparse_bwd_from_flex(object())

@@ -321,8 +321,7 @@ def block_sparse_from_flex(block_mask) -> BlockSparseTensors:
     The BlockMask's ``mask_mod`` is not carried over (mask_mod is not supported yet): a partial block gets the
     causal / window masks of the call, so the result equals ``flex_attention`` when the mask_mod is causal
     (pass ``causal=True``), a sliding window (pass ``window_size``) or when the mask has no partial blocks (e.g.
-    documents aligned to the block size).  The q-side tensors (``q_num_blocks``...) are for the backward, which
-    is not implemented yet."""
+    documents aligned to the block size).  Its q-side tensors give ``block_sparse_bwd_from_flex``."""
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE")
     missing = [n for n in needed if not hasattr(block_mask, n)]
     if missing:
@@ -335,6 +334,28 @@ def block_sparse_from_flex(block_mask) -> BlockSparseTensors:
 
     return BlockSparseTensors(i32(block_mask.kv_num_blocks), i32(block_mask.kv_indices),
                               i32(block_mask.full_kv_num_blocks), i32(block_mask.full_kv_indices), bs)
+
+
+def block_sparse_bwd_from_flex(block_mask) -> BlockSparseTensors:
+    """The KV-major lists (``block_sparse_tensors_bwd``) of a flex_attention ``BlockMask``: its q-side tensors
+    (``q_num_blocks``/``q_indices`` as mask blocks, ``full_q_num_blocks``/``full_q_indices`` as full blocks), with
+    its ``BLOCK_SIZE``.  No copy of the indices, no host sync.  Optional: without it the backward transposes the
+    forward's lists itself."""
+    needed = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE")
+    missing = [n for n in needed if not hasattr(block_mask, n)]
+    if missing:
+        _fail(f"expected a flex_attention BlockMask, got {type(block_mask).__name__} (missing {missing})",
+              "block_sparse_tensors_bwd")
+    if block_mask.q_num_blocks is None or block_mask.q_indices is None:
+        _fail("this BlockMask has no q-side tensors (q_num_blocks / q_indices)", "block_sparse_tensors_bwd")
+    bs = block_mask.BLOCK_SIZE
+    bs = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
+
+    def i32(t):
+        return None if t is None else (t if t.dtype == torch.int32 else t.to(torch.int32))
+
+    return BlockSparseTensors(i32(block_mask.q_num_blocks), i32(block_mask.q_indices),
+                              i32(block_mask.full_q_num_blocks), i32(block_mask.full_q_indices), bs)
 
 
 def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_k: int):
@@ -370,6 +391,7 @@ def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_
     return mask_e | full_e, full_e
 
 
-__all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SparseGrad", "block_sparse_from_flex",
+__all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SparseGrad", "block_sparse_bwd_from_flex",
+           "block_sparse_from_flex",
            "block_sparse_from_mask", "block_size_ratios", "check_block_sparse", "dense_mask_from_block_sparse",
            "grad_block_multiples", "prepare_backward", "refuse_combinations", "transpose_block_sparse"]
