@@ -267,3 +267,82 @@ def test_transpose_equals_flex_q_side_tensors(kind):
     assert _as_lists(t[2], t[3]) == _as_lists(bwd.full_block_cnt, bwd.full_block_idx)
     with pytest.raises(ValueError, match="BlockMask"):
         BS.block_sparse_bwd_from_flex(object())
+
+
+# ---- the host path end to end, kernels replaced by recorders --------------------------------------------------------
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Run the public API on CPU tensors with the device check relaxed and the compiled kernels replaced by
+    recorders of (config, argument values): what each kernel would be launched with."""
+    from flash_attn_4_sm120 import validate as V
+
+    real_check = V.check_tensor
+
+    def check_tensor(name, t, rank, device=None):
+        if isinstance(t, torch.Tensor) and not t.is_cuda:
+            # everything real_check verifies except the CUDA device
+            if t.dim() != rank or t.dtype not in (torch.float16, torch.bfloat16) or t.stride(-1) != 1:
+                real_check(name, t, rank, device)
+            return
+        real_check(name, t, rank, device)
+
+    calls = []
+    monkeypatch.setattr(V, "check_tensor", check_tensor)
+    monkeypatch.setattr(dispatch, "_kernel", lambda cfg, dev: cfg)
+    monkeypatch.setattr(dispatch, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
+    dispatch._PLANS.clear()
+    yield calls
+    dispatch._PLANS.clear()
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_autograd_passes_the_right_lists_to_each_kernel(recorded_launches, given):
+    import flash_attn_4_sm120 as fa
+
+    b, sq, sk, hq, hkv, d = 2, 300, 517, 4, 2, 128
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16, requires_grad=True)
+    bs = (128, 128)
+    nq, nk = -(-sq // 128), -(-sk // 128)
+    m = torch.rand(b, hq, nq, nk, generator=torch.Generator().manual_seed(5)) < 0.5
+    bst = block_sparse_from_mask(m, bs)
+    bwd = None
+    if given:
+        bwd = BlockSparseTensors(*BS.transpose_block_sparse(tuple(bst[:4])[:2] + (
+            torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32)), nk), bs)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, block_sparse_tensors=bst, block_sparse_tensors_bwd=bwd,
+                                  return_lse=True)
+    assert out.requires_grad
+    (fwd_cfg, rec, fwd_vals), = recorded_launches
+    assert rec is arguments.FWD_ARGS and fwd_cfg.block_sparse
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    (_, _, _), (dkdv_cfg, rec1, dkdv_vals), (dq_cfg, rec2, dq_vals) = recorded_launches
+    assert rec1 is arguments.BWD_DKDV_ARGS and rec2 is arguments.BWD_DQ_ARGS
+    tiles = _tiles(d)
+    # ratios: the block size over each kernel's tile
+    assert (dkdv_cfg.sparse_q_ratio, dkdv_cfg.sparse_kv_ratio) == (128 // tiles[1].tile_m, 128 // tiles[1].tile_n)
+    assert (dq_cfg.sparse_q_ratio, dq_cfg.sparse_kv_ratio) == (128 // tiles[2].tile_m, 128 // tiles[2].tile_n)
+    assert dkdv_cfg.windowed and dq_cfg.windowed
+    # the dQ kernel gets the forward's lists (the very tensors), the dK/dV kernel the KV-major ones
+    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+    for n in names:
+        assert dq_vals[n] is fwd_vals[n]
+    expect = BS.transpose_block_sparse(tuple(fwd_vals[n] for n in names), nk)
+    for n, e in zip(names, expect):
+        assert torch.equal(dkdv_vals[n], e)
+        if given:
+            assert dkdv_vals[n] is bwd[names.index(n)]
+    assert dkdv_vals["num_n_blocks"] == -(-sk // dkdv_cfg.tile_n)
+    assert dq_vals["num_m_blocks"] == -(-sq // dq_cfg.tile_m)
+
+
+def test_dense_backward_launches_carry_no_lists(recorded_launches):
+    import flash_attn_4_sm120 as fa
+
+    q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = fa.flash_attn_func(q, q, q, return_lse=True)
+    torch.autograd.grad(out, (q,), torch.ones_like(out))
+    for cfg, _, vals in recorded_launches:
+        assert not cfg.block_sparse
+        assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
