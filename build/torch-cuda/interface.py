@@ -130,7 +130,10 @@ def flash_attn_func(
     max_pages_per_seq * page_size keys long (``flash_attn_varlen_func`` takes per-sequence lengths in seqused_k);
     inference only.  ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
     partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
-    that needs grad or under torch.compile).
+    that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
+    ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
+    ``block_sparse_tensors_bwd``: the same pairs in the KV-major form the dK/dV kernel walks (optional: built on the
+    device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None

@@ -258,7 +258,7 @@ class FlashBwdSm80(KernelStateMixin):
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
             hook = score
             if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
-                hook = score.for_sparse_block(masked)
+                hook = score.for_sparse_block(masked != 0)
             hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
