@@ -115,11 +115,21 @@ _BWD_SCALARS = (
     Arg("qheads_per_kvhead", "i32"),
 )
 
+# Block sparsity (config flag ``block_sparse``): the dK/dV kernel takes the KV-major lists (per KV block, the query
+# blocks that see it), the dQ kernel the forward's Q-major lists; same names, counts rank 3, indices rank 4.
+_SPARSE = (
+    Arg("mask_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
+    Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
+)
+
 BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     *_BWD_INPUTS,
     _act("dk", "head_dim", "varlen_k"),
     _act("dv", "head_dim_v", "varlen_k"),
     *_SEQ_META,
+    *_SPARSE,
     *_BWD_SCALARS,
     Arg("num_n_blocks", "i32"),
     Arg("num_kv_heads", "i32"),
@@ -131,6 +141,7 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     _act("dq", "head_dim", "varlen_q"),
     Arg("pdpsum", "rowstat", varlen="varlen_q"),
     *_SEQ_META,
+    *_SPARSE,
     *_BWD_SCALARS,
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),

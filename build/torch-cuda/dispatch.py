@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,6 +68,7 @@ class FwdMeta:
     batch: int
     max_q: int
     max_k: int
+    sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
 
 
 @dataclass
@@ -88,11 +89,12 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
-          sparse: tuple = (0, 0)) -> _Plan:
+          sparse: tuple = (0, 0), sparse_bwd: tuple = (0, 0, 0, 0)) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles)."""
+    runs the cp.async tiles); ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV
+    kernel (KV-major lists), (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           table_version())
+           sparse_bwd, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
@@ -105,8 +107,10 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk)
-            plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags)  # raises now, not mid-step
-            plan.dq_cfg = select_dq_config(dtype, d, dv, **flags)
+            plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[2],
+                                             sparse_kv_ratio=sparse_bwd[3])  # raises now, not mid-step
+            plan.dq_cfg = select_dq_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[0],
+                                           sparse_kv_ratio=sparse_bwd[1])
         _PLANS[key] = plan
     return plan
 
@@ -293,18 +297,19 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None, num_splits=1, block_sparse_tensors=None):
+                page_table=None, num_splits=1, block_sparse_tensors=None, block_sparse_tensors_bwd=None):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
     only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic).
-    ``block_sparse_tensors``: see block_sparse.py (forward only; one split)."""
+    ``block_sparse_tensors``: see block_sparse.py (one split); with ``needs_grad`` the block sizes for the backward
+    and ``block_sparse_tensors_bwd`` (the KV-major lists, optional) are checked here and kept in the meta."""
     num_splits = SK.check_num_splits(num_splits)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
     sparse = block_sparse_tensors is not None
     if sparse:
-        BS.refuse_combinations(needs_grad, page_table, pack_gqa)
+        BS.refuse_combinations(page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
     dev = q.device
     hq, d = q.shape[-2], q.shape[-1]
@@ -319,9 +324,14 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         ratios, sparse_args = BS.check_block_sparse(
             block_sparse_tensors, batch=meta.batch, heads=hq, max_q=meta.max_q, max_k=meta.max_k, head_dim=d,
             head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
+        if needs_grad:
+            meta = replace(meta, sparse=BS.prepare_backward(
+                block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=meta.batch, heads=hq,
+                max_q=meta.max_q, max_k=meta.max_k, head_dim=d, head_dim_v=dv, windowed=meta.windowed, device=dev,
+                debug=debug_checks_enabled(debug_checks)))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                 paged=page_table is not None, sparse=ratios)
+                 paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta))
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -365,6 +375,11 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
 
 
 # ---- backward --------------------------------------------------------------------------------------------------
+def _sparse_bwd_key(meta: FwdMeta) -> tuple:
+    sg = meta.sparse
+    return (0, 0, 0, 0) if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
+
+
 def _row_valid(lse, cu_q, used_q):
     """Bool mask shaped like lse: rows inside their sequence (seqused/cu_seqlens), False elsewhere."""
     if cu_q is None:
@@ -388,7 +403,7 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
     Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
-    reproducible.  Host-side pieces, O(tokens): D = rowsum(dO * O) (minus dLSE when the caller differentiates
+    reproducible (block-sparse calls too: ``meta.sparse`` holds their lists).  Host-side pieces, O(tokens): D = rowsum(dO * O) (minus dLSE when the caller differentiates
     through the returned LSE); the learnable-sink gradient, closed-form: d sink_h = -sum_i exp(sink_h - lse_i) D_i
     over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ kernel."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
@@ -410,8 +425,13 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     dq, dk, dv = alloc(q), alloc(k), alloc(v)
     pdpsum = alloc(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
+        sg = meta.sparse
+        fwd_ratios = (0, 0)
+        if sg is not None:  # the forward's plan key (its ratios to the forward tile)
+            fwd_ratios = BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed)
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
-                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index)
+                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
+                     sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta))
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
@@ -420,10 +440,17 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
                       seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
                       qheads_per_kvhead=hq // hkv, num_batch=meta.batch)
+        # block sparsity: the dK/dV kernel walks the KV-major lists (built here, on the device, when the caller
+        # gave none), the dQ kernel the forward's
+        names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+        sparse_dkdv = dict(zip(names, sg.backward_tensors() if sg is not None else (None,) * 4))
+        sparse_dq = dict(zip(names, sg.fwd_tensors if sg is not None else (None,) * 4))
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(
-            common, dk=dk, dv=dv, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n), num_kv_heads=hkv))
+            common, **sparse_dkdv, dk=dk, dv=dv, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n),
+            num_kv_heads=hkv))
         _launch(plan.dq_fn, BWD_DQ_ARGS, q.device, dict(
-            common, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m), num_heads=hq))
+            common, **sparse_dq, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m),
+            num_heads=hq))
     elif not partial:
         dq.zero_(), dk.zero_(), dv.zero_(), pdpsum.zero_()
     dsink = None

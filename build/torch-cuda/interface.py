@@ -12,7 +12,6 @@ import torch
 from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
-from .block_sparse import SPARSE_GRAD_ERROR
 from .combine import run_combine
 from .dispatch import PAGED_GRAD_ERROR, run_forward
 from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
@@ -27,7 +26,7 @@ def _unsupported(**values) -> None:
             )
 
 
-def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) -> None:
+def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd=None) -> None:
     num_splits = check_num_splits(num_splits)  # 1.0 or True are not ints here
     if num_splits != 1:
         require("split_kv", f"num_splits={num_splits}")
@@ -36,6 +35,11 @@ def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) ->
                              "split-KV is inference-only; leave num_splits at 1")
     if block_sparse_tensors is not None:
         require("block_sparse", "block_sparse_tensors")
+    if block_sparse_tensors_bwd is not None:
+        require("block_sparse_backward", "block_sparse_tensors_bwd")
+        if block_sparse_tensors is None:
+            raise ValueError("block_sparse_tensors_bwd (the KV-major lists of the backward) was given without "
+                             "block_sparse_tensors (the forward's lists): give both, or neither")
     if dropout_p:
         require("dropout", f"dropout_p={dropout_p}")
     # deterministic: accepted for compatibility; the backward is always deterministic (no atomics)
@@ -55,9 +59,7 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
         raise ValueError(SPLIT_GRAD_ERROR)
     if needs_grad:
         kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
-    if kw.get("block_sparse_tensors") is not None:  # forward only, eager only, one split (for now)
-        if needs_grad:
-            raise NotImplementedError(SPARSE_GRAD_ERROR)
+    if kw.get("block_sparse_tensors") is not None:  # eager only, one split (for now)
         if torch.compiler.is_compiling():
             raise NotImplementedError("block_sparse_tensors is not supported under torch.compile yet (the "
                                       "torch.library op does not take it); call it eagerly")
@@ -65,7 +67,11 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
             raise ValueError(f"num_splits={kw['num_splits']} with block_sparse_tensors is not supported by "
                              "flash-attn-4-sm120 (block-sparse calls run one split); use num_splits=1 or 0")
         kw["num_splits"] = 1  # automatic (<= 0) means one split for a block-sparse call
-        out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
+        if needs_grad:
+            require("block_sparse_backward", "block_sparse_tensors with inputs that require grad")
+            out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
+        else:
+            out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
         return out, (lse if return_lse else None)
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         if kw["num_splits"] > 1:
@@ -124,20 +130,21 @@ def flash_attn_func(
     max_pages_per_seq * page_size keys long (``flash_attn_varlen_func`` takes per-sequence lengths in seqused_k);
     inference only.  ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
     partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
-    that needs grad or under torch.compile).
+    that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
+    ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
+    ``block_sparse_tensors_bwd``: the same pairs in the KV-major form the dK/dV kernel walks (optional: built on the
+    device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
     """
-    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
+    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
-            or block_sparse_tensors_bwd is not None):
+            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None):
         _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
-                     block_sparse_tensors_bwd=block_sparse_tensors_bwd)
+                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
-        block_sparse_tensors=block_sparse_tensors,
+        block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
     ))
 
 
@@ -175,6 +182,7 @@ def flash_attn_varlen_func(
     scheduler_metadata=None,
     seqlen_k_per_split=None,
     debug_checks: bool | None = None,
+    block_sparse_tensors_bwd=None,
 ):
     """Variable-length attention.  With ``cu_seqlens_q`` (B+1,) int32, q is (total_q, Hq, D) and out/lse are
     (total_q, Hq, Dv) / (Hq, total_q); without it q is (B, Sq, Hq, D).  Likewise ``cu_seqlens_k`` for k/v.
@@ -194,7 +202,7 @@ def flash_attn_varlen_func(
     combined with ``cu_seqlens_k``; inference only (a call that needs grad raises).  Page indices are the caller's
     contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
-    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
+    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
             or min_seqlen_k is not None or scheduler_metadata is not None or seqlen_k_per_split is not None):
@@ -206,6 +214,7 @@ def flash_attn_varlen_func(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
         page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
+        block_sparse_tensors_bwd=block_sparse_tensors_bwd,
     ))
 
 

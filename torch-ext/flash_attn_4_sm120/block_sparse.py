@@ -15,24 +15,32 @@ Counts and indices are the caller's contract: they are not read on the host (no 
 them (counts to [0, width], indices to the blocks of the sequence), so a lie gives wrong numbers but never an
 out-of-bounds access.  ``debug_checks=True`` checks them on the host and names the lie.
 
-Limits of this release: forward only (a call that needs grad raises NotImplementedError); the cp.async forward
-kernel runs it (never the TMA kernel); GQA packing is off (``pack_gqa=True`` raises); paged K/V is refused.
+Backward (autograd): the dQ kernel walks the forward's lists (Q-major); the dK/dV kernel walks the transposed,
+KV-major lists ``block_sparse_tensors_bwd`` (flash-attn-4's name): the same record with, per (b, query head h,
+user KV block kb), ``mask_block_cnt[b, h, kb]`` / ``mask_block_idx[b, h, kb, :]`` the query blocks that see KV
+block kb through the masks and ``full_*`` those that see it whole (counts (B, H, num_kv_blocks), indices
+(B, H, num_kv_blocks, <= num_q_blocks), B/H broadcast, ``block_size=(q_block, kv_block)`` as for the forward).
+It must describe the same pairs as the forward's lists (the caller's contract, as flash-attn-4's); when it is not
+given, ``transpose_block_sparse`` builds it on the device from the forward's (no host sync).  Block sizes of a
+call that needs grad must also be multiples of the backward kernels' tiles (``grad_block_multiples``).
+
+Limits of this release: the cp.async forward kernel runs it (never the TMA kernel); GQA packing is off
+(``pack_gqa=True`` raises); paged K/V, split-KV and torch.compile are refused; mask_mod/score_mod are not
+supported.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .config import select_sparse_tile
+from .config import select_bwd_config, select_dq_config, select_sparse_tile
 
 DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every cp.async tile
 
-SPARSE_GRAD_ERROR = (
-    "block_sparse_tensors: the block-sparse backward is not implemented yet (forward only). Call it under "
-    "torch.no_grad() or with q, k, v (and learnable_sink) that do not require grad"
-)
 
 
 class BlockSparseTensors(NamedTuple):
@@ -46,10 +54,8 @@ class BlockSparseTensors(NamedTuple):
     block_size: tuple[int, int] | None = None
 
 
-def refuse_combinations(needs_grad: bool, page_table, pack_gqa) -> None:
+def refuse_combinations(page_table, pack_gqa) -> None:
     """What block sparsity does not combine with in this release (raised before any launch)."""
-    if needs_grad:
-        raise NotImplementedError(SPARSE_GRAD_ERROR)
     if page_table is not None:
         raise NotImplementedError("block_sparse_tensors cannot be combined with page_table (paged K/V) yet")
     if pack_gqa is True:
@@ -57,8 +63,8 @@ def refuse_combinations(needs_grad: bool, page_table, pack_gqa) -> None:
                          "blocks): pass pack_gqa=None or False")
 
 
-def _fail(msg: str):
-    raise ValueError(f"block_sparse_tensors: {msg}")
+def _fail(msg: str, arg: str = "block_sparse_tensors"):
+    raise ValueError(f"{arg}: {msg}")
 
 
 def _positive_int(x) -> bool:
@@ -83,77 +89,194 @@ def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool
     return q_block // tile.tile_m, kv_block // tile.tile_n
 
 
-def _check_pair(name: str, cnt, idx, batch: int, heads: int, num_q_blocks: int, device) -> None:
+def _check_pair(name: str, cnt, idx, batch: int, heads: int, num_q_blocks: int, device,
+                rows: str = "query blocks (ceil(max_seqlen_q / q_block))", arg: str = "block_sparse_tensors") -> None:
     for what, t, rank in ((f"{name}_block_cnt", cnt, 3), (f"{name}_block_idx", idx, 4)):
         if not isinstance(t, torch.Tensor):
-            _fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+            _fail(f"{what} must be a torch.Tensor, got {type(t).__name__}", arg)
         if t.dtype != torch.int32:
-            _fail(f"{what} must be int32, got {t.dtype}")
+            _fail(f"{what} must be int32, got {t.dtype}", arg)
         if t.device != device:
-            _fail(f"{what} is on {t.device}, q on {device}")
+            _fail(f"{what} is on {t.device}, q on {device}", arg)
         if t.dim() != rank:
-            _fail(f"{what} must have {rank} dims, got shape {tuple(t.shape)}")
+            _fail(f"{what} must have {rank} dims, got shape {tuple(t.shape)}", arg)
     b, h, nq = cnt.shape
     if b not in (1, batch) or h not in (1, heads):
         _fail(f"{name}_block_cnt has shape {tuple(cnt.shape)}: its batch extent must be 1 or {batch} and its head "
-              f"extent 1 or {heads} (the query heads)")
+              f"extent 1 or {heads} (the query heads)", arg)
     if nq < num_q_blocks:
-        _fail(f"{name}_block_cnt has {nq} query blocks, the call needs {num_q_blocks} (ceil(max_seqlen_q / q_block))")
+        _fail(f"{name}_block_cnt has {nq} rows of blocks, the call needs {num_q_blocks} {rows}", arg)
     if tuple(idx.shape[:3]) != tuple(cnt.shape):
         _fail(f"{name}_block_idx has shape {tuple(idx.shape)}, its first three dims must equal "
-              f"{name}_block_cnt's {tuple(cnt.shape)}")
+              f"{name}_block_cnt's {tuple(cnt.shape)}", arg)
+
+
+_NAMES = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+
+
+def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: str, arg: str):
+    """The four tensors of ``bst`` checked (empty full tensors when none were given), last dim contiguous."""
+    if not all(hasattr(bst, n) for n in _NAMES):
+        _fail(f"expected a BlockSparseTensors (fields {', '.join(_NAMES)}, block_size), got {type(bst).__name__}",
+              arg)
+    _check_pair("mask", bst.mask_block_cnt, bst.mask_block_idx, batch, heads, num_rows, device, rows, arg)
+    full_cnt, full_idx = bst.full_block_cnt, bst.full_block_idx
+    if (full_cnt is None) != (full_idx is None):
+        _fail("full_block_cnt and full_block_idx must be given together (or both None)", arg)
+    if full_cnt is None:
+        full_cnt = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+        full_idx = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device)
+    else:
+        _check_pair("full", full_cnt, full_idx, batch, heads, num_rows, device, rows, arg)
+    # the kernel takes the last dim contiguous and int32 strides (a strided or broadcast view is copied, on the
+    # device, without a sync)
+    tensors = tuple(t if t.stride(-1) == 1 else t.contiguous()
+                    for t in (bst.mask_block_cnt, bst.mask_block_idx, full_cnt, full_idx))
+    for name, t in zip(_NAMES, tensors):
+        if max((abs(st) * max(n - 1, 0) for st, n in zip(t.stride(), t.shape)), default=0) >= 2**31:
+            _fail(f"{name} spans {t.numel()} elements: its offsets must fit int32", arg)
+    return tensors
 
 
 def check_block_sparse(bst, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int, head_dim_v: int,
                        windowed: bool, device, debug: bool = False):
     """Validate ``bst`` for one call; returns ((q_ratio, kv_ratio), (mask_cnt, mask_idx, full_cnt, full_idx)) with
     empty full tensors when none were given.  Raises ValueError before any launch."""
-    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
-    if not all(hasattr(bst, n) for n in names):
-        _fail(f"expected a BlockSparseTensors (fields {', '.join(names)}, block_size), got {type(bst).__name__}")
+    if not all(hasattr(bst, n) for n in _NAMES):
+        _fail(f"expected a BlockSparseTensors (fields {', '.join(_NAMES)}, block_size), got {type(bst).__name__}")
     ratios = block_size_ratios(getattr(bst, "block_size", None), head_dim, head_dim_v, windowed)
     q_block, kv_block = getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE
-    num_q_blocks = -(-max_q // q_block)
-    _check_pair("mask", bst.mask_block_cnt, bst.mask_block_idx, batch, heads, num_q_blocks, device)
-    full_cnt, full_idx = bst.full_block_cnt, bst.full_block_idx
-    if (full_cnt is None) != (full_idx is None):
-        _fail("full_block_cnt and full_block_idx must be given together (or both None)")
-    if full_cnt is None:
-        full_cnt = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
-        full_idx = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device)
-    else:
-        _check_pair("full", full_cnt, full_idx, batch, heads, num_q_blocks, device)
-    # the kernel takes the last dim contiguous and int32 strides (a strided or broadcast view is copied, on the
-    # device, without a sync)
-    tensors = tuple(t if t.stride(-1) == 1 else t.contiguous()
-                    for t in (bst.mask_block_cnt, bst.mask_block_idx, full_cnt, full_idx))
-    for name, t in zip(names, tensors):
-        if max((abs(st) * max(n - 1, 0) for st, n in zip(t.stride(), t.shape)), default=0) >= 2**31:
-            _fail(f"{name} spans {t.numel()} elements: its offsets must fit int32")
+    tensors = _check_tensors(bst, batch=batch, heads=heads, num_rows=-(-max_q // q_block), device=device,
+                             rows="query blocks (ceil(max_seqlen_q / q_block))", arg="block_sparse_tensors")
     if debug:
-        _debug_check_values(tensors, -(-max_k // kv_block))
+        _debug_check_values(tensors, -(-max_k // kv_block), "KV blocks of max_seqlen_k", "block_sparse_tensors")
     return ratios, tensors
 
 
-def _debug_check_values(tensors, num_kv_blocks: int) -> None:
+def _debug_check_values(tensors, num_blocks: int, what: str, arg: str) -> None:
     """Opt-in host check (one device->host copy per tensor): counts in [0, width], listed indices in
-    [0, num_kv_blocks)."""
+    [0, num_blocks)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _fail("debug_checks read the sparse tensors on the host, which cannot be done while capturing a CUDA graph")
+        _fail("debug_checks read the sparse tensors on the host, which cannot be done while capturing a CUDA graph",
+              arg)
     for name, cnt, idx in (("mask", tensors[0], tensors[1]), ("full", tensors[2], tensors[3])):
         width = idx.shape[3]
         bad = (cnt < 0) | (cnt > width)
         if bool(bad.any()):
             where = tuple(bad.nonzero()[0].tolist())
             _fail(f"{name}_block_cnt{list(where)}={int(cnt[where])} is outside [0, {width}] (the width of "
-                  f"{name}_block_idx)")
+                  f"{name}_block_idx)", arg)
         cols = torch.arange(width, device=idx.device)
         listed = cols < cnt.unsqueeze(-1)
-        bad = listed & ((idx < 0) | (idx >= num_kv_blocks))
+        bad = listed & ((idx < 0) | (idx >= num_blocks))
         if bool(bad.any()):
             where = tuple(bad.nonzero()[0].tolist())
-            _fail(f"{name}_block_idx{list(where)}={int(idx[where])} is outside [0, {num_kv_blocks}) (the KV blocks "
-                  f"of max_seqlen_k)")
+            _fail(f"{name}_block_idx{list(where)}={int(idx[where])} is outside [0, {num_blocks}) (the {what})", arg)
+
+
+# ---- backward ----------------------------------------------------------------------------------------------------
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool) -> dict[str, tuple[int, int]]:
+    """The (q_block, kv_block) multiples a call that needs grad accepts: "forward" for ``block_sparse_tensors``
+    (the forward tile and the dQ kernel's tile, which walks these lists; and the dK/dV kernel's tile when the
+    transposed lists are built from them), "backward" for ``block_sparse_tensors_bwd`` (the dK/dV kernel's tile),
+    "auto" for the forward's lists when ``block_sparse_tensors_bwd`` is not given."""
+    fwd = select_sparse_tile(head_dim, head_dim_v, windowed)
+    dkdv = select_bwd_config("bf16", head_dim, head_dim_v)  # the tile depends on the head dims only
+    dq = select_dq_config("bf16", head_dim, head_dim_v)
+    f = (_lcm(fwd.tile_m, dq.tile_m), _lcm(fwd.tile_n, dq.tile_n))
+    return {"forward": f, "backward": (dkdv.tile_m, dkdv.tile_n),
+            "auto": (_lcm(f[0], dkdv.tile_m), _lcm(f[1], dkdv.tile_n))}
+
+
+def _multiple_ratios(block_size, mult: tuple[int, int], tile: tuple[int, int], arg: str, why: str,
+                     head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    q_block, kv_block = block_size
+    if q_block % mult[0] or kv_block % mult[1]:
+        _fail(f"block_size=({q_block}, {kv_block}) cannot be used with gradients for head_dim={head_dim}, "
+              f"head_dim_v={head_dim_v}: q_block must be a multiple of {mult[0]} and kv_block a multiple of "
+              f"{mult[1]} ({why}; (128, 128) always works)", arg)
+    return q_block // tile[0], kv_block // tile[1]
+
+
+@dataclass(frozen=True)
+class SparseGrad:
+    """What the backward of a block-sparse call needs (host values and the checked tensors): the forward's
+    lists (for the dQ kernel) with their ratios to the dQ tile, the KV-major lists (None: built at backward
+    time by ``transpose_block_sparse``) with their ratios to the dK/dV tile."""
+
+    fwd_tensors: tuple
+    fwd_block_size: tuple[int, int]
+    dq_ratios: tuple[int, int]
+    bwd_tensors: tuple | None
+    dkdv_ratios: tuple[int, int]
+    num_kv_blocks: int  # ceil(max_seqlen_k / kv_block) of the forward's block size
+
+    def backward_tensors(self) -> tuple:
+        if self.bwd_tensors is not None:
+            return self.bwd_tensors
+        return transpose_block_sparse(self.fwd_tensors, self.num_kv_blocks)
+
+
+def prepare_backward(bst, bst_bwd, fwd_tensors, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int,
+                     head_dim_v: int, windowed: bool, device, debug: bool = False) -> SparseGrad:
+    """Check the block sizes (and ``bst_bwd`` when given) of a block-sparse call that needs grad, before any
+    launch.  ``fwd_tensors``: the forward's checked tensors (``check_block_sparse``)."""
+    mult = grad_block_multiples(head_dim, head_dim_v, windowed)
+    dkdv = select_bwd_config("bf16", head_dim, head_dim_v)
+    dq = select_dq_config("bf16", head_dim, head_dim_v)
+    block_size = tuple(getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE)
+    num_kv_blocks = -(-max_k // block_size[1])
+    if bst_bwd is None:
+        dq_ratios = _multiple_ratios(block_size, mult["auto"], (dq.tile_m, dq.tile_n), "block_sparse_tensors",
+                                     "the tiles of the forward, dQ and dK/dV kernels, block_sparse_tensors_bwd "
+                                     "being built from these lists", head_dim, head_dim_v)
+        dkdv_ratios = (block_size[0] // dkdv.tile_m, block_size[1] // dkdv.tile_n)
+        return SparseGrad(fwd_tensors, block_size, dq_ratios, None, dkdv_ratios, num_kv_blocks)
+    dq_ratios = _multiple_ratios(block_size, mult["forward"], (dq.tile_m, dq.tile_n), "block_sparse_tensors",
+                                 "the tiles of the forward and dQ kernels", head_dim, head_dim_v)
+    bwd_size = getattr(bst_bwd, "block_size", None) or DEFAULT_BLOCK_SIZE
+    if (not isinstance(bwd_size, (tuple, list)) or len(bwd_size) != 2
+            or not all(_positive_int(b) for b in bwd_size)):
+        _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {bwd_size!r}",
+              "block_sparse_tensors_bwd")
+    bwd_size = tuple(bwd_size)
+    dkdv_ratios = _multiple_ratios(bwd_size, mult["backward"], (dkdv.tile_m, dkdv.tile_n),
+                                   "block_sparse_tensors_bwd", "the tile of the dK/dV kernel", head_dim, head_dim_v)
+    arg = "block_sparse_tensors_bwd"
+    bwd = _check_tensors(bst_bwd, batch=batch, heads=heads, num_rows=-(-max_k // bwd_size[1]), device=device,
+                         rows="KV blocks (ceil(max_seqlen_k / kv_block))", arg=arg)
+    if debug:
+        _debug_check_values(bwd, -(-max_q // bwd_size[0]), "query blocks of max_seqlen_q", arg)
+    return SparseGrad(fwd_tensors, block_size, dq_ratios, bwd, dkdv_ratios, num_kv_blocks)
+
+
+def _dense_blocks(cnt: torch.Tensor, idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Boolean (…, rows, num_blocks) mask of the listed blocks of (cnt, idx), clamped as the kernels clamp (counts
+    to [0, width], indices to [0, num_blocks]; index num_blocks, one past the end, lists nothing).  On the device,
+    fixed shapes, no host sync."""
+    width = idx.shape[-1]
+    listed = torch.arange(width, device=idx.device) < cnt.clamp(0, width).unsqueeze(-1)
+    col = torch.where(listed, idx.clamp(0, num_blocks), num_blocks).long()  # unlisted: the spare column
+    out = torch.zeros((*cnt.shape, num_blocks + 1), dtype=torch.bool, device=cnt.device)
+    out.scatter_(-1, col, listed)  # every write to a real column writes True: order does not matter
+    return out[..., :num_blocks]
+
+
+def transpose_block_sparse(tensors, num_kv_blocks: int) -> tuple:
+    """The KV-major lists (``block_sparse_tensors_bwd``) of the forward's Q-major tensors (mask_cnt, mask_idx,
+    full_cnt, full_idx): per KV block, the query blocks that list it, ascending, packed left; counts
+    (B|1, H|1, num_kv_blocks), indices (B|1, H|1, num_kv_blocks, rows of the forward's counts).  On the device
+    with torch ops of fixed shapes (a scatter into a dense block mask and a stable sort): no host sync."""
+    out = []
+    for cnt, idx in ((tensors[0], tensors[1]), (tensors[2], tensors[3])):
+        dense = _dense_blocks(cnt, idx, num_kv_blocks).transpose(-1, -2)  # (B, H, num_kv_blocks, num_q_blocks)
+        c, i = _pack_left(dense)
+        out += [c.contiguous(), i.contiguous()]
+    return tuple(out)
 
 
 def _pack_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +321,7 @@ def block_sparse_from_flex(block_mask) -> BlockSparseTensors:
     The BlockMask's ``mask_mod`` is not carried over (mask_mod is not supported yet): a partial block gets the
     causal / window masks of the call, so the result equals ``flex_attention`` when the mask_mod is causal
     (pass ``causal=True``), a sliding window (pass ``window_size``) or when the mask has no partial blocks (e.g.
-    documents aligned to the block size).  The q-side tensors (``q_num_blocks``...) are for the backward, which
-    is not implemented yet."""
+    documents aligned to the block size).  Its q-side tensors give ``block_sparse_bwd_from_flex``."""
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE")
     missing = [n for n in needed if not hasattr(block_mask, n)]
     if missing:
@@ -212,6 +334,28 @@ def block_sparse_from_flex(block_mask) -> BlockSparseTensors:
 
     return BlockSparseTensors(i32(block_mask.kv_num_blocks), i32(block_mask.kv_indices),
                               i32(block_mask.full_kv_num_blocks), i32(block_mask.full_kv_indices), bs)
+
+
+def block_sparse_bwd_from_flex(block_mask) -> BlockSparseTensors:
+    """The KV-major lists (``block_sparse_tensors_bwd``) of a flex_attention ``BlockMask``: its q-side tensors
+    (``q_num_blocks``/``q_indices`` as mask blocks, ``full_q_num_blocks``/``full_q_indices`` as full blocks), with
+    its ``BLOCK_SIZE``.  No copy of the indices, no host sync.  Optional: without it the backward transposes the
+    forward's lists itself."""
+    needed = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE")
+    missing = [n for n in needed if not hasattr(block_mask, n)]
+    if missing:
+        _fail(f"expected a flex_attention BlockMask, got {type(block_mask).__name__} (missing {missing})",
+              "block_sparse_tensors_bwd")
+    if block_mask.q_num_blocks is None or block_mask.q_indices is None:
+        _fail("this BlockMask has no q-side tensors (q_num_blocks / q_indices)", "block_sparse_tensors_bwd")
+    bs = block_mask.BLOCK_SIZE
+    bs = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
+
+    def i32(t):
+        return None if t is None else (t if t.dtype == torch.int32 else t.to(torch.int32))
+
+    return BlockSparseTensors(i32(block_mask.q_num_blocks), i32(block_mask.q_indices),
+                              i32(block_mask.full_q_num_blocks), i32(block_mask.full_q_indices), bs)
 
 
 def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_k: int):
@@ -247,6 +391,7 @@ def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_
     return mask_e | full_e, full_e
 
 
-__all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SPARSE_GRAD_ERROR", "block_sparse_from_flex",
+__all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SparseGrad", "block_sparse_bwd_from_flex",
+           "block_sparse_from_flex",
            "block_sparse_from_mask", "block_size_ratios", "check_block_sparse", "dense_mask_from_block_sparse",
-           "refuse_combinations"]
+           "grad_block_multiples", "prepare_backward", "refuse_combinations", "transpose_block_sparse"]

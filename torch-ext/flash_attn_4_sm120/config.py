@@ -426,10 +426,20 @@ class BwdKernelConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    # block sparsity (kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by sparse_kv_ratio KV
+    # tiles of this kernel; 0 = off.  The dK/dV kernel walks the KV-major (transposed) lists, the dQ kernel the
+    # forward's (Q-major) lists.
+    sparse_q_ratio: int = 0
+    sparse_kv_ratio: int = 0
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.sparse_q_ratio > 0
 
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
-                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k)) if on]
+                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
+                                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse)) if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + ("_" + "_".join(flags) if flags else ""))
 
@@ -523,6 +533,27 @@ def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     base = select_bwd_config(dtype, d, dv)
     dq = select_dq_config(dtype, d, dv)
     return [base, replace(base, **heavy), dq, replace(dq, **heavy)]
+
+
+def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
+    """The block-sparse backward configurations the compile gate builds: bf16, dv == d, per distinct dK/dV and dQ
+    tile at the largest head dim that runs it (the most registers), the lightest (1x1 blocks, no other flag) and
+    the heaviest (2x2 blocks, windowed, so the mask / full branch is compiled, with every flag sparsity combines
+    with)."""
+    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
+                 sparse_q_ratio=2, sparse_kv_ratio=2)
+    out, seen = [], set()
+    for d, dv in sorted(supported_head_dim_pairs(), reverse=True):
+        if d != dv:
+            continue
+        for select in (select_bwd_config, select_dq_config):
+            base = select("bf16", d, dv)
+            tile = (type(base), base.tile_m, base.tile_n, base.num_warps)
+            if tile in seen:
+                continue
+            seen.add(tile)
+            out += [replace(base, sparse_q_ratio=1, sparse_kv_ratio=1), replace(base, **heavy)]
+    return out
 
 
 # ---- split-KV combine ----------------------------------------------------------------------------------------

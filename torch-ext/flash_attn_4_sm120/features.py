@@ -67,9 +67,13 @@ FEATURES: dict[str, Feature] = {
         Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
                 "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
                 "block sizes multiples of the cp.async tile, B/H broadcast, varlen, GQA (unpacked); "
-                "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); backward planned "
-                "(a grad-requiring call raises NotImplementedError); no paged K/V, no split-KV, no torch.compile "
-                "yet"),
+                "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); no paged K/V, no "
+                "split-KV, no torch.compile yet"),
+        Feature("block_sparse_backward", SUPPORTED, "autograd with block_sparse_tensors (+ optional "
+                "block_sparse_tensors_bwd)",
+                "dQ walks the forward's lists, dK/dV the KV-major lists (built on the device from the forward's "
+                "when block_sparse_tensors_bwd is not given: no host sync); block sizes also multiples of the "
+                "backward tiles ((128, 128) always works); bitwise reproducible; no torch.compile yet"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",

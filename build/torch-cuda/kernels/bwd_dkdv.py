@@ -13,8 +13,14 @@ their P and dS are exactly 0.  dQ comes from bwd_dq_kernel.py (Q-stationary, no 
 proxy, the two kernels together were 1.2-2.3x faster than accumulating dQ here with fp32 atomics, and bitwise
 reproducible.
 
+Block sparsity (config ``block_sparse``): the CTA visits only the query blocks the KV-major lists give its KV block,
+for each query head of the group (kernels/block_sparse.py SparseQList); mask blocks get the causal/window masks
+when the call has them, full blocks only the sequence end.  A KV tile with no block writes dK = dV = 0.
+
 Constraints: fp16/bf16; config.bwd_tile_problems (SM120's 99 KB).
 """
+
+from functools import partial
 
 import cutlass
 import cutlass.cute as cute
@@ -24,6 +30,7 @@ from ..arguments import BWD_DKDV_ARGS
 from ..config import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
+from .block_sparse import SparseQList
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
@@ -64,6 +71,10 @@ class FlashBwdSm80(KernelStateMixin):
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
         seqused_k: cute.Tensor | None,
+        mask_block_cnt: cute.Tensor | None,
+        mask_block_idx: cute.Tensor | None,
+        full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         softmax_scale: Float32,
@@ -95,7 +106,7 @@ class FlashBwdSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
@@ -110,7 +121,7 @@ class FlashBwdSm80(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
@@ -124,16 +135,15 @@ class FlashBwdSm80(KernelStateMixin):
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
-                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, softmax_scale, qheads_per_kvhead,
-                sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
+                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+                qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
 
     @cute.jit
-    def load_q_do(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it,
+    def load_q_do(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block,
                   load_q: cutlass.Constexpr[bool], load_do: cutlass.Constexpr[bool]):
-        """cp.async Q and/or dO of loop iteration ``it`` (head = it // num_m, query block = it % num_m)."""
-        head = first_head + it // num_m
-        first_q = (m_min + it % num_m) * self.tile_m
+        """cp.async Q and/or dO of query tile ``m_block`` of query head ``head``."""
+        first_q = m_block * self.tile_m
         if const_expr(load_q):
             load_rows(lambda pos: seq.q_row(mQ, pos, head), sQ, copy_d, tidx, first_q, seq.seqlen_q,
                       (self.tile_m, self.d), True)
@@ -143,9 +153,15 @@ class FlashBwdSm80(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def dense_entry(self, first_head, m_min, num_m, it):
+        """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
+        inner."""
+        return first_head + it // num_m, m_min + it % num_m, Int32(1)
+
+    @cute.jit
     def process(
-        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, softmax_scale, qheads_per_kvhead,
-        sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+        qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
         n_block, kv_head,
     ):
         cfg = self.cfg
@@ -202,17 +218,27 @@ class FlashBwdSm80(KernelStateMixin):
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
 
-        m_min, m_max = block.q_range(n_block)
-        num_m = cutlass.max(m_max - m_min, 0)
         first_head = kv_head * qheads_per_kvhead
-        num_iters = num_m * qheads_per_kvhead
+        # the (query head, query tile) pairs to visit, as a flat list of num_iters entries, entry ``it`` given by
+        # ``where(it)`` -> (head, m_block, masked): every query tile of the window for each head of the group, or
+        # (block sparsity) the listed query blocks of this KV block (kernels/block_sparse.py SparseQList)
+        if const_expr(cfg.block_sparse):
+            qlist = SparseQList.create(cfg.sparse_q_ratio, cfg.sparse_kv_ratio, self.tile_m, sparse, seq.batch,
+                                       first_head, qheads_per_kvhead, n_block, seq.seqlen_q)
+            num_iters = qlist.num_tiles()
+            where = qlist.locate
+        else:
+            m_min, m_max = block.q_range(n_block)
+            num_m = cutlass.max(m_max - m_min, 0)
+            num_iters = num_m * qheads_per_kvhead
+            where = partial(self.dense_entry, first_head, m_min, num_m)
         # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
         # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP
         if num_iters > 0:
-            self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, 0, True, True)
+            head0, m_block0, _ = where(Int32(0))
+            self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head0, m_block0, True, True)
         for it in cutlass.range(num_iters, unroll=1):
-            head = first_head + it // num_m
-            m_block = m_min + it % num_m
+            head, m_block, masked = where(it)
             first_q = m_block * self.tile_m
             for r in cutlass.range_constexpr(num_rows):
                 pos = first_q + tScS_mn[r, 0][0]
@@ -230,7 +256,10 @@ class FlashBwdSm80(KernelStateMixin):
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
-            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+            hook = score
+            if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
+                hook = score.for_sparse_block(masked != 0)
+            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
             # ---- dP, dS
@@ -249,14 +278,15 @@ class FlashBwdSm80(KernelStateMixin):
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
+            # the next entry is looked up at each prefetch (not kept live across the dK mma: registers)
             if it + 1 < num_iters:
-                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it + 1,
-                               False, True)
+                next_head, next_m_block, _ = where(it + 1)
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
             cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
-                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, first_head, m_min, num_m, it + 1,
-                               True, False)
+                next_head, next_m_block, _ = where(it + 1)
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, True, False)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 

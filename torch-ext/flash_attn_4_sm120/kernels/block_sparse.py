@@ -1,5 +1,7 @@
-"""Block-sparse KV schedule (CuTe-DSL device code, trace time): the forward visits only the KV blocks listed for
-its query block, instead of the contiguous range of ``BlockInfo``.
+"""Block-sparse schedules (CuTe-DSL device code, trace time): the forward and the dQ kernel visit only the KV
+blocks listed for their query block (``SparseBlockInfo``), instead of the contiguous range of ``BlockInfo``; the
+dK/dV kernel visits only the query blocks listed for its KV block, for every query head of its KV head's group
+(``SparseQList``, from the KV-major lists).
 
 Metadata (host: block_sparse.py), per (batch, query head, user query block ``qb``):
     mask_cnt[b, h, qb], mask_idx[b, h, qb, :]   KV blocks that need the masks (causal / window / sequence end)
@@ -69,7 +71,8 @@ class SparseBlockInfo(BlockInfo):
         return Int32(0), n_full + n_mask, n_mask, n_full, Int32(0)
 
     def kv_range(self, m_block: Int32):
-        raise NotImplementedError("the block-sparse schedule is forward-only (no dQ kernel walks it yet)")
+        raise NotImplementedError("a block-sparse schedule is walked through kv_plan / tile_of (the dQ kernel "
+                                  "does), not as a contiguous range")
 
     @cute.jit
     def tile_of(self, t: Int32) -> Int32:
@@ -102,3 +105,86 @@ class SparseBlockInfo(BlockInfo):
             state = step(n_full - 1 - i, state, is_first=False, mask_seqlen=True, mask_right=False,
                          mask_left=False)
         return state
+
+
+@dataclass(frozen=True)
+class SparseQList:
+    """The query tiles one dK/dV CTA (KV tile ``n_block`` of KV head ``kv_head``) visits, from the KV-major lists
+    (host: block_sparse.transpose_block_sparse):
+        mask_cnt[b, h, kb], mask_idx[b, h, kb, :]   query blocks that see KV block kb through the masks
+        full_cnt[b, h, kb], full_idx[b, h, kb, :]   query blocks that see it whole
+    per query head h.  The CTA walks the heads of its group in order, for each its mask blocks then its full
+    blocks, each block expanded to ``q_ratio`` query tiles: a flat, fixed order (so dK/dV are bitwise
+    reproducible) whose i-th entry ``locate`` finds by a walk over the group's counts (a few cached loads; the
+    group is small), so the kernel's prefetch of "the next query tile" works unchanged.  Only the per-head views
+    of the CTA's (batch, KV block) are kept (fewer live registers than the 4-D tensors).
+
+    Counts are clamped to [0, width], the KV block to the rows of the count tensor, query blocks to
+    [0, ceil(seqlen_q / q_block)] (one past the end reads nothing: its rows are zero-filled and get P = 0)."""
+
+    q_ratio: int
+    mask_cnt: cute.Tensor  # (H,) counts of the CTA's batch entry and KV block
+    mask_idx: cute.Tensor  # (H, width)
+    full_cnt: cute.Tensor
+    full_idx: cute.Tensor
+    first_head: Int32
+    group: Int32
+    n_q_blocks: Int32  # user query blocks of the sequence
+
+    @staticmethod
+    @cute.jit
+    def create(q_ratio: cutlass.Constexpr[int], kv_ratio: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
+               sparse, batch, first_head, group, n_block, seqlen_q) -> "SparseQList":
+        views = []
+        for mCnt, mIdx in ((sparse[0], sparse[1]), (sparse[2], sparse[3])):
+            # B extent 1 broadcasts; the H extent is clamped per head in _count
+            bb = cutlass.min(batch, mCnt.shape[0] - 1)
+            kk = _clamp(n_block // kv_ratio, 0, mCnt.shape[2] - 1)
+            views.append(mCnt[bb, None, kk])
+            views.append(mIdx[bb, None, kk, None])
+        q_block = tile_m * q_ratio
+        return SparseQList(q_ratio, views[0], views[1], views[2], views[3], first_head, group,
+                           (seqlen_q + q_block - 1) // q_block)
+
+    @cute.jit
+    def _count(self, cnt, idx, g):
+        """(row, clamped count) of query head ``first_head + g`` (an H extent of 1 broadcasts)."""
+        hh = cutlass.min(self.first_head + g, cnt.shape[0] - 1)
+        return hh, _clamp(Int32(cnt[hh]), 0, idx.shape[1])
+
+    @cute.jit
+    def num_tiles(self) -> Int32:
+        """Query tiles to visit, over every head of the group."""
+        n = Int32(0)
+        for g in cutlass.range(self.group, unroll=1):
+            n = n + self._count(self.mask_cnt, self.mask_idx, g)[1] + self._count(self.full_cnt, self.full_idx, g)[1]
+        return n * self.q_ratio
+
+    @cute.jit
+    def locate(self, it: Int32):
+        """(query head, query tile, 1 for a mask block / 0 for a full block) of flat entry ``it``; an ``it`` past
+        the end gives (first_head, 0, 0) (never used: the kernel only prefetches entries that exist)."""
+        blk = it // self.q_ratio
+        sub = it % self.q_ratio
+        rem = blk
+        found = Int32(0)
+        head = self.first_head
+        qb = Int32(0)
+        is_mask = Int32(0)
+        for g in cutlass.range(self.group, unroll=1):
+            mh, cm = self._count(self.mask_cnt, self.mask_idx, g)
+            fh, cf = self._count(self.full_cnt, self.full_idx, g)
+            if found == 0:
+                if rem < cm:
+                    head = self.first_head + g
+                    qb = Int32(self.mask_idx[mh, rem])
+                    is_mask = Int32(1)
+                    found = Int32(1)
+                else:
+                    if rem < cm + cf:
+                        head = self.first_head + g
+                        qb = Int32(self.full_idx[fh, rem - cm])
+                        found = Int32(1)
+                    else:
+                        rem = rem - cm - cf
+        return head, _clamp(qb, 0, self.n_q_blocks) * self.q_ratio + sub, is_mask

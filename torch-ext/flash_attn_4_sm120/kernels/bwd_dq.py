@@ -6,18 +6,24 @@ dQ = dS K in registers (dS goes straight from the accumulator into the A operand
 atomics: the summation order is fixed, so dQ is bitwise reproducible.  dK/dV come from bwd_dkdv.py (also
 atomic-free).  It recomputes S and dP once more, yet the pair beat dQ-by-atomics on the H100 proxy.
 
+Block sparsity (config ``block_sparse``): the CTA walks only the KV blocks the forward's (Q-major) lists give its
+query block, full blocks then mask blocks (kernels/block_sparse.py SparseBlockInfo); mask blocks get the
+causal/window masks when the call has them, full blocks only the sequence end.  A query tile with no block writes
+dQ = 0.
+
 Layouts as bwd_dkdv.py; dq is written in q's dtype (scaled by the softmax scale), rows past the sequence are
 left to the host's zero fill.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_DQ_ARGS
 from ..config import BwdKernelConfig
 from . import cute_utils as cu
 from .fwd_base import DTYPES
+from .block_sparse import SparseBlockInfo
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
@@ -37,7 +43,8 @@ class FlashBwdDqSm80(KernelStateMixin):
         self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
         dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor, cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
-        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None, scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
         stream,
     ):
@@ -57,7 +64,8 @@ class FlashBwdDqSm80(KernelStateMixin):
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale_log2,
+            q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2,
             softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l,
             cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
@@ -68,7 +76,7 @@ class FlashBwdDqSm80(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
@@ -80,12 +88,12 @@ class FlashBwdDqSm80(KernelStateMixin):
                                scale_log2, softcap_prescale, window_left, window_right, 1)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
-            self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
+            self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
                          qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv, SharedStorage, tidx,
                          m_block, head)
 
     @cute.jit
-    def process(self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
+    def process(self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
                 qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, tiled_mma, copy_d, copy_dv,
                 SharedStorage: cutlass.Constexpr, tidx, m_block, head):
         cfg = self.cfg
@@ -135,28 +143,22 @@ class FlashBwdDqSm80(KernelStateMixin):
                 lse_log2[r] = score.lse_log2(mLSE[idx])
                 dpsum[r] = mDpsum[idx]
 
-        n_min, n_max = block.kv_range(m_block)
-        for n_block in cutlass.range(n_min, n_max, unroll=1):
-            first_key = n_block * self.tile_n
-            load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
-                      (self.tile_n, self.d), True)
-            load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
-                      (self.tile_n, self.dv), True)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
-            acc_S.fill(0.0)
-            cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
-            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
-            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
-            acc_dP.fill(0.0)
-            cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
-            rdS = cute.make_rmem_tensor_like(acc_dP, dt)
-            rdS.store(acc_dP.load().to(dt))
-            cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)
-            cute.arch.barrier()  # every warp is done with K/V before the next block overwrites them
+        if const_expr(cfg.block_sparse):
+            # the listed KV blocks of this query block (kernels/block_sparse.py): virtual tiles [0, F) full,
+            # [F, F + M) mask, visited in ascending order (a fixed order: dQ stays bitwise reproducible)
+            sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, *sparse, seq.batch, head,
+                                            m_block)
+            _, total, _, n_full, _ = sp.kv_plan(m_block)
+            for t in cutlass.range(total, unroll=1):
+                self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, sp.tile_of(t), t >= n_full,
+                          tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt,
+                          tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp)
+        else:
+            n_min, n_max = block.kv_range(m_block)
+            for n_block in cutlass.range(n_min, n_max, unroll=1):
+                self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, True, tiled_mma,
+                          acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA,
+                          cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp)
 
         # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
         for r in cutlass.range_constexpr(num_rows):
@@ -167,3 +169,35 @@ class FlashBwdDqSm80(KernelStateMixin):
         acc_dQ.store(acc_dQ.load() * softmax_scale)
         store_rows_from_acc(lambda pos: seq.q_row(mdQ, pos, head), acc_dQ, thr, first_q, seq.seqlen_q,
                             (self.tile_m, self.d), dt)
+
+    @cute.jit
+    def step(self, seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, masked, tiled_mma,
+             acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt,
+             tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp):
+        """One KV tile: S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with causal/window): whether this
+        tile gets the causal/window masks (a mask block) or only the sequence end (a full block)."""
+        cfg = self.cfg
+        dt = self.dtype
+        first_key = n_block * self.tile_n
+        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.d), True)
+        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.dv), True)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_S.fill(0.0)
+        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
+        hook = score
+        if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
+            hook = score.for_sparse_block(masked)
+        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+        acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_dP.fill(0.0)
+        cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
+        score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+        rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+        rdS.store(acc_dP.load().to(dt))
+        cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)
+        cute.arch.barrier()  # every warp is done with K/V before the next block overwrites them

@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..config import WINDOW_UNBOUNDED
 from .cute_utils import LOG2_E, acc_mn_view
 from .seqlen_info import SeqInfo
 
@@ -41,6 +42,19 @@ class ScoreHook:
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right):
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
                          window_right, seq.seqlen_k - seq.seqlen_q)
+
+    @cute.jit
+    def for_sparse_block(self, masked) -> "ScoreHook":
+        """The hook of one block-sparse tile of a windowed call: the call's window on a mask block, an unbounded one
+        on a full block (only the sequence end is masked then).  A runtime choice of bounds, so the kernel keeps one
+        masking code path (two compiled variants behind a branch cost the d=256 dK/dV tile its registers)."""
+        left = Int32(WINDOW_UNBOUNDED)
+        right = Int32(WINDOW_UNBOUNDED)
+        if masked:
+            left = self.window_left
+            right = self.window_right
+        return ScoreHook(self.has_softcap, self.windowed, self.tile_n, self.seq, self.scale_log2,
+                         self.softcap_prescale, left, right, self.diag)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
