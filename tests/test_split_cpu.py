@@ -127,3 +127,13 @@ def test_split_config_name_and_key():
     base = config.FwdKernelConfig("bf16", 128, 128, tile)
     split = replace(base, split_kv=True)
     assert split != base and split.name().endswith("_split") and hash(split) != hash(base)
+
+
+def test_auto_splits_min_waves_for_paged():
+    # paged calls ask for two waves when the KV length allows it; the unsplit-grid rule is unchanged
+    one = SK.auto_num_splits(ctas=8, n_blocks=512, num_sms=132, max_splits=256)
+    two = SK.auto_num_splits(ctas=8, n_blocks=512, num_sms=132, max_splits=256, min_waves=2)
+    assert 8 * one >= 0.85 * 132 and 8 * two >= 2 * 0.85 * 132 and two > one
+    assert SK.auto_num_splits(ctas=512, n_blocks=32, num_sms=132, max_splits=256, min_waves=2) == 1
+    # too few KV blocks for two waves: the most that helps, never more than n_blocks
+    assert SK.auto_num_splits(ctas=8, n_blocks=20, num_sms=132, max_splits=256, min_waves=2) <= 20

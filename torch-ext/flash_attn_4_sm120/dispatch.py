@@ -363,7 +363,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
     splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
                                    ctas=num_m_blocks * (hq // pack) * meta.batch,
-                                   n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev)
+                                   n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev,
+                                   paged=page_table is not None)
     o_dst, lse_dst = out, lse
     if splits > 1:  # fp32 partials with a leading split dim, combined below
         plan = _plan(*plan_args, False, dev.index, paged=page_table is not None, split=True, decode=decode)
