@@ -108,10 +108,10 @@ class FwdKernelBase(KernelStateMixin):
         took the undropped P) -> P in the input dtype, returned as the A operand of the P V mma."""
         score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
-        if const_expr(score.has_dropout):
-            score.dropout_fwd(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
+        if const_expr(score.has_dropout):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
+            score.dropout_fwd(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit

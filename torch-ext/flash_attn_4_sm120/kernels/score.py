@@ -125,7 +125,7 @@ class ScoreHook:
                 keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], row_bh[r])
                 cs = groups[gi][2]
                 for e in cutlass.range_constexpr(len(cs)):
-                    p_mn[r, cs[e]] = p_mn[r, cs[e]] if keeps[e] else Float32(0.0)
+                    p_mn[r, cs[e]] = p_mn[r, cs[e]] if keeps[e] else p_mn.element_type(0.0)
 
     @cute.jit
     def _ds_dropout(self, s, p, dp, d_r, keep):
