@@ -12,6 +12,7 @@ Kinds:
           flag named by ``varlen`` is on; D is the config attribute named by ``dim``
   rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
+  i64vec  a 1-D int64 tensor (dropout seed on the device)
   f32vec  a 1-D fp32 tensor (learnable sink)
   f32/i32 a runtime scalar
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
@@ -63,6 +64,19 @@ _SEQ_META = (
     Arg("seqused_k", "i32vec", when="seqused_k"),
 )
 
+# Dropout (config.has_dropout): keep threshold (uint32 bits), 1/(1-p), Philox seed and offset (32-bit halves);
+# the seed tensor replaces the scalar seed when config.dropout_seed_tensor.  All None without dropout, so the
+# p = 0 kernel is the kernel without dropout.
+_DROPOUT = (
+    Arg("dropout_threshold", "i32", when="has_dropout"),
+    Arg("dropout_scale", "f32", when="has_dropout"),
+    Arg("rng_seed_lo", "i32", when="has_dropout"),
+    Arg("rng_seed_hi", "i32", when="has_dropout"),
+    Arg("rng_offset_lo", "i32", when="has_dropout"),
+    Arg("rng_offset_hi", "i32", when="has_dropout"),
+    Arg("rng_seed", "i64vec", when="dropout_seed_tensor"),
+)
+
 FWD_ARGS = ArgRecord("forward", (
     _act("q", "head_dim", "varlen_q"),
     _act("k", "head_dim", "varlen_k"),
@@ -80,6 +94,7 @@ FWD_ARGS = ArgRecord("forward", (
     Arg("num_m_blocks", "i32"),
     Arg("num_head_groups", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))
 
 # The two backward kernels share their inputs; each adds its outputs and grid extents.
@@ -109,6 +124,7 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     Arg("num_n_blocks", "i32"),
     Arg("num_kv_heads", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))
 
 BWD_DQ_ARGS = ArgRecord("backward dQ", (
@@ -120,4 +136,5 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))

@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .autograd import FlashAttnFunction
 from .dispatch import run_forward
+from .dropout import check_p
 from .features import require
 
 
@@ -24,14 +25,21 @@ def _unsupported(**values) -> None:
 
 
 def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) -> None:
+    p = check_p(dropout_p)  # ValueError for a non-number, NaN or a value outside [0, 1]
     if num_splits != 1:
         if not isinstance(num_splits, int) or isinstance(num_splits, bool):
             raise ValueError(f"num_splits must be an int, got {num_splits!r}")
+        if num_splits > 1 and p > 0:
+            raise ValueError(f"dropout_p={dropout_p} with num_splits={num_splits}: dropout is not supported with "
+                             "split-KV; use num_splits=1")
         if num_splits > 1:
             require("split_kv", f"num_splits={num_splits}")
     if block_sparse_tensors is not None:
+        if p > 0:
+            raise ValueError(f"dropout_p={dropout_p} with block_sparse_tensors: dropout is not supported with block "
+                             "sparsity")
         require("block_sparse", "block_sparse_tensors")
-    if dropout_p:
+    if p > 0:
         require("dropout", f"dropout_p={dropout_p}")
     # deterministic: accepted for compatibility; the backward is always deterministic (no atomics)
 
@@ -41,10 +49,15 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
-        out, lse = ops.fwd(
+        seed = kw["dropout_seed"]
+        seed_tensor = seed if isinstance(seed, torch.Tensor) else None
+        seed_int = None if seed is None or seed_tensor is not None else ops.signed64("dropout_seed", seed)
+        offset = None if kw["dropout_offset"] is None else ops.signed64("dropout_offset", kw["dropout_offset"])
+        out, lse, _ = ops.fwd(
             q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
-            float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"],
+            float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"], float(kw["dropout_p"]), seed_int,
+            seed_tensor, offset,
         )
     elif torch.is_grad_enabled() and (  # getattr: a non-tensor argument reaches validation's clear error
             getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
@@ -79,6 +92,8 @@ def flash_attn_func(
     aux_tensors=None,
     aux_scalars=None,
     block_sparse_tensors_bwd=None,
+    dropout_seed: int | torch.Tensor | None = None,
+    dropout_offset: int | None = None,
 ):
     """Attention over (B, S, H, D) tensors.  Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in q's dtype, lse fp32
     (B, Hq, Sq) natural-log softmax normaliser when ``return_lse=True``, else None.
@@ -88,6 +103,13 @@ def flash_attn_func(
     applies ``softcap * tanh(s / softcap)`` to the scaled scores.  ``learnable_sink`` (Hq,) adds one logit per
     head to the softmax denominator.  ``pack_gqa`` packs the query heads of a KV group into one tile (None:
     automatic).  ``deterministic`` concerns the backward only (the forward is always deterministic).
+
+    ``dropout_p`` in [0, 1]: attention dropout (Philox4x32-7; the keep mask is a function of (seed, offset,
+    batch, head, query, key) only, see ``dropout.py`` and ``dropout_mask``).  Without ``dropout_seed`` the seed
+    and offset come from torch's CUDA generator (``torch.manual_seed`` reproduces a call; each call advances
+    the offset).  ``dropout_seed``: an int, or a CUDA int64 tensor of one value (required under CUDA-graph
+    capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
+    num_splits > 1 or block sparsity raises.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
@@ -99,7 +121,7 @@ def flash_attn_func(
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
-        debug_checks=None,
+        debug_checks=None, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     ))
 
 
@@ -137,6 +159,8 @@ def flash_attn_varlen_func(
     scheduler_metadata=None,
     seqlen_k_per_split=None,
     debug_checks: bool | None = None,
+    dropout_seed: int | torch.Tensor | None = None,
+    dropout_offset: int | None = None,
 ):
     """Variable-length attention.  With ``cu_seqlens_q`` (B+1,) int32, q is (total_q, Hq, D) and out/lse are
     (total_q, Hq, Dv) / (Hq, total_q); without it q is (B, Sq, Hq, D).  Likewise ``cu_seqlens_k`` for k/v.
@@ -147,7 +171,8 @@ def flash_attn_varlen_func(
     is computed on the device and read once.  The values of ``cu_seqlens``/``seqused`` are the caller's contract:
     they are not read on the host, and a lie gives wrong numbers but never an out-of-bounds access.
     ``debug_checks=True`` (or FA4_SM120_DEBUG_CHECKS=1) checks them on the host and raises ValueError naming the
-    lie.  Other arguments as in ``flash_attn_func``.
+    lie.  Other arguments (dropout included; positions are counted within each sequence, and the mask's batch
+    index is the sequence's index) as in ``flash_attn_func``.
     """
     if page_table is not None:
         require("paged_kv", "page_table")
@@ -162,4 +187,5 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     ))

@@ -118,6 +118,8 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(rowstat(2 if varlen else 3))
         elif arg.kind == "i32vec":
             out.append(vec(cutlass.Int32))
+        elif arg.kind == "i64vec":
+            out.append(cute.runtime.make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8))
         elif arg.kind == "f32vec":
             out.append(vec(Float32))
         elif arg.kind == "f32":
