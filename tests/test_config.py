@@ -59,8 +59,14 @@ def test_config_name_and_hash_are_stable():
 
 
 def test_gate_configs_light_and_heavy():
-    light, heavy = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    light, heavy, drop_light, drop_heavy = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
     assert not light.windowed and heavy.windowed and heavy.has_sink and heavy.varlen_q
+    assert not light.has_dropout and not heavy.has_dropout
+    assert drop_light == config.replace(light, has_dropout=True)
+    assert drop_heavy == config.replace(heavy, has_dropout=True, dropout_seed_tensor=True)
+    bwd = config.bwd_gate_configs("bf16", 128, 128)
+    assert [c.has_dropout for c in bwd] == [False, False, True, True] * 2
+    assert "_drop" in drop_light.name() and "_drop" not in light.name()
 
 
 @pytest.mark.parametrize(

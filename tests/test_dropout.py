@@ -1,0 +1,225 @@
+"""Dropout on the CPU: the Philox4x32 emulation (known-answer vectors, exact uint32 arithmetic), the statistics of
+the keep mask (keep rate, independence of neighbours, tiles, heads, batches and calls), its reproducibility, and
+the argument checks that must raise before any launch."""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn_4_sm120 import arguments, config, dropout, interface, jit
+
+# Random123 known-answer vectors for Philox4x32-10 (kat_vectors): counter, key -> output
+KAT_10 = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def _philox_int(c, k, rounds):
+    """Philox4x32 with Python ints (the textbook definition, independent of the torch emulation)."""
+    c0, c1, c2, c3 = c
+    k0, k1 = k
+    m = 0xFFFFFFFF
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & m, p1 & m, ((p0 >> 32) ^ c3 ^ k1) & m, p0 & m
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("ctr,key,expected", KAT_10)
+def test_philox_known_answers(ctr, key, expected):
+    got = tuple(int(x) for x in dropout.philox4x32(*ctr, *key, rounds=10))
+    assert got == expected
+    assert _philox_int(ctr, key, 10) == expected
+
+
+def test_philox7_emulation_matches_python_ints():
+    g = torch.Generator().manual_seed(0)
+    vals = torch.randint(0, 1 << 32, (6, 2000), generator=g, dtype=torch.int64)
+    out = dropout.philox4x32(*vals, rounds=dropout.PHILOX_ROUNDS)
+    for n in range(0, 2000, 97):
+        want = _philox_int(tuple(int(x) for x in vals[:4, n]), tuple(int(x) for x in vals[4:, n]), 7)
+        assert tuple(int(o[n]) for o in out) == want
+    assert dropout.PHILOX_ROUNDS == 7
+
+
+def test_words_follow_the_stated_counter_layout():
+    seed, offset = 0x1234_5678_9ABC_DEF0, 0x0000_0003_0000_0008
+    w = dropout.random_words(seed, offset, 2, 3, 5, 40, batch_start=1)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 39), (0, 1, 3, 9), (1, 0, 2, 17), (0, 2, 1, 24)]:
+        group = (j // 16) * 4 + (j % 8) // 2
+        word = 2 * ((j // 8) % 2) + j % 2
+        ctr = (group, i, ((b + 1) << 16) | h, offset & 0xFFFFFFFF)
+        key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
+        assert int(w[b, h, i, j]) == _philox_int(ctr, key, 7)[word]
+
+
+@pytest.fixture(scope="module")
+def words_10m():
+    # 2 x 4 x 1250 x 1000 = 10M elements, one (seed, offset)
+    return dropout.random_words(20240917, 8, 2, 4, 1250, 1000)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_within_4_sigma(words_10m, p):
+    keep = words_10m >= dropout.keep_threshold(p)
+    n = keep.numel()
+    assert n >= 10_000_000
+    rate = keep.double().mean().item()
+    q = dropout.expected_keep_rate(p)
+    assert abs(q - (1 - p)) < 1e-9
+    sigma = math.sqrt(q * (1 - q) / n)
+    assert abs(rate - q) <= 4 * sigma, f"keep rate {rate:.6f} vs {q:.6f} (4 sigma = {4 * sigma:.2e})"
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+@pytest.mark.parametrize("what", ["col+1", "col+8", "col+9", "col+16", "row+1", "tile_n+64", "tile_m+128", "head",
+                                  "batch"])
+def test_neighbours_are_uncorrelated(words_10m, what):
+    """Correlation of keep indicators (p = 0.5) between neighbours; a reused counter or word gives |r| ~ 1."""
+    keep = words_10m >= dropout.keep_threshold(0.5)
+    pairs = {
+        "col+1": (keep[..., :-1], keep[..., 1:]),
+        "col+8": (keep[..., :-8], keep[..., 8:]),  # the same Philox call, another word
+        "col+9": (keep[..., :-9], keep[..., 9:]),
+        "col+16": (keep[..., :-16], keep[..., 16:]),  # the next group of the same row
+        "row+1": (keep[:, :, :-1], keep[:, :, 1:]),
+        "tile_n+64": (keep[..., :-64], keep[..., 64:]),
+        "tile_m+128": (keep[:, :, :-128], keep[:, :, 128:]),
+        "head": (keep[:, :-1], keep[:, 1:]),
+        "batch": (keep[0], keep[1]),
+    }
+    a, b = pairs[what]
+    r = _corr(a, b)
+    assert abs(r) < 4 / math.sqrt(a.numel()), f"{what}: correlation {r:.2e}"
+
+
+def test_words_are_uniform(words_10m):
+    """Chi-square of the top byte over 256 bins (df = 255: mean 255, sd ~22.6; 400 is > 6 sd)."""
+    counts = torch.bincount((words_10m >> 24).flatten(), minlength=256).double()
+    exp = words_10m.numel() / 256
+    chi2 = ((counts - exp) ** 2 / exp).sum().item()
+    assert chi2 < 400, chi2
+
+
+def test_same_seed_same_mask_and_different_seed_or_offset_differs():
+    m = dropout.dropout_mask(7, 12, 0.5, 2, 3, 67, 131)
+    assert torch.equal(m, dropout.dropout_mask(7, 12, 0.5, 2, 3, 67, 131))
+    for seed, offset in [(8, 12), (7, 16), (7 + (1 << 32), 12), (7, 12 + (1 << 32))]:
+        other = dropout.dropout_mask(seed, offset, 0.5, 2, 3, 67, 131)
+        frac = (other != m).double().mean().item()
+        assert 0.45 < frac < 0.55, (seed, offset, frac)
+
+
+def test_mask_is_a_function_of_positions_only():
+    """A sub-block (other batch_start, fewer rows/columns) is the same slice of the full mask."""
+    full = dropout.dropout_mask(3, 4, 0.3, 4, 2, 50, 70)
+    part = dropout.dropout_mask(3, 4, 0.3, 2, 2, 20, 33, batch_start=2)
+    assert torch.equal(part, full[2:4, :, :20, :33])
+
+
+def test_mask_p_edges():
+    assert dropout.dropout_mask(1, 0, 0.0, 1, 1, 3, 5).all()
+    assert not dropout.dropout_mask(1, 0, 1.0, 1, 1, 3, 5).any()
+    assert dropout.keep_threshold(0.5) == 1 << 31
+    assert dropout.keep_threshold(1 - 1e-12) == 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "0.1", None, True, torch.tensor(0.1)])
+def test_bad_dropout_p_raises(bad):
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout.check_p(bad)
+    q = torch.zeros(1, 4, 1, 64)  # CPU: the dropout check comes first, before any tensor check
+    with pytest.raises(ValueError, match="dropout_p"):
+        interface.flash_attn_func(q, q, q, dropout_p=bad)
+
+
+def test_bad_seed_raises():
+    dev = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        dropout.check_seed(1.5, None, dev)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        dropout.check_seed("7", None, dev)
+    with pytest.raises(ValueError, match="64 bits"):
+        dropout.check_seed(1 << 64, None, dev)
+    with pytest.raises(ValueError, match="int64"):
+        dropout.check_seed(torch.tensor([1], dtype=torch.int32), None, dev)
+    with pytest.raises(ValueError, match="one int64 value"):
+        dropout.check_seed(torch.tensor([1, 2]), None, dev)
+    with pytest.raises(ValueError, match="q's device"):
+        dropout.check_seed(torch.tensor([1]), None, dev)  # a CPU tensor
+    with pytest.raises(ValueError, match="dropout_offset needs dropout_seed"):
+        dropout.check_seed(None, 4, dev)
+    with pytest.raises(ValueError, match="dropout_offset"):
+        dropout.check_seed(1, -(1 << 64), dev)
+    assert dropout.check_seed(-1, None, dev) == ((1 << 64) - 1, None, 0)
+
+
+def test_capture_without_seed_tensor_raises():
+    with pytest.raises(ValueError, match="CUDA graph"):
+        dropout.resolve(0.1, None, None, torch.device("cuda", 0), capturing=True)
+
+
+def test_dropout_with_unsupported_features_raises():
+    q = torch.zeros(1, 4, 1, 64)
+    with pytest.raises(ValueError, match="split-KV"):
+        interface.flash_attn_func(q, q, q, dropout_p=0.1, num_splits=2)
+    with pytest.raises(ValueError, match="block sparsity"):
+        interface.flash_attn_func(q, q, q, dropout_p=0.1, block_sparse_tensors=object())
+
+
+def test_dropout_with_paged_kv_raises():
+    """Paged K/V is inference-only: dropout with a page table raises before any tensor check or launch."""
+    q = torch.zeros(1, 4, 1, 64)
+    pages = torch.zeros(1, 1, dtype=torch.int32)
+    for call in (interface.flash_attn_func, interface.flash_attn_varlen_func):
+        with pytest.raises(ValueError, match="paged K/V"):
+            call(q, q, q, dropout_p=0.1, page_table=pages)
+
+
+def test_kernel_values_are_int32_bit_patterns():
+    a = dropout.DropoutArgs(0.5, (0xFFFFFFFE << 32) | 0x80000001, (5 << 32) | 0xFFFFFFFC)
+    v = a.kernel_values()
+    assert v["dropout_threshold"] == -(1 << 31)  # 0x80000000
+    assert v["rng_seed_lo"] == -(1 << 31) + 1 and v["rng_seed_hi"] == -2
+    assert v["rng_offset_lo"] == -4 and v["rng_offset_hi"] == 5
+    assert v["dropout_scale"] == 2.0 and v["rng_seed"] is None
+
+
+def test_dropout_arguments_only_when_compiled_with_dropout():
+    names = ("dropout_threshold", "dropout_scale", "rng_seed_lo", "rng_seed_hi", "rng_offset_lo", "rng_offset_hi")
+    for rec in (arguments.FWD_ARGS, arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS):
+        by_name = {a.name: a for a in rec.args}
+        for n in names:
+            assert by_name[n].when == "has_dropout"
+        assert by_name["rng_seed"].when == "dropout_seed_tensor"
+    pytest.importorskip("cutlass")
+    base = config.FwdKernelConfig("bf16", 128, 128, config.select_fwd_tile(128, 128, False))
+    for cfg, present in ((base, False), (config.replace(base, has_dropout=True), True)):
+        fakes = dict(zip(arguments.FWD_ARGS.names, jit.fake_args(arguments.FWD_ARGS, cfg)))
+        assert all((fakes[n] is not None) == present for n in names)
+        assert fakes["rng_seed"] is None
+
+
+def test_column_groups_cover_each_column_once():
+    pytest.importorskip("cutlass")
+    from flash_attn_4_sm120.kernels.philox import column_groups
+
+    fwd_cols = [0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57]
+    groups = column_groups(fwd_cols, True)
+    assert all(kind == "quad" for kind, _, _ in groups) and len(groups) == 4
+    assert sorted(c for _, _, cs in groups for c in cs) == list(range(16))
+    wide = [0, 1, 16, 17, 32, 33, 48, 49]  # a warp split along N: no whole group per thread
+    groups = column_groups(wide, True)
+    assert all(kind == "pair" for kind, _, _ in groups) and len(groups) == 4
+    assert all(kind == "pair" for kind, _, _ in column_groups(fwd_cols, False))
