@@ -80,6 +80,8 @@ class FwdKernelConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
+    has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
+    dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
 
     def name(self) -> str:
         flags = [
@@ -93,6 +95,8 @@ class FwdKernelConfig:
                 ("uq", self.seqused_q),
                 ("uk", self.seqused_k),
                 ("paged", self.paged),
+                ("drop", self.has_dropout),
+                ("seedt", self.dropout_seed_tensor),
             )
             if on
         ]
@@ -270,15 +274,16 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
 
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code.
-    Feature flags only add code on boundary tiles, the epilogue or the prologue; the heaviest variant bounds
-    register pressure from above."""
+    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, without
+    and with dropout (which adds Philox work to every tile).  Feature flags only add code on boundary tiles, the
+    epilogue or the prologue; the heaviest variant bounds register pressure from above."""
     base = FwdKernelConfig(dtype, d, dv, tile)
     heavy = replace(
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
         seqused_k=True,
     )
-    return [base, heavy]
+    return [base, heavy, replace(base, has_dropout=True),
+            replace(heavy, has_dropout=True, dropout_seed_tensor=True)]
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
@@ -322,10 +327,13 @@ class BwdKernelConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    has_dropout: bool = False
+    dropout_seed_tensor: bool = False
 
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
-                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k)) if on]
+                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
+                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor)) if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + ("_" + "_".join(flags) if flags else ""))
 
@@ -414,11 +422,14 @@ def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
 
 def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
-    kernel and of the dQ kernel."""
+    kernel and of the dQ kernel, without and with dropout."""
     heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
-    base = select_bwd_config(dtype, d, dv)
-    dq = select_dq_config(dtype, d, dv)
-    return [base, replace(base, **heavy), dq, replace(dq, **heavy)]
+    drop = dict(has_dropout=True)
+    drop_heavy = dict(heavy, has_dropout=True, dropout_seed_tensor=True)
+    out = []
+    for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
+        out += [cfg, replace(cfg, **heavy), replace(cfg, **drop), replace(cfg, **drop_heavy)]
+    return out
 
 
 # ---- split-KV combine ----------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from . import dropout as D
 from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
 from .config import (
@@ -36,6 +37,9 @@ _LOG2_E = math.log2(math.e)
 PAGED_GRAD_ERROR = (
     "paged K/V (page_table) is inference-only: the backward does not read pages. Call it under torch.no_grad() "
     "or with tensors that do not require grad (got q, k, v or learnable_sink with requires_grad=True)"
+)
+PAGED_DROPOUT_ERROR = (
+    "dropout_p={p} with paged K/V (page_table): paged K/V is inference-only and has no dropout; pass dropout_p=0"
 )
 _DEBUG_ENV: list = []  # [bool] once read
 
@@ -63,6 +67,17 @@ class FwdMeta:
     batch: int
     max_q: int
     max_k: int
+    dropout: D.DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
+
+
+def _rng_args(drop) -> tuple:
+    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor): all None
+    without dropout (the p = 0 kernel takes none of them)."""
+    if drop is None:
+        return (None,) * 7
+    v = drop.kernel_values()
+    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
+            v["rng_offset_hi"], v["rng_seed"])
 
 
 @dataclass
@@ -82,17 +97,20 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
-          uk: bool, needs_grad: bool, device_index: int, paged: bool = False) -> _Plan:
-    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, table_version())
+          uk: bool, needs_grad: bool, device_index: int, paged: bool = False, dropout: bool = False,
+          seed_tensor: bool = False) -> _Plan:
+    key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, dropout,
+           seed_tensor, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_fwd_tile(d, dv, windowed, paged)
+        tile = select_fwd_tile(d, dv, windowed, paged)  # dropout keeps the tiles of the path without it
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                                     seqused_k=uk, paged=paged))
+                                     seqused_k=uk, paged=paged, has_dropout=dropout,
+                                     dropout_seed_tensor=seed_tensor))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                         seqused_k=uk)
+                         seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor)
             plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags)  # raises now, not mid-step
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags)
         _PLANS[key] = plan
@@ -298,13 +316,20 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None):
+                page_table=None, dropout_p=0.0, dropout_seed=None, dropout_offset=None):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
-    only: with ``needs_grad`` it raises)."""
+    only: with ``needs_grad`` or dropout it raises).
+
+    Dropout (dropout.py states the RNG contract): 0 < p < 1 runs the kernels compiled with dropout; p = 0 the
+    kernels without it; p = 1 the kernels without it, then O = 0 (the LSE is that of the undropped scores, and
+    the backward gives only the LSE's gradient)."""
+    p_drop = D.check_p(dropout_p)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
+    if page_table is not None and p_drop > 0.0:
+        raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
     varlen_q = cu_seqlens_q is not None
     dev = q.device
     hq, d = q.shape[-2], q.shape[-1]
@@ -314,9 +339,16 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         debug_checks=debug_checks, page_table=page_table)
+    drop = None
+    if p_drop > 0.0:
+        drop = D.resolve(p_drop, dropout_seed, dropout_offset, dev, _capturing())
+        meta = replace(meta, dropout=drop)
+    elif dropout_seed is not None or dropout_offset is not None:
+        D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
+    in_kernel = drop is not None and drop.p < 1.0
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                 page_table is not None)
+                 page_table is not None, in_kernel, in_kernel and drop.seed_tensor is not None)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -335,14 +367,18 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     scale_log2, prescale = _log2_scales(meta)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
+    thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop if in_kernel else None)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
         scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=-(-meta.max_q * pack // tile_m), num_head_groups=hq // pack,
-        num_batch=meta.batch,
+        num_batch=meta.batch, dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo,
+        rng_seed_hi=seed_hi, rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t,
     ))
+    if drop is not None and not in_kernel:  # p = 1: every probability dropped
+        out.zero_()
     return out, lse, meta, sink
 
 
@@ -379,6 +415,10 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     V.check_tensor("dout", dout, out.dim(), q.device)
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
+    drop = meta.dropout
+    if drop is not None and drop.p >= 1.0:  # O = 0 whatever P is: only the LSE's gradient flows (dP = 0, D = -dLSE)
+        dout = torch.zeros_like(dout)
+        drop = None
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv_dim = k.shape[-2], v.shape[-1]
     # D in the LSE layout, (Hq, total_q) or (B, Hq, Sq), in fp32 (dO and O rounded to 16 bits would bias dS)
@@ -393,15 +433,19 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     pdpsum = alloc(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
-                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index)
+                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
+                     drop is not None, drop is not None and drop.seed_tensor is not None)
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
+        thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop)
         common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
-                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch)
+                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch, dropout_threshold=thr,
+                      dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi, rng_offset_lo=off_lo,
+                      rng_offset_hi=off_hi, rng_seed=seed_t)
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(
             common, dk=dk, dv=dv, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n), num_kv_heads=hkv))
         _launch(plan.dq_fn, BWD_DQ_ARGS, q.device, dict(

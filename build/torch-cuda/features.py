@@ -62,7 +62,10 @@ FEATURES: dict[str, Feature] = {
                 "raise NotImplementedError"),
         Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
         Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
-        Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
+        Feature("dropout", SUPPORTED, "dropout_p=p (dropout_seed=, dropout_offset=)",
+                "Philox4x32-7, mask a function of (seed, offset, b, h, i, j) only; seed/offset from torch's CUDA "
+                "generator unless given; a CUDA int64 seed tensor under graph capture; dropout_mask() "
+                "materialises it; not with num_splits>1, block sparsity or paged KV"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",
                 "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192); cp.async otherwise"),

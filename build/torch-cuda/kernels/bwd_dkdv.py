@@ -48,6 +48,8 @@ class FlashBwdSm80(KernelStateMixin):
         self.num_warps = cfg.num_warps
         self.num_threads = cfg.num_warps * 32
         self.smem_bytes = bwd_smem_bytes(cfg)
+        # S is split over warps along N too when tile_m is short: a thread's first column may be >= 8 mod 16
+        self.dropout_quad_ok = cfg.num_warps // min(cfg.tile_m // 16, cfg.num_warps) == 1
 
     @cute.jit
     def __call__(
@@ -73,6 +75,13 @@ class FlashBwdSm80(KernelStateMixin):
         num_n_blocks: Int32,
         num_kv_heads: Int32,
         num_batch: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         stream,
     ):
         dt = self.dtype
@@ -96,6 +105,7 @@ class FlashBwdSm80(KernelStateMixin):
         self.kernel(
             q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
@@ -113,6 +123,9 @@ class FlashBwdSm80(KernelStateMixin):
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
         sP_l: cute.ComposedLayout, mma_m: cute.TiledMma, mma_n: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -120,7 +133,9 @@ class FlashBwdSm80(KernelStateMixin):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1)
+                               scale_log2, softcap_prescale, window_left, window_right, 1,
+                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
+                                        rng_offset_hi, rng_seed))
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
@@ -237,7 +252,11 @@ class FlashBwdSm80(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
+                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, tScS_mn, t0ScS_mn, row_qpos,
+                                          (seq.batch << 16) | head, n_block)
+            else:
+                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)
@@ -262,6 +281,8 @@ class FlashBwdSm80(KernelStateMixin):
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
+        if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
+            acc_dV.store(acc_dV.load() * score.rng.scale)
         store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr_n, first_key, seq.seqlen_k,
                             (self.tile_n, self.d), dt)
         store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr_n, first_key, seq.seqlen_k,

@@ -12,7 +12,7 @@ left to the host's zero fill.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_DQ_ARGS
 from ..config import BwdKernelConfig
@@ -39,7 +39,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-        stream,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None, stream,
     ):
         dt = self.dtype
         a = cu.smem_layout_atom
@@ -58,7 +60,8 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed, sQ_l, sdO_l, sK_l, sV_l,
             cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
         ).launch(
@@ -70,14 +73,20 @@ class FlashBwdDqSm80(KernelStateMixin):
     def kernel(
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
-        window_right: Int32, qheads_per_kvhead: Int32, sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
+        window_right: Int32, qheads_per_kvhead: Int32,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
+        sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1)
+                               scale_log2, softcap_prescale, window_left, window_right, 1,
+                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
+                                        rng_offset_hi, rng_seed))
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, softmax_scale,
@@ -152,7 +161,11 @@ class FlashBwdDqSm80(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+            if const_expr(cfg.has_dropout):
+                score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, tScS_mn, t0ScS_mn, row_qpos,
+                                            (seq.batch << 16) | head, n_block)
+            else:
+                score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)
             rdS.store(acc_dP.load().to(dt))
             cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)

@@ -69,9 +69,9 @@ class FwdKernelBase(KernelStateMixin):
 
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
-                   mPageTable=None) -> TileState:
+                   mPageTable=None, dropout=None) -> TileState:
         st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                               softcap_prescale, window_left, window_right, pack, mK, mPageTable)
+                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, dropout)
         return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
@@ -94,17 +94,32 @@ class FwdKernelBase(KernelStateMixin):
         return tScS_mn, t0ScS_mn, row_qpos
 
     @cute.jit
+    def row_bh(self, ts: TileState, tScS_mn):
+        """Dropout's per-row Philox counter word, (batch << 16) | query head, of this thread's rows (None without
+        dropout)."""
+        res = None
+        if const_expr(self.cfg.has_dropout):
+            num_rows = cute.size(tScS_mn, mode=[0])
+            res = cute.make_rmem_tensor(num_rows, Int32)
+            for r in cutlass.range_constexpr(num_rows):
+                _, head = ts.q_head(ts.m_block * self.tile_m + tScS_mn[r, 0][0])
+                res[r] = (ts.seq.batch << 16) | head
+        return res
+
+    @cute.jit
     def scores_to_p(
-        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
+        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
-        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> P in the input dtype,
-        returned as the A operand of the P V mma."""
+        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> dropout (after the row sums
+        took the undropped P) -> P in the input dtype, returned as the A operand of the P V mma."""
         score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
+        if const_expr(score.has_dropout):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
+            score.dropout_fwd(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit
@@ -118,6 +133,8 @@ class FwdKernelBase(KernelStateMixin):
             for r in cutlass.range_constexpr(num_my_rows):
                 row = ts.m_block * self.tile_m + tScS_mn[r, 0][0]
                 sink[r] = Float32(mSink[ts.head_group * ts.pack + row % ts.pack])
+        if const_expr(cfg.has_dropout):  # O accumulated P * keep: the 1/(1-p) of the kept ones, once
+            acc_O.store(acc_O.load() * ts.score.rng.scale)
         softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
         self.store_lse(ts, mLSE, lse, tScS_mn)
         self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it

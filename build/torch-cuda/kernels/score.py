@@ -3,9 +3,16 @@ probabilities, written once and used by the forward kernels and both backward ke
 same code everywhere.
 
 Today it holds the scale (in the log2 domain), softcap and the causal / sliding-window / sequence-end masks.
-Score modifiers (score_mod, mask_mod) and dropout plug in here: the forward calls ``apply`` before its online
-softmax, the backward calls ``apply`` and then ``backward_p_ds``, which recomputes P from the saved LSE and
-forms dS, including the derivative of whatever ``apply`` did (softcap's 1 - tanh^2 today).
+Score modifiers (score_mod, mask_mod) plug in here: the forward calls ``apply`` before its online softmax, the
+backward calls ``apply`` and then ``backward_p_ds``, which recomputes P from the saved LSE and forms dS,
+including the derivative of whatever ``apply`` did (softcap's 1 - tanh^2 today).
+
+Dropout (``has_dropout``, a compile-time flag; the keep mask is the Philox function of (seed, offset, b, h, i, j)
+in kernels/philox.py, never of the tile): the forward's row sums / LSE take the undropped P and O accumulates
+P * keep (``dropout_fwd``; the 1/(1-p) scale is applied to O once, in the epilogue).  The backward follows
+FlashAttention-2: with dP = dO V^T and D = rowsum(dO * O),
+    dS = P * (keep * dP / (1 - p) - D),      dV = (P * keep / (1 - p))^T dO
+(the dK/dV kernel scales dV by 1/(1-p) once at the end).
 
 Mask conventions: see block_info.py.  Only boundary blocks are masked (the caller says which masks a block
 needs, as compile-time flags); the inner loop is one integer compare + select per element.
@@ -18,6 +25,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .cute_utils import LOG2_E, acc_mn_view
+from .philox import DropoutRng, column_groups
 from .seqlen_info import SeqInfo
 
 
@@ -36,11 +44,17 @@ class ScoreHook:
     window_left: Int32
     window_right: Int32
     diag: Int32  # seqlen_k - seqlen_q: query i's diagonal key is i + diag (bottom-right alignment)
+    has_dropout: bool = False
+    quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
+    rng: DropoutRng | None = None
 
     @staticmethod
-    def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right):
+    def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
+               rng=None, quad_ok: bool = True):
+        has_dropout = getattr(cfg, "has_dropout", False)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
-                         window_right, seq.seqlen_k - seq.seqlen_q)
+                         window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
+                         rng if has_dropout else None)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
@@ -84,6 +98,82 @@ class ScoreHook:
                 elif const_expr(mask_seqlen or mask_right):
                     if col >= hi:
                         s_mn[r, c] = -Float32.inf
+
+    # ---- dropout
+    def _dropout_groups(self, t0ScS_mn):
+        """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
+        ncols = cute.size(t0ScS_mn, mode=[1])
+        return column_groups([t0ScS_mn[0, c][1] for c in range(ncols)], self.quad_ok)
+
+    @cute.jit
+    def _keeps(self, kind: cutlass.Constexpr, col: Int32, qpos: Int32, bh: Int32):
+        if const_expr(kind == "quad"):
+            return self.rng.keep_quad(col, qpos, bh)
+        else:
+            return self.rng.keep_pair(col, qpos, bh)
+
+    @cute.jit
+    def dropout_fwd(self, acc_P: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
+                    row_bh: cute.Tensor, n_block: Int32):
+        """Zero the dropped probabilities of an S/P tile (after the online softmax summed them).  ``row_bh``:
+        (batch << 16) | query head of each of this thread's rows."""
+        p_mn = acc_mn_view(acc_P)
+        groups = self._dropout_groups(t0ScS_mn)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+            for gi in cutlass.range_constexpr(len(groups)):
+                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], row_bh[r])
+                cs = groups[gi][2]
+                for e in cutlass.range_constexpr(len(cs)):
+                    p_mn[r, cs[e]] = p_mn[r, cs[e]] if keeps[e] else p_mn.element_type(0.0)
+
+    @cute.jit
+    def _ds_dropout(self, s, p, dp, d_r, keep):
+        """(dS, P * keep) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS."""
+        dp_eff = dp * self.rng.scale if keep else Float32(0.0)
+        ds = p * (dp_eff - d_r)
+        if const_expr(self.has_softcap):
+            ds = ds * cute.arch.fmax(1.0 - s * s, 0.0)
+        return ds, (p if keep else Float32(0.0)), dp_eff
+
+    @cute.jit
+    def backward_ds_dropout(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor,
+                            tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, bh: Int32,
+                            n_block: Int32):
+        """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
+        of dV is applied once by the caller)."""
+        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        groups = self._dropout_groups(t0ScS_mn)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for gi in cutlass.range_constexpr(len(groups)):
+                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], bh)
+                cs = groups[gi][2]
+                for e in cutlass.range_constexpr(len(cs)):
+                    c = cs[e]
+                    ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keeps[e])
+                    dp_mn[r, c] = ds
+                    p_mn[r, c] = p_kept
+
+    @cute.jit
+    def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
+                              dpsum: cute.Tensor, pdp: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
+                              row_qpos: cute.Tensor, bh: Int32, n_block: Int32):
+        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp) with dropout; dP is
+        the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
+        s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        groups = self._dropout_groups(t0ScS_mn)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for gi in cutlass.range_constexpr(len(groups)):
+                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], bh)
+                cs = groups[gi][2]
+                for e in cutlass.range_constexpr(len(cs)):
+                    c = cs[e]
+                    p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
+                    ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keeps[e])
+                    pdp[r] = pdp[r] + p * dp_eff
+                    dp_mn[r, c] = ds
 
     # ---- backward
     @cute.jit
