@@ -69,6 +69,23 @@ def test_gate_configs_light_and_heavy():
     assert "_drop" in drop_light.name() and "_drop" not in light.name()
 
 
+def test_dropout_keeps_the_tile_except_where_it_spills():
+    """Dropout takes the tile of the path without it, except for the two measured spilling tiles (config.py),
+    where it takes the next tile of the preference list; the gate builds the dropout variants on that tile."""
+    moved = {}
+    for d, dv in config.supported_head_dim_pairs():
+        for windowed in (False, True):
+            tile = config.select_fwd_tile(d, dv, windowed)
+            dtile = config.dropout_fwd_tile(d, dv, tile)
+            assert not config.fwd_tile_problems(d, dv, dtile)
+            if dtile != tile:
+                moved[(d, dv)] = (tile.name(), dtile.name())
+    assert moved == {(192, 128): ("128x64w8s1qt", "128x64w8s1t"), (256, 256): ("64x64w4s1", "64x32w4s1")}
+    tile = config.select_fwd_tile(256, 256, False)
+    _, _, drop_light, drop_heavy = config.gate_configs("bf16", 256, 256, tile)
+    assert drop_light.tile == drop_heavy.tile == FwdTile(64, 32, 4, 1, False)
+
+
 @pytest.mark.parametrize(
     "causal,window,expected",
     [

@@ -57,6 +57,9 @@ class FwdKernelBase(KernelStateMixin):
         self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+        # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
+        # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
+        self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
 
     def compute_sync(self):
         raise NotImplementedError

@@ -47,14 +47,15 @@ class ScoreHook:
     has_dropout: bool = False
     quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
     rng: DropoutRng | None = None
+    row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
-               rng=None, quad_ok: bool = True):
+               rng=None, quad_ok: bool = True, row_loop: bool = True):
         has_dropout = getattr(cfg, "has_dropout", False)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
                          window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
-                         rng if has_dropout else None)
+                         rng if has_dropout else None, row_loop)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
@@ -136,8 +137,9 @@ class ScoreHook:
         ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
         forward with packed GQA) or one for all rows (an Int32, backward).
 
-        The rows are a loop that is not unrolled (when the bits fit one 64-bit shift register): ptxas then cannot
-        interleave the Philox calls of every row for ILP, which would need ~10 registers per call in flight."""
+        The rows are a loop that is not unrolled (when the bits fit one 64-bit shift register and the kernel's
+        ``dropout_row_loop`` says so): ptxas then cannot interleave the Philox calls of every row for ILP, which
+        would need ~10 registers per call in flight."""
         nrows = cute.size(tScS_mn, mode=[0])
         ncols = cute.size(tScS_mn, mode=[1])
         groups = self._dropout_groups(t0ScS_mn)
@@ -147,7 +149,7 @@ class ScoreHook:
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
         total = nrows * ncols
-        if const_expr(total <= 64 and ncols <= 32):
+        if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
             acc = Uint64(0)
             for r in cutlass.range(nrows, unroll=1):
                 qpos = row_qpos[0]
