@@ -206,6 +206,27 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
+# Forward tiles that spill on sm_120a when compiled with dropout (compile gate, measured: registers/spills in
+# CONFLICTS_LOG), per (head_dim, head_dim_v): dropout there takes the next tile of the preference list that is
+# not listed (``dropout_fwd_tile``).  Every other pair keeps the tile of the path without dropout.
+_DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
+    (192, 128): (FwdTile(128, 64, 8, 1, True, True),),
+    (256, 256): (FwdTile(64, 64, 4, 1, False),),
+}
+
+
+def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
+    """The forward tile of a dropout call whose path without dropout uses ``tile``."""
+    bad = _DROPOUT_SPILLING_TILES.get((head_dim, head_dim_v), ())
+    if tile not in bad:
+        return tile
+    for cand in _TILE_PREFERENCE[max(head_dim, head_dim_v)]:
+        if cand not in bad and not fwd_tile_problems(head_dim, head_dim_v, cand):
+            return cand
+    raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile without register spills "
+                     "for dropout")
+
+
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
@@ -275,15 +296,16 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, without
-    and with dropout (which adds Philox work to every tile).  Feature flags only add code on boundary tiles, the
+    and with dropout (which adds Philox work to every tile; on the tile ``dropout_fwd_tile`` gives).  Feature flags only add code on boundary tiles, the
     epilogue or the prologue; the heaviest variant bounds register pressure from above."""
     base = FwdKernelConfig(dtype, d, dv, tile)
     heavy = replace(
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
         seqused_k=True,
     )
-    return [base, heavy, replace(base, has_dropout=True),
-            replace(heavy, has_dropout=True, dropout_seed_tensor=True)]
+    dtile = dropout_fwd_tile(d, dv, tile)
+    return [base, heavy, replace(base, tile=dtile, has_dropout=True),
+            replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:

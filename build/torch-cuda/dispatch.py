@@ -27,6 +27,7 @@ from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
 from .config import (
     FwdKernelConfig,
     MAX_SEQLEN,
+    dropout_fwd_tile,
     select_bwd_config,
     select_dq_config,
     select_fwd_tile,
@@ -103,7 +104,9 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
            seed_tensor, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_fwd_tile(d, dv, windowed, paged)  # dropout keeps the tiles of the path without it
+        tile = select_fwd_tile(d, dv, windowed, paged)
+        if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
+            tile = dropout_fwd_tile(d, dv, tile)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, has_dropout=dropout,

@@ -242,6 +242,9 @@ class FlashBwdSm80(KernelStateMixin):
             cute.arch.barrier()
 
             # ---- S, then the score hook (softcap, masks)
+            drop_bits = None
+            if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
+                drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
@@ -253,8 +256,7 @@ class FlashBwdSm80(KernelStateMixin):
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
             if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, tScS_mn, t0ScS_mn, row_qpos,
-                                          (seq.batch << 16) | head, n_block)
+                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             else:
                 score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             rP = cute.make_rmem_tensor_like(acc_P, dt)

@@ -154,6 +154,9 @@ class FlashBwdDqSm80(KernelStateMixin):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            drop_bits = None
+            if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
+                drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
@@ -162,8 +165,7 @@ class FlashBwdDqSm80(KernelStateMixin):
             acc_dP.fill(0.0)
             cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
             if const_expr(cfg.has_dropout):
-                score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, tScS_mn, t0ScS_mn, row_qpos,
-                                            (seq.batch << 16) | head, n_block)
+                score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
             else:
                 score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)

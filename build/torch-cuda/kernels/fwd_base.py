@@ -57,6 +57,9 @@ class FwdKernelBase(KernelStateMixin):
         self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+        # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
+        # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
+        self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
 
     def compute_sync(self):
         raise NotImplementedError
@@ -107,8 +110,17 @@ class FwdKernelBase(KernelStateMixin):
         return res
 
     @cute.jit
+    def dropout_bits(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
+        """Keep bits of this KV block (None without dropout).  Called before the S mma: the Philox work then runs
+        while S is not live (score.py)."""
+        bits = None
+        if const_expr(score.has_dropout):
+            bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        return bits
+
+    @cute.jit
     def scores_to_p(
-        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block,
+        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits, n_block,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
@@ -119,7 +131,7 @@ class FwdKernelBase(KernelStateMixin):
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         if const_expr(score.has_dropout):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
-            score.dropout_fwd(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+            score.dropout_fwd(rP, drop_bits)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit

@@ -308,6 +308,7 @@ class FlashFwdSm80(FwdKernelBase):
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
+        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
 
@@ -331,7 +332,7 @@ class FlashFwdSm80(FwdKernelBase):
                 load_k(n_block - 1, 0, False)
             cute.arch.cp_async_commit_group()
 
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, row_bh,
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
                                 n_block, is_first, mask_seqlen, mask_right, mask_left)
 
         if const_expr(stages > 1):

@@ -275,9 +275,10 @@ class FlashFwdWsSm120(FwdKernelBase):
         mask_left: cutlass.Constexpr[bool],
     ):
         """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
+        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, row_bh,
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
                                 n_block, is_first, mask_seqlen, mask_right, mask_left)
         if const_expr(mask_seqlen):
             # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds

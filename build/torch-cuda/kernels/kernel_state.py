@@ -31,6 +31,9 @@ class KernelStateMixin:
     # dropout: every thread's first S-accumulator column is even and < 8 mod 16 (true when warps are stacked
     # along M), so one Philox call serves 4 of its elements (kernels/philox.py); else one call per column pair
     dropout_quad_ok = True
+    # dropout: make a tile's keep bits one row per loop iteration (ScoreHook.dropout_bits); a kernel may turn it
+    # off where the compile gate measured fewer registers unrolled
+    dropout_row_loop = True
 
     def seq_rows(self, mQ, mK, mPageTable=None):
         """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk; with a page table (paged
@@ -68,5 +71,5 @@ class KernelStateMixin:
         if const_expr(cfg.has_dropout):
             rng = DropoutRng.create(*dropout)
         score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
-                                 rng, self.dropout_quad_ok)
+                                 rng, self.dropout_quad_ok, self.dropout_row_loop)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

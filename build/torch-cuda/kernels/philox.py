@@ -31,49 +31,40 @@ def philox4x32(c0: Uint32, c1: Uint32, c2: Uint32, c3: Uint32, k0: Uint32, k1: U
 
 @dataclass(frozen=True)
 class DropoutRng:
-    """Per-kernel dropout state: Philox key, the call's counter word (offset low bits), the keep threshold and
-    the 1/(1-p) scale.  Row counters (query position, (b << 16) | h) are given per call."""
+    """Per-kernel dropout state: the kernel's dropout arguments as given (kernel parameters, which live in the
+    constant bank: nothing is derived from them up front, so no register is held across the main loop; the Philox
+    key is formed where it is used, ``key``).  Row counters (query position, (b << 16) | h) are given per call."""
 
-    k0: Uint32
-    k1: Uint32
-    c3: Uint32
-    threshold: Uint32
+    threshold: Int32  # uint32 bits
     scale: Float32
+    seed_lo: Int32
+    seed_hi: Int32
+    offset_lo: Int32
+    offset_hi: Int32
+    mSeed: cute.Tensor | None  # optional (1,) int64 device tensor replacing the scalar seed (CUDA-graph replays)
 
     @staticmethod
     def create(threshold: Int32, scale: Float32, seed_lo: Int32, seed_hi: Int32, offset_lo: Int32,
                offset_hi: Int32, mSeed):
-        """``mSeed``: optional (1,) int64 device tensor that replaces the scalar seed (CUDA-graph replays)."""
-        if const_expr(mSeed is not None):
-            s = Int64(mSeed[0])
+        return DropoutRng(threshold, scale, seed_lo, seed_hi, offset_lo, offset_hi, mSeed)
+
+    @cute.jit
+    def key(self):
+        """(k0, k1) = (seed_lo, seed_hi ^ offset_hi); the seed tensor, when given, is read here (once per use:
+        an L1 hit, and no register holds it between uses)."""
+        seed_lo, seed_hi = self.seed_lo, self.seed_hi
+        if const_expr(self.mSeed is not None):
+            s = Int64(self.mSeed[0])
             seed_lo = Int32(s)
             seed_hi = Int32(s >> Int64(32))
-        return DropoutRng(Uint32(seed_lo), Uint32(seed_hi) ^ Uint32(offset_hi), Uint32(offset_lo),
-                          Uint32(threshold), scale)
-
-    @staticmethod
-    def row_counter(batch, head) -> Int32:
-        return (Int32(batch) << 16) | Int32(head)
+        return Uint32(seed_lo), Uint32(seed_hi) ^ Uint32(self.offset_hi)
 
     @cute.jit
-    def keep_pair(self, col_pair: Int32, qpos: Int32, bh: Int32):
-        """Keep decisions of key columns ``col_pair`` (even) and ``col_pair + 1`` of one query row (one Philox call,
-        two of its words used: the caller owns only this pair of the group)."""
-        group = (col_pair >> 4) * 4 + ((col_pair & 7) >> 1)
-        w0, w1, w2, w3 = philox4x32(Uint32(group), Uint32(qpos), Uint32(bh), self.c3, self.k0, self.k1)
-        hi_half = (col_pair & 8) != 0
-        a = w2 if hi_half else w0
-        b = w3 if hi_half else w1
-        return a >= self.threshold, b >= self.threshold
-
-    @cute.jit
-    def keep_quad(self, col0: Int32, qpos: Int32, bh: Int32):
-        """Keep decisions of columns col0, col0 + 1, col0 + 8, col0 + 9 (col0 even, col0 % 16 < 8): one whole
-        group, all four words used."""
+    def words(self, col0: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32):
+        """The four words of the Philox group holding key column ``col0`` (even) of query row ``qpos``: words 0/1
+        for columns j0, j0 + 1 and 2/3 for j0 + 8, j0 + 9 (dropout.py)."""
         group = (col0 >> 4) * 4 + ((col0 & 7) >> 1)
-        w0, w1, w2, w3 = philox4x32(Uint32(group), Uint32(qpos), Uint32(bh), self.c3, self.k0, self.k1)
-        t = self.threshold
-        return w0 >= t, w1 >= t, w2 >= t, w3 >= t
+        return philox4x32(Uint32(group), Uint32(qpos), Uint32(bh), Uint32(self.offset_lo), k0, k1)
 
 
 def column_groups(t0_cols, quad_ok: bool):

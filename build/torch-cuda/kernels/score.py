@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, Uint64, const_expr
 
 from .cute_utils import LOG2_E, acc_mn_view
 from .philox import DropoutRng, column_groups
@@ -47,14 +47,15 @@ class ScoreHook:
     has_dropout: bool = False
     quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
     rng: DropoutRng | None = None
+    row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
-               rng=None, quad_ok: bool = True):
+               rng=None, quad_ok: bool = True, row_loop: bool = True):
         has_dropout = getattr(cfg, "has_dropout", False)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
                          window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
-                         rng if has_dropout else None)
+                         rng if has_dropout else None, row_loop)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
@@ -100,32 +101,97 @@ class ScoreHook:
                         s_mn[r, c] = -Float32.inf
 
     # ---- dropout
+    # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
+    # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
+    # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code; the
+    # consumers below read one bit per element.
     def _dropout_groups(self, t0ScS_mn):
         """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
         ncols = cute.size(t0ScS_mn, mode=[1])
         return column_groups([t0ScS_mn[0, c][1] for c in range(ncols)], self.quad_ok)
 
-    @cute.jit
-    def _keeps(self, kind: cutlass.Constexpr, col: Int32, qpos: Int32, bh: Int32):
-        if const_expr(kind == "quad"):
-            return self.rng.keep_quad(col, qpos, bh)
-        else:
-            return self.rng.keep_pair(col, qpos, bh)
+    def dropout_num_words(self, tScS_mn) -> int:
+        return -(-cute.size(tScS_mn) // 32)
 
     @cute.jit
-    def dropout_fwd(self, acc_P: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
-                    row_bh: cute.Tensor, n_block: Int32):
-        """Zero the dropped probabilities of an S/P tile (after the online softmax summed them).  ``row_bh``:
-        (batch << 16) | query head of each of this thread's rows."""
-        p_mn = acc_mn_view(acc_P)
+    def _row_bits(self, groups, ncols: int, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
+                  t: Uint32) -> Uint32:
+        """Keep bits of one row of this thread's columns: bit c for mn-view column c (ncols <= 32)."""
+        row = Uint32(0)
+        for gi in cutlass.range_constexpr(len(groups)):
+            kind, t0, cs = groups[gi]
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+            if const_expr(kind == "quad"):
+                mine = (w[0], w[1], w[2], w[3])
+            else:  # a pair owns columns j, j + 1 of its group: words 0/1 when j % 16 < 8, else 2/3
+                hi = ((col_base + t0) & 8) != 0
+                mine = (w[2] if hi else w[0], w[3] if hi else w[1])
+            for e in cutlass.range_constexpr(len(cs)):
+                row = row | (Uint32(1 << cs[e]) if mine[e] >= t else Uint32(0))
+        return row
+
+    @cute.jit
+    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
+                     n_block: Int32) -> cute.Tensor:
+        """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
+        ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
+        forward with packed GQA) or one for all rows (an Int32, backward).
+
+        The rows are a loop that is not unrolled (when the bits fit one 64-bit shift register and the kernel's
+        ``dropout_row_loop`` says so): ptxas then cannot interleave the Philox calls of every row for ILP, which
+        would need ~10 registers per call in flight."""
+        nrows = cute.size(tScS_mn, mode=[0])
+        ncols = cute.size(tScS_mn, mode=[1])
         groups = self._dropout_groups(t0ScS_mn)
+        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        total = nrows * ncols
+        if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for r in cutlass.range(nrows, unroll=1):
+                qpos = row_qpos[0]
+                for rr in cutlass.range_constexpr(1, nrows):
+                    qpos = row_qpos[rr] if r == rr else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[0]
+                    for rr in cutlass.range_constexpr(1, nrows):
+                        bh = row_bh[rr] if r == rr else bh
+                row = self._row_bits(groups, ncols, col_base, qpos, bh, k0, k1, t)
+                # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
+                acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            bits.fill(0)
+            for r in cutlass.range_constexpr(nrows):
+                bh = row_bh if const_expr(scalar_bh) else row_bh[r]
+                row = self._row_bits(groups, ncols, col_base, row_qpos[r], bh, k0, k1, t)
+                for c in cutlass.range_constexpr(ncols):
+                    idx = r * ncols + c
+                    bits[idx // 32] = bits[idx // 32] | (((row >> Uint32(c)) & Uint32(1)) << Uint32(idx % 32))
+        return bits
+
+    @staticmethod
+    def _kept(bits: cute.Tensor, idx: int):
+        """Element ``idx``'s keep bit (``idx`` is trace-time)."""
+        return (bits[idx // 32] & Uint32(1 << (idx % 32))) != Uint32(0)
+
+    @cute.jit
+    def dropout_fwd(self, acc_P: cute.Tensor, bits: cute.Tensor):
+        """Zero the dropped probabilities of a P tile (16-bit, after the online softmax summed them)."""
+        p_mn = acc_mn_view(acc_P)
+        ncols = cute.size(p_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-            for gi in cutlass.range_constexpr(len(groups)):
-                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], row_bh[r])
-                cs = groups[gi][2]
-                for e in cutlass.range_constexpr(len(cs)):
-                    p_mn[r, cs[e]] = p_mn[r, cs[e]] if keeps[e] else p_mn.element_type(0.0)
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                p_mn[r, c] = p_mn[r, c] if keep else p_mn.element_type(0.0)
 
     @cute.jit
     def _ds_dropout(self, s, p, dp, d_r, keep):
@@ -138,42 +204,32 @@ class ScoreHook:
 
     @cute.jit
     def backward_ds_dropout(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor,
-                            tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, bh: Int32,
-                            n_block: Int32):
+                            bits: cute.Tensor):
         """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
         of dV is applied once by the caller)."""
         s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
-        groups = self._dropout_groups(t0ScS_mn)
-        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        ncols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for gi in cutlass.range_constexpr(len(groups)):
-                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], bh)
-                cs = groups[gi][2]
-                for e in cutlass.range_constexpr(len(cs)):
-                    c = cs[e]
-                    ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keeps[e])
-                    dp_mn[r, c] = ds
-                    p_mn[r, c] = p_kept
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keep)
+                dp_mn[r, c] = ds
+                p_mn[r, c] = p_kept
 
     @cute.jit
     def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
-                              dpsum: cute.Tensor, pdp: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
-                              row_qpos: cute.Tensor, bh: Int32, n_block: Int32):
+                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor):
         """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp) with dropout; dP is
         the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
         s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        groups = self._dropout_groups(t0ScS_mn)
-        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        ncols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for gi in cutlass.range_constexpr(len(groups)):
-                keeps = self._keeps(groups[gi][0], col_base + groups[gi][1], row_qpos[r], bh)
-                cs = groups[gi][2]
-                for e in cutlass.range_constexpr(len(cs)):
-                    c = cs[e]
-                    p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
-                    ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keeps[e])
-                    pdp[r] = pdp[r] + p * dp_eff
-                    dp_mn[r, c] = ds
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
+                ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keep)
+                pdp[r] = pdp[r] + p * dp_eff
+                dp_mn[r, c] = ds
 
     # ---- backward
     @cute.jit
