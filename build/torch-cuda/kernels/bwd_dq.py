@@ -31,6 +31,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
         self.num_threads = cfg.num_warps * 32
+        # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
+        # ScoreHook.dropout_bits and not when it is unrolled
+        self.dropout_row_loop = cfg.tile_n > 32
 
     @cute.jit
     def __call__(
