@@ -437,7 +437,7 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
-                     drop is not None, drop is not None and drop.seed_tensor is not None)
+                     dropout=drop is not None, seed_tensor=drop is not None and drop.seed_tensor is not None)
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
