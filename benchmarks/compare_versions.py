@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--seqlens", nargs="*", type=int, default=list(SEQLENS))
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--varlen", action="store_true",
+                    help="the same tokens packed as a varlen batch (cu_seqlens, equal lengths, max_seqlen given)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("compare_versions: no CUDA GPU", file=sys.stderr)
@@ -53,19 +55,21 @@ def main(argv=None):
                 mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
                 q, k, v = mk(hq), mk(hkv), mk(hkv)
                 gout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                row = dict(shape=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal)
+                row = dict(shape=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal, varlen=args.varlen)
                 fl = flops(b, hq, s, d, causal)
                 for phase in ("fwd", "bwd"):
                     if phase == "bwd" and args.no_bwd:
                         continue
                     fns = {}
                     for tag, mod in (("old", old), ("new", new)):
+                        call = _varlen_call(mod, b, s, causal) if args.varlen else (
+                            lambda m: lambda q_, k_, v_: m.flash_attn_func(q_, k_, v_, causal=causal))(mod)
                         if phase == "fwd":
-                            fns[tag] = (lambda m: lambda: m.flash_attn_func(q, k, v, causal=causal))(mod)
+                            fns[tag] = (lambda c: lambda: c(q, k, v))(call)
                         else:
                             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-                            out, _ = mod.flash_attn_func(qg, kg, vg, causal=causal)
-                            fns[tag] = (lambda o, ins: lambda: torch.autograd.grad(o, ins, gout, retain_graph=True))(
+                            out, _ = call(qg, kg, vg)
+                            fns[tag] = (lambda o, ins: lambda: torch.autograd.grad(o, ins, gout.view_as(o), retain_graph=True))(
                                 out, (qg, kg, vg))
                     times = {"old": [], "new": []}
                     for rnd in range(args.rounds):  # alternate who goes first, so neither gets the warmer GPU
@@ -82,7 +86,7 @@ def main(argv=None):
                 print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}),
                       flush=True)
     summ = dict(kind="summary", device=torch.cuda.get_device_name(), torch=torch.__version__,
-                rounds=args.rounds)
+                rounds=args.rounds, varlen=args.varlen)
     for phase in ("fwd", "bwd"):
         vals = [r[f"{phase}_new_vs_old"] for r in rows if f"{phase}_new_vs_old" in r]
         if vals:
@@ -94,6 +98,17 @@ def main(argv=None):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows + [summ]))
     return 0
+
+
+def _varlen_call(mod, b, s, causal):
+    """(B, S, H, D) tensors viewed as (B*S, H, D) with cu_seqlens of B equal sequences."""
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+
+    def call(q, k, v):
+        flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+        return mod.flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                                          causal=causal)
+    return call
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
   <!-- bench-fwd:begin --> ... <!-- bench-fwd:end -->  forward benchmark table from benchmarks/results/fwd_h100.jsonl
   <!-- bench-bwd:begin --> ... <!-- bench-bwd:end -->  backward table from benchmarks/results/bwd_h100.jsonl
   <!-- bench-host:begin --> ... <!-- bench-host:end --> per-call host cost from benchmarks/results/host_h100.jsonl
+  <!-- bench-decode:begin --> ... <!-- bench-decode:end --> decode bandwidth from benchmarks/results/decode_h100.jsonl
 
     python scripts/readme_sections.py          # rewrite README.md
     python scripts/readme_sections.py --check  # exit 1 when README.md drifted (CI)
@@ -22,6 +23,7 @@ README = ROOT / "README.md"
 FWD_RESULTS = ROOT / "benchmarks" / "results" / "fwd_h100.jsonl"
 BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h100.jsonl"
 HOST_RESULTS = ROOT / "benchmarks" / "results" / "host_h100.jsonl"
+DECODE_RESULTS = ROOT / "benchmarks" / "results" / "decode_h100.jsonl"
 
 
 def _features_module():
@@ -107,8 +109,36 @@ def bench_host_section() -> str:
     return mod.bench_host_section(HOST_RESULTS)
 
 
+def bench_decode_section() -> str:
+    rows = [json.loads(line) for line in DECODE_RESULTS.read_text().splitlines() if line.strip()]
+    cases = [r for r in rows if "case" in r]
+    head = next((r for r in rows if "case" not in r), cases[0] if cases else {})
+    out = [f"Decode over a KV cache (`flash_attn_with_kvcache`, bf16, Hq 32, q_len 1 unless noted) on "
+           f"{head.get('device', '?')}: K+V bytes read per second, against a 1 GiB device-to-device copy in the same "
+           f"process ({_fmt(head.get('copy_gbps'))} GB/s, bytes read + written); `num_splits=0` (automatic) and 1; "
+           "flash-attn-4 4.0.0b36 with its SM120 path forced (no paged KV there). Medians of CUDA-event timings of "
+           "CUDA-graph replays of one call (GPU time, what an engine that captures its decode step gets); the "
+           "eager column times back-to-back Python calls, which adds the host cost per call (on the lent "
+           "machine's slow CPU) where that exceeds the GPU time.",
+           "",
+           "| case | B | KV len | Hkv | d | page | auto GB/s | % of copy | 1 split GB/s | fa4 SM120 GB/s | auto ÷ fa4 "
+           "| auto eager GB/s | eager ÷ fa4 eager |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in cases:
+        fa4 = r.get("fa4_sm120_gbps")
+        spd = r.get("speedup_vs_fa4_sm120")
+        spd_e = r.get("speedup_vs_fa4_sm120_eager")
+        name = r["case"] + (f" (q_len {r['q_len']})" if r.get("q_len", 1) != 1 else "")
+        out.append(f"| {name} | {r['batch']} | {r['kv_len']} | {r['hkv']} | {r['d']} | {r.get('page_size') or '-'} | "
+                   f"{_fmt(r['ours_auto_gbps'])} | {100 * r['ours_auto_pct_of_copy']:.0f}% | "
+                   f"{_fmt(r['ours_split1_gbps'])} | {_fmt(fa4) if fa4 else '-'} | "
+                   f"{f'{spd:.2f}x' if spd else '-'} | {_fmt(r.get('ours_auto_eager_gbps'))} | "
+                   f"{f'{spd_e:.2f}x' if spd_e else '-'} |")
+    return "\n".join(out) + "\n"
+
+
 SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
-            "bench-host": bench_host_section}
+            "bench-host": bench_host_section, "bench-decode": bench_decode_section}
 
 
 def render(text: str) -> str:

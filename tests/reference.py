@@ -9,10 +9,11 @@ import torch
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, None), softcap=0.0, sink=None,
-                  upcast=True, keep=None, dropout_p=0.0):
+                  upcast=True, mask=None, keep=None, dropout_p=0.0):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D|Dv) -> out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) fp32.
 
     Masks follow FlashAttention: query i sees key j iff j <= i + Sk - Sq (+ right) and j >= i + Sk - Sq - left.
+    ``mask``: an explicit boolean (B|1, Hq|1, Sq, Sk) mask of allowed entries, ANDed with the others.
     Rows that see nothing give out = 0 and lse = -inf (or the sink logit).
     Dropout: ``keep`` (B, Hq, Sq, Sk) bool, as from ``dropout_mask``; the LSE is the undropped one and
     out = (P * keep / (1 - dropout_p)) V.
@@ -43,6 +44,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     if left is not None and left >= 0:
         allowed &= j >= i + shift - left
     s = s.masked_fill(~allowed, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), -math.inf)
     if sink is not None:
         s = torch.cat([s, sink.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
@@ -55,6 +58,22 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     p = p if upcast else p.to(dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out.to(dtype), lse
+
+
+def sparse_allowed(visited, full, sq, sk, causal=False, window=(None, None)):
+    """Element mask of a block-sparse call: keys in a listed block, with causal/window applied to mask blocks
+    (``visited`` and not ``full``) only; ``visited``/``full`` (B|1, H|1, sq, sk) bool."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=visited.device)[:, None]
+    j = torch.arange(sk, device=visited.device)[None, :]
+    win = torch.ones(sq, sk, dtype=torch.bool, device=visited.device)
+    if right is not None and right >= 0:
+        win &= j <= i + sk - sq + right
+    if left is not None and left >= 0:
+        win &= j >= i + sk - sq - left
+    return visited & (full | win)
 
 
 def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, keep_of=None, **kw):

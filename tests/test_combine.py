@@ -146,3 +146,18 @@ def test_combine_compiles_for_sm120(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
     fn, kernel = jit.compile_kernel(config.CombineKernelConfig("fp32", "bf16", 64, True), with_kernel=True)
     assert fn is not None and kernel.launch_smem_bytes == 0
+
+
+def test_split_forward_fake_args_are_fp32_partials():
+    pytest.importorskip("cutlass")
+    from dataclasses import replace
+
+    from flash_attn_4_sm120 import jit
+
+    tile = config.select_fwd_tile(128, 128, False)
+    for varlen in (False, True):
+        cfg = replace(config.FwdKernelConfig("bf16", 128, 128, tile, varlen_q=varlen), split_kv=True)
+        fakes = dict(zip(arguments.FWD_ARGS.names, jit.fake_args(arguments.FWD_ARGS, cfg)))
+        assert fakes["out"].element_type.__name__ == "Float32"
+        assert len(fakes["out"].shape) == (4 if varlen else 5) and len(fakes["lse"].shape) == (3 if varlen else 4)
+        assert fakes["q"].element_type.__name__ == "BFloat16" and len(fakes["q"].shape) == (3 if varlen else 4)

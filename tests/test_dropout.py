@@ -170,12 +170,56 @@ def test_capture_without_seed_tensor_raises():
         dropout.resolve(0.1, None, None, torch.device("cuda", 0), capturing=True)
 
 
-def test_dropout_with_unsupported_features_raises():
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel compile or launch fails the test: the refusals must come before."""
+    from flash_attn_4_sm120 import dispatch
+
+    def boom(*a, **k):
+        raise AssertionError("a kernel was compiled or launched")
+
+    monkeypatch.setattr(dispatch, "_kernel", boom)
+    monkeypatch.setattr(dispatch, "_launch", boom)
+
+
+@pytest.mark.parametrize("num_splits", [2, 0, -1, 256])
+def test_dropout_with_split_kv_raises_before_launch(no_launch, num_splits):
+    """dropout x split-KV: num_splits != 1 (automatic included) with dropout_p > 0 raises ValueError naming both,
+    from the public functions and from run_forward (the torch.library op's path)."""
+    from flash_attn_4_sm120 import dispatch
+
     q = torch.zeros(1, 4, 1, 64)
-    with pytest.raises(ValueError, match="split-KV"):
-        interface.flash_attn_func(q, q, q, dropout_p=0.1, num_splits=2)
-    with pytest.raises(ValueError, match="block sparsity"):
-        interface.flash_attn_func(q, q, q, dropout_p=0.1, block_sparse_tensors=object())
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    calls = (
+        lambda: interface.flash_attn_func(q, q, q, dropout_p=0.1, num_splits=num_splits),
+        lambda: interface.flash_attn_varlen_func(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4,
+                                                 max_seqlen_k=4, dropout_p=0.1,
+                                                 num_splits=num_splits),
+        lambda: dispatch.run_forward(q, q, q, dropout_p=0.1, num_splits=num_splits),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=r"dropout_p=0\.1 with num_splits=.*split-KV"):
+            call()
+
+
+def test_dropout_with_block_sparse_raises_before_launch(no_launch):
+    """dropout x block sparsity raises ValueError naming both, before the block-sparse tensors are even read."""
+    from flash_attn_4_sm120 import dispatch
+
+    q = torch.zeros(1, 4, 1, 64)
+    bst = object()  # never inspected: the refusal comes first
+    for call in (lambda: interface.flash_attn_func(q, q, q, dropout_p=0.5, block_sparse_tensors=bst),
+                 lambda: dispatch.run_forward(q, q, q, dropout_p=0.5, block_sparse_tensors=bst)):
+        with pytest.raises(ValueError, match=r"dropout_p=0\.5 with block_sparse_tensors.*block sparsity"):
+            call()
+
+
+def test_split_or_sparse_without_dropout_is_not_refused_by_dropout():
+    """p = 0 with split-KV / block sparsity reaches their own checks, not the dropout refusal."""
+    dropout.refuse_combinations(0.0, 0.0, 2, True)  # no error
+    dropout.refuse_combinations(0.3, 0.3, 1, False)  # no error
+    with pytest.raises(ValueError, match="num_splits=0"):
+        dropout.refuse_combinations(0.3, 0.3, 0, False)
 
 
 def test_dropout_with_paged_kv_raises():

@@ -76,13 +76,6 @@ def test_num_splits_not_an_int(bad):
         fa.flash_attn_with_kvcache(q, k, v, page_table=_table(), num_splits=bad)
 
 
-def test_num_splits_above_one_is_not_implemented_yet():
-    q = torch.zeros(2, 1, 4, 64)
-    k, v = _pool()
-    with pytest.raises(NotImplementedError, match="split_kv"):
-        fa.flash_attn_with_kvcache(q, k, v, page_table=_table(), num_splits=4)
-
-
 @pytest.mark.parametrize("which", ["q", "k", "v", "sink"])
 def test_requires_grad_paged_call_raises_before_launch(which):
     q = torch.zeros(2, 1, 4, 64, requires_grad=which == "q")

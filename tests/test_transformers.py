@@ -106,4 +106,4 @@ def test_harness_generate_on_cpu(hub, home):
 
 
 def test_harness_generate_batch_on_cpu(hub, home):
-    check_generate_batch(reference(hub, home, "generate_batch", "llama"), home)
+    check_generate_batch(reference(hub, home, "generate_batch", "llama"), home, on_cuda=False)

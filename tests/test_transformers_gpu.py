@@ -172,7 +172,9 @@ def test_generate_batch(hub, home, cuda_graph):
     check_generate_batch(scenario(hub, home, "generate_batch", "llama", "--cuda-graph", cuda_graph), home)
 
 
-def check_generate_batch(r: dict, home: Path) -> None:
+def check_generate_batch(r: dict, home: Path, on_cuda: bool = True) -> None:
+    """``on_cuda``: transformers 5.22.2 enables its block-table decode path (flash_attn_with_kvcache) only when
+    CUDA is available (continuous_batching/initialization.py), so the CPU harness run cannot expect it."""
     assert_our_kernel_loaded(r, "llama", home)
     assert r["errors"] == [] and r["n_results"] == r["n_prompts"] and r["prompts_match"], r
     assert r["lengths"] == [r["new_tokens"]] * r["n_prompts"]
@@ -183,7 +185,8 @@ def check_generate_batch(r: dict, home: Path) -> None:
     if r["bundle_has_kvcache"]:
         assert r["transformers_has_kvcache"]
         assert r["fast_path_name_match"]  # transformers enables the block-table decode path for this repo name
-        assert calls(r, "kvcache"), "the bundle exports flash_attn_with_kvcache but generate_batch never called it"
+        if on_cuda:
+            assert calls(r, "kvcache"), "the bundle exports flash_attn_with_kvcache but generate_batch never called it"
     else:
         assert not r["transformers_has_kvcache"]
         assert calls(r, "kvcache") == []

@@ -156,6 +156,36 @@ def _ref_varlen(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=N
     return out, None
 
 
+def _ref_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None, page_table=None,
+                 block_table=None, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                 learnable_sink=None, num_splits=0, return_softmax_lse=False, max_seqlen_q=None, **rest):
+    """flash_attn_with_kvcache in plain PyTorch (dense q (B, Sq, H, D)): append k/v at cache_seqlens, then attend
+    over the first cache_seqlens + Sq_new keys of each sequence (paged through the block table, or row b)."""
+    from reference import attention_ref
+    pages = page_table if page_table is not None else block_table
+    batch, ps = q.shape[0], k_cache.shape[1]
+    seqlens = cache_seqlens
+    if isinstance(seqlens, int):
+        seqlens = torch.full((batch,), seqlens, dtype=torch.int32)
+    outs = []
+    for b in range(batch):
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        capacity = pages.shape[1] * ps if pages is not None else k_cache.shape[1]
+        n0 = int(seqlens[b]) if seqlens is not None else capacity
+        s_new = 0 if k is None else k.shape[1]
+        pos = torch.arange(n0 + s_new, device=q.device)
+        where = (pages[b, pos // ps].long(), pos % ps) if pages is not None else (row, pos)
+        if s_new:
+            new = pos[n0:]
+            at = (pages[b, new // ps].long(), new % ps) if pages is not None else (row, new)
+            k_cache[at], v_cache[at] = k[b], v[b]
+        o, _ = attention_ref(q[b:b + 1], k_cache[where][None], v_cache[where][None], softmax_scale=softmax_scale,
+                             causal=causal, window=tuple(window_size), softcap=softcap or 0.0, sink=learnable_sink)
+        outs.append(o)
+    out = torch.cat(outs)
+    return (out, None) if return_softmax_lse else out
+
+
 def install_spies(repo: str, reference_kernel: bool) -> dict:
     """Check that transformers holds the bundle's functions, then wrap them (or the reference) in spies."""
     varlen = mfau._flash_varlen_fn
@@ -172,9 +202,8 @@ def install_spies(repo: str, reference_kernel: bool) -> dict:
     mfau._flash_fn = _spy("dense", dense)
     mfau._flash_varlen_fn = _spy("varlen", var)
     if mfau._flash_with_kvcache_fn is not None:
-        if reference_kernel:
-            raise AssertionError("the reference kernel has no flash_attn_with_kvcache")
-        mfau._flash_with_kvcache_fn = _spy("kvcache", mfau._flash_with_kvcache_fn)
+        kv = _ref_kvcache if reference_kernel else mfau._flash_with_kvcache_fn
+        mfau._flash_with_kvcache_fn = _spy("kvcache", kv)
     return info
 
 

@@ -9,12 +9,15 @@ match).  Everything that passes arguments to a kernel goes through its record:
 
 Kinds:
   act     a (…, D) activation in the kernel's dtype: rank 4 (B, S, H, D), or rank 3 (total, H, D) when the config
-          flag named by ``varlen`` is on; D is the config attribute named by ``dim``
-  rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on
+          flag named by ``varlen`` is on; D is the config attribute named by ``dim``.  When the config flag named
+          by ``split`` is on: fp32 with a leading num_splits dim (split-KV partials)
+  rowstat a per-row fp32 tensor (LSE, D): (B, H, S), or (H, total) when ``varlen`` is on (a leading num_splits
+          dim when ``split`` is on)
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
   i32mat  a 2-D int32 tensor, last dim contiguous (page table)
   i64vec  a 1-D int64 tensor (dropout seed on the device)
   f32vec  a 1-D fp32 tensor (learnable sink)
+  i32nd   an int32 tensor of ``rank`` dims, last dim contiguous, int32 strides (block-sparse counts and indices)
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
@@ -36,6 +39,7 @@ class Arg:
     when: str | None = None
     rank: int = 0  # kinds "rows" / "strided"
     dtype: str | None = None  # kind "rows": the config attribute holding the dtype name
+    split: str | None = None  # kinds "act" / "rowstat": the config flag that makes it a split-KV partial
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,15 @@ FWD_ARGS = ArgRecord("forward", (
     _act("q", "head_dim", "varlen_q"),
     _act("k", "head_dim", "varlen_k"),
     _act("v", "head_dim_v", "varlen_k"),
-    _act("out", "head_dim_v", "varlen_q"),
-    Arg("lse", "rowstat", varlen="varlen_q"),
+    Arg("out", "act", dim="head_dim_v", varlen="varlen_q", split="split_kv"),
+    Arg("lse", "rowstat", varlen="varlen_q", split="split_kv"),
     *_SEQ_META,
     Arg("page_table", "i32mat", when="paged"),
     Arg("sink", "f32vec", when="has_sink"),
+    Arg("mask_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
+    Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
+    Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
     Arg("scale_log2", "f32"),
     Arg("softcap_prescale", "f32"),
     Arg("window_left", "i32"),

@@ -105,7 +105,7 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
                    lse: torch.Tensor | None) -> None:
     """Run the combine kernel on (splits, B, S, H, D) / (splits, B, S, H) partials into (B, S, H, D) / (B, S, H)
     outputs (lse may be None).  No checks: callers validated."""
-    from .dispatch import _kernel, _launch  # host helpers shared with the attention kernels
+    from .launch import compiled_kernel as _kernel, launch as _launch  # shared with the attention kernels
 
     num_rows = out.numel() // out.shape[-1] if out.shape[-1] else 0
     if num_rows == 0:

@@ -82,6 +82,15 @@ class FwdKernelConfig:
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
     has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
     dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
+    split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
+    # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
+    # sparse_kv_ratio KV tiles; 0 = off
+    sparse_q_ratio: int = 0
+    sparse_kv_ratio: int = 0
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.sparse_q_ratio > 0
 
     def name(self) -> str:
         flags = [
@@ -97,6 +106,8 @@ class FwdKernelConfig:
                 ("paged", self.paged),
                 ("drop", self.has_dropout),
                 ("seedt", self.dropout_seed_tensor),
+                ("split", self.split_kv),
+                (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
             if on
         ]
@@ -227,6 +238,23 @@ def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
                      "for dropout")
 
 
+# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
+# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
+# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+_TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
+    192: (FwdTile(128, 32, 8, 2),),
+    256: (FwdTile(64, 32, 4, 2),),
+}
+
+
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
+    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
+    for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+
+
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
     """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
@@ -294,31 +322,112 @@ def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
     return out
 
 
+# Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
+# set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
+# already uses.  Split calls on that tile run the 64x32 tile of the same table row instead (0 spills).
+SPLIT_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 32, 4, 1, False)}
+
+
+def split_tile(tile: FwdTile) -> FwdTile:
+    """The tile a split-KV call runs for ``tile`` (the same one unless it spills with split-KV)."""
+    return SPLIT_TILE_FALLBACK.get(tile, tile)
+
+
+# Decode tiles: a split-KV call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS:
+# decode and speculative decode) runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead of the
+# prefill tile, whose 128 rows would be mostly padding.  Measured on the H100 proxy (benchmarks/results/
+# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
+# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
+# (page 64) 99 us -> 78 us.
+DECODE_MAX_ROWS = 64
+_DECODE_TILES: dict[int, FwdTile] = {
+    32: FwdTile(64, 64, 4, 2), 64: FwdTile(64, 64, 4, 2), 96: FwdTile(64, 64, 4, 2), 128: FwdTile(64, 64, 4, 2),
+    192: FwdTile(64, 32, 4, 2), 256: FwdTile(64, 32, 4, 2),
+}
+
+
+def decode_tile(head_dim: int, head_dim_v: int) -> FwdTile | None:
+    """The tile of a split-KV call with at most DECODE_MAX_ROWS query rows per CTA, or None (use split_tile).
+    Memoised like select_fwd_tile."""
+    return _decode_tile(head_dim, head_dim_v, _TABLE_VERSION[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | None:
+    tile = _DECODE_TILES.get(max(head_dim, head_dim_v))
+    if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
+        return None
+    return tile
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, without
-    and with dropout (which adds Philox work to every tile; on the tile ``dropout_fwd_tile`` gives).  Feature flags only add code on boundary tiles, the
-    epilogue or the prologue; the heaviest variant bounds register pressure from above."""
+    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
+    heaviest split-KV variant (dropout variants: ``dropout_gate_configs``).  Feature flags only add code on boundary
+    tiles, the epilogue or the prologue; the heaviest variant bounds register pressure from above."""
     base = FwdKernelConfig(dtype, d, dv, tile)
     heavy = replace(
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
         seqused_k=True,
     )
+    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
+    # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
+    out = [base, heavy]
+    if dtype == "bf16":
+        out.append(replace(heavy, split_kv=True, tile=split_tile(tile)))
+    return out
+
+
+def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
+    """The dropout variants the compile gate builds for a forward tile: the lightest and the heaviest feature set
+    with dropout (Philox work on every tile), on the tile ``dropout_fwd_tile`` gives."""
+    base, heavy = gate_configs(dtype, d, dv, tile)[:2]
     dtile = dropout_fwd_tile(d, dv, tile)
-    return [base, heavy, replace(base, tile=dtile, has_dropout=True),
+    return [replace(base, tile=dtile, has_dropout=True),
             replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
+
+
+def decode_gate_worklist() -> list[FwdKernelConfig]:
+    """The decode tiles' split-KV configurations the compile gate builds: bf16, dv == d at the largest head dim of
+    each decode tile (and d=192, the other user of the 64x32 one), contiguous and paged, lightest and heaviest
+    feature set."""
+    out = []
+    for d in (128, 192, 256):
+        tile = decode_tile(d, d)
+        if tile is None:
+            continue
+        base = FwdKernelConfig("bf16", d, d, tile, split_kv=True, seqused_k=True)
+        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True)
+        out += [base, heavy, replace(base, paged=True), replace(heavy, paged=True)]
+    return out
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
     """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
     lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k)."""
+    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one."""
     out = []
     for windowed in (False, True):
         tile = select_fwd_tile(d, dv, windowed, paged=True)
         base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
-        out += [c for c in (base, heavy) if c not in out]
+        out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
+    return out
+
+
+def sparse_gate_worklist() -> list[FwdKernelConfig]:
+    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct cp.async tile the
+    lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity combines with)."""
+    out = []
+    for d, dv in supported_head_dim_pairs():
+        if d != dv:
+            continue
+        for windowed in (False, True):
+            tile = select_sparse_tile(d, dv, windowed)
+            base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                            seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
+            out += [c for c in (base, heavy) if c not in out]
     return out
 
 

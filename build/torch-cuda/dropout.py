@@ -79,6 +79,22 @@ def check_p(dropout_p) -> float:
     return p
 
 
+SPLIT_DROPOUT_ERROR = (
+    "dropout_p={p} with num_splits={n}: dropout and split-KV are not supported together (split-KV is an "
+    "inference path with no backward); use num_splits=1 for a call with dropout")
+SPARSE_DROPOUT_ERROR = (
+    "dropout_p={p} with block_sparse_tensors: dropout and block sparsity are not supported together (the "
+    "block-sparse forward has no backward yet); pass dropout_p=0 or drop block_sparse_tensors")
+
+
+def refuse_combinations(dropout_p, p: float, num_splits: int, sparse: bool) -> None:
+    """ValueError for dropout (p > 0) with split-KV (num_splits != 1, automatic included) or block sparsity."""
+    if p > 0.0 and num_splits != 1:
+        raise ValueError(SPLIT_DROPOUT_ERROR.format(p=dropout_p, n=num_splits))
+    if p > 0.0 and sparse:
+        raise ValueError(SPARSE_DROPOUT_ERROR.format(p=dropout_p))
+
+
 def _check_u64(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int (or None), got {type(value).__name__} {value!r}")
@@ -204,4 +220,4 @@ def expected_keep_rate(p: float) -> float:
 
 
 __all__ = ["DropoutArgs", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold",
-           "philox4x32", "random_words", "resolve"]
+           "philox4x32", "random_words", "refuse_combinations", "resolve"]

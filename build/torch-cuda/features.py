@@ -60,12 +60,20 @@ FEATURES: dict[str, Feature] = {
                 "flash-attn-4's split-KV combine: fp32/bf16/fp16 partials, up to 256 splits, head_dim up to 512; "
                 "empty splits (LSE -inf) contribute 0, NaN propagates; cu_seqlens/seqused/varlen_batch_idx "
                 "raise NotImplementedError"),
-        Feature("split_kv", PLANNED, "num_splits>1", "raises NotImplementedError"),
-        Feature("block_sparse", PLANNED, "block_sparse_tensors=", "raises NotImplementedError"),
+        Feature("split_kv", SUPPORTED, "num_splits=N (N > 1) or 0 (automatic)",
+                "fp32 partials + the combine kernel; paged or contiguous, every forward feature (sink in split 0); "
+                "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only; "
+                "num_splits > 1 under torch.compile raises NotImplementedError"),
+        Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
+                "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
+                "block sizes multiples of the cp.async tile, B/H broadcast, varlen, GQA (unpacked); "
+                "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); backward planned "
+                "(a grad-requiring call raises NotImplementedError); no paged K/V, no split-KV, no torch.compile "
+                "yet"),
         Feature("dropout", SUPPORTED, "dropout_p=p (dropout_seed=, dropout_offset=)",
                 "Philox4x32-7, mask a function of (seed, offset, b, h, i, j) only; seed/offset from torch's CUDA "
                 "generator unless given; a CUDA int64 seed tensor under graph capture; dropout_mask() "
-                "materialises it; not with num_splits>1, block sparsity or paged KV"),
+                "materialises it; not with split-KV (num_splits != 1), block sparsity or paged KV (ValueError)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",
                 "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192); cp.async otherwise"),

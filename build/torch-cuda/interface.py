@@ -12,9 +12,11 @@ import torch
 from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
+from .block_sparse import SPARSE_GRAD_ERROR
 from .combine import run_combine
 from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
-from .dropout import check_p
+from .dropout import check_p, refuse_combinations
+from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
 from .features import require
 
 
@@ -28,18 +30,11 @@ def _unsupported(**values) -> None:
 
 def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic) -> None:
     p = check_p(dropout_p)  # ValueError for a non-number, NaN or a value outside [0, 1]
-    if num_splits.__class__ is not int:  # 1.0 or True are not ints here (isinstance would take bool)
-        if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-            raise ValueError(f"num_splits must be an int, got {num_splits!r}")
-    if num_splits > 1 and p > 0:
-        raise ValueError(f"dropout_p={dropout_p} with num_splits={num_splits}: dropout is not supported with "
-                         "split-KV; use num_splits=1")
-    if num_splits > 1:
+    num_splits = check_num_splits(num_splits)  # 1.0 or True are not ints here
+    refuse_combinations(dropout_p, p, num_splits, block_sparse_tensors is not None)  # dropout x split / sparse
+    if num_splits != 1:
         require("split_kv", f"num_splits={num_splits}")
     if block_sparse_tensors is not None:
-        if p > 0:
-            raise ValueError(f"dropout_p={dropout_p} with block_sparse_tensors: dropout is not supported with block "
-                             "sparsity")
         require("block_sparse", "block_sparse_tensors")
     if p > 0:
         require("dropout", f"dropout_p={dropout_p}")
@@ -58,7 +53,27 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
         raise ValueError(PAGED_GRAD_ERROR)
     if kw.get("dropout_p") and kw.get("page_table") is not None:
         raise ValueError(PAGED_DROPOUT_ERROR.format(p=kw["dropout_p"]))
+    if kw["num_splits"] > 1 and needs_grad:
+        raise ValueError(SPLIT_GRAD_ERROR)
+    if needs_grad:
+        kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
+    if kw.get("block_sparse_tensors") is not None:  # forward only, eager only, one split (for now)
+        if needs_grad:
+            raise NotImplementedError(SPARSE_GRAD_ERROR)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("block_sparse_tensors is not supported under torch.compile yet (the "
+                                      "torch.library op does not take it); call it eagerly")
+        if kw["num_splits"] > 1:
+            raise ValueError(f"num_splits={kw['num_splits']} with block_sparse_tensors is not supported by "
+                             "flash-attn-4-sm120 (block-sparse calls run one split); use num_splits=1 or 0")
+        kw["num_splits"] = 1  # automatic (<= 0) means one split for a block-sparse call
+        out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
+        return out, (lse if return_lse else None)
     if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
+        if kw["num_splits"] > 1:
+            raise NotImplementedError(f"num_splits={kw['num_splits']} under torch.compile is not supported by "
+                                      "flash-attn-4-sm120 (the compiled op runs one split); use num_splits=1 or 0 "
+                                      "(automatic: one split when compiled), or call it outside torch.compile")
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
         seed = kw.get("dropout_seed")
@@ -124,7 +139,10 @@ def flash_attn_func(
     and offset come from torch's CUDA generator (``torch.manual_seed`` reproduces a call; each call advances
     the offset).  ``dropout_seed``: an int, or a CUDA int64 tensor of one value (required under CUDA-graph
     capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
-    num_splits > 1, block sparsity or paged K/V raises.
+    num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
+    ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
+    partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
+    that needs grad or under torch.compile).
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
@@ -136,7 +154,8 @@ def flash_attn_func(
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
-        debug_checks=None, page_table=page_table, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        debug_checks=None, page_table=page_table, num_splits=num_splits,
+        block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p, dropout_seed=dropout_seed,
         dropout_offset=dropout_offset,
     ))
 
@@ -208,7 +227,8 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
-        page_table=page_table, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     ))
 
 
@@ -262,7 +282,8 @@ def flash_attn_with_kvcache(
     ``cache_seqlens[b] + i`` (crossing page boundaries as needed) before the attention, which then sees
     ``cache_seqlens + S_new`` keys.  ``cache_seqlens``: int or int32 (B,) tensor, the keys already in the cache
     (None: the whole cache, no append).  ``causal`` is bottom-right aligned (the new queries are the last
-    positions).  ``num_splits``: 0 (automatic) or 1 runs one split; split-KV is not in this release.
+    positions).  ``num_splits``: 0 (the default, automatic: enough KV splits to fill the GPU), 1 (no split) or
+    N > 1 (exactly N, combined by the split-KV combine kernel).
 
     No device->host sync and CUDA-graph capturable (give ``max_seqlen_q`` with ``cu_seqlens_q``).  Returns out
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
@@ -346,6 +367,7 @@ def flash_attn_with_kvcache(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_q=None, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks, page_table=pages,
+        num_splits=num_splits,
     ))
     return (out, lse) if return_softmax_lse else out
 

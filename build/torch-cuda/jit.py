@@ -132,10 +132,11 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
     dt = DTYPES.get(getattr(cfg, "dtype", None))
     all_dtypes = {**DTYPES, "fp32": Float32}
 
-    def act(lead_dims: int, last: int):  # (…, last) with last contiguous and 16-byte aligned rows
+    def act(lead_dims: int, last: int, dtype=None):  # (…, last) with last contiguous and 16-byte aligned rows
+        dtype = dtype or dt
         shape = tuple(cute.sym_int() for _ in range(lead_dims)) + (last,)
-        stride = tuple(cute.sym_int64(divisibility=128 // dt.width) for _ in range(lead_dims)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+        stride = tuple(cute.sym_int64(divisibility=128 // dtype.width) for _ in range(lead_dims)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
 
     def rowstat(rank: int):
         return cute.runtime.make_fake_tensor(
@@ -160,10 +161,11 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(None)
             continue
         varlen = arg.varlen is not None and getattr(cfg, arg.varlen)
+        split = arg.split is not None and getattr(cfg, arg.split)  # + a leading num_splits dim, fp32
         if arg.kind == "act":
-            out.append(act(2 if varlen else 3, getattr(cfg, arg.dim)))
+            out.append(act((2 if varlen else 3) + split, getattr(cfg, arg.dim), Float32 if split else None))
         elif arg.kind == "rowstat":
-            out.append(rowstat(2 if varlen else 3))
+            out.append(rowstat((2 if varlen else 3) + split))
         elif arg.kind == "rows":
             out.append(rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim)))
         elif arg.kind == "strided":
@@ -175,6 +177,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
                 cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4))
         elif arg.kind == "i64vec":
             out.append(cute.runtime.make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8))
+        elif arg.kind == "i32nd":  # int32 strides (the host checks the extents), last dim contiguous
+            out.append(cute.runtime.make_fake_tensor(
+                cutlass.Int32, tuple(cute.sym_int() for _ in range(arg.rank)),
+                stride=tuple(cute.sym_int() for _ in range(arg.rank - 1)) + (1,), assumed_align=4))
         elif arg.kind == "f32vec":
             out.append(vec(Float32))
         elif arg.kind == "f32":

@@ -17,7 +17,7 @@ from ..arguments import FWD_ARGS
 from ..config import FwdKernelConfig, fwd_smem_bytes
 from . import cute_utils as cu
 from .kernel_state import KernelState, KernelStateMixin
-from .rows import load_rows, store_rows_from_smem
+from .rows import load_rows, store_row_pairs_from_acc, store_rows_from_smem
 from .score import ScoreHook
 from .seqlen_info import SeqInfo
 from .softmax import online_softmax_step, softmax_finalize
@@ -70,11 +70,30 @@ class FwdKernelBase(KernelStateMixin):
         the ``num_m_blocks`` tile columns, writes them (``fill_unused_rows``)."""
         return 1 if self.cfg.varlen_q or self.cfg.seqused_q else 0
 
+    def split_coords(self, bz, mO):
+        """(batch, split) of this CTA: split-KV folds (batch, split) into grid z, ``split`` = (index, count) with
+        the count read from the partials' leading extent (no runtime argument); otherwise (bz, None)."""
+        if const_expr(not self.cfg.split_kv):
+            return bz, None
+        num_splits = mO.shape[0]
+        # uniform over the CTA: in uniform registers, off the mma warps' budget (in general registers the
+        # quotient, live to the epilogue, made the d256 tile spill)
+        batch = cute.arch.make_warp_uniform(bz // num_splits)
+        return batch, (cute.arch.make_warp_uniform(bz - batch * num_splits), num_splits)
+
+    def split_slice(self, mX):
+        """This CTA's split of a split-KV partial (O or LSE), else ``mX``.  The split index is recomputed from the
+        block index where the slice is used (the epilogue), so no sliced pointer stays live across the main loop."""
+        if const_expr(not self.cfg.split_kv):
+            return mX
+        _, _, bz = cute.arch.block_idx()
+        return mX[(bz % mX.shape[0], *((None,) * (cute.rank(mX) - 1)))]
+
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
-                   mPageTable=None, dropout=None) -> TileState:
+                   mPageTable=None, split=None, dropout=None) -> TileState:
         st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, dropout)
+                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, split, dropout)
         return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
@@ -145,12 +164,31 @@ class FwdKernelBase(KernelStateMixin):
             for r in cutlass.range_constexpr(num_my_rows):
                 row = ts.m_block * self.tile_m + tScS_mn[r, 0][0]
                 sink[r] = Float32(mSink[ts.head_group * ts.pack + row % ts.pack])
+                if const_expr(cfg.split_kv):
+                    # the sink joins the denominator once: in split 0 (even an empty one: O = 0, LSE = sink); the
+                    # other splits see -inf (softmax_finalize adds nothing for it)
+                    _, _, bz = cute.arch.block_idx()
+                    if bz % mO.shape[0] != 0:
+                        sink[r] = -Float32.inf
         if const_expr(cfg.has_dropout):  # O accumulated P * keep: the 1/(1-p) of the kept ones, once
             acc_O.store(acc_O.load() * ts.score.rng.scale)
         softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
-        self.store_lse(ts, mLSE, lse, tScS_mn)
-        self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it
-        self.store_o(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
+        self.store_lse(ts, self.split_slice(mLSE), lse, tScS_mn)
+        if const_expr(not cfg.split_kv):  # split-KV stores from registers: smem is not reused
+            self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it
+        self.store_o(ts, self.split_slice(mO), acc_O, sO, tiled_mma, copy_o, tidx)
+
+    @cute.jit
+    def tile_or_fill(self, bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack,
+                     num_threads: cutlass.Constexpr[int]):
+        """One CTA's work: its tile (``tile()``), or, in the extra grid column, the out-of-sequence q rows."""
+        if const_expr(self.grid_x_extra):
+            if bx == num_m_blocks:
+                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, num_threads)
+            else:
+                tile()
+        else:
+            tile()
 
     @cute.jit
     def fill_unused_rows(self, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack,
@@ -159,18 +197,24 @@ class FwdKernelBase(KernelStateMixin):
         rows past ``seqused_q``) get O = 0 and LSE = -inf, the rule of a row with no keys, so no output row keeps
         what ``torch.empty`` held.  Run by the extra grid column (``grid_x_extra``): one CTA per head group and
         batch entry, one element per thread and step (such rows are rare: the loop is empty for packed, fully used
-        inputs).  A CTA of its own, so the tile kernels' register budget is untouched."""
+        inputs).  A CTA of its own, so the tile kernels' register budget is untouched.  Split-KV: each split's CTA
+        fills its own partial (LSE = -inf in every split, so the combine gives such a row O = 0 and LSE = -inf)."""
         cfg = self.cfg
         if const_expr(cfg.varlen_q or cfg.seqused_q):
             tidx, _, _ = cute.arch.thread_idx()
-            _, head_group, batch = cute.arch.block_idx()
+            _, head_group, bz = cute.arch.block_idx()
             _, _, num_batch = cute.arch.grid_dim()
+            batch, _ = self.split_coords(bz, mO)
+            if const_expr(cfg.split_kv):
+                num_batch = num_batch // mO.shape[0]
+            mO, mLSE = self.split_slice(mO), self.split_slice(mLSE)
+            out_dtype = Float32 if cfg.split_kv else self.dtype
             offset_q, seqlen_q = SeqInfo._bounds(cfg.varlen_q, cfg.seqused_q, batch, rows_q, mCuSeqlensQ,
                                                  mSeqUsedQ)
             seq = SeqInfo(batch, offset_q, Int32(0), seqlen_q, Int32(0), cfg.varlen_q, False)
             tail, lead = seq.unused_q_positions(batch, num_batch, rows_q, mCuSeqlensQ)
             n_items = (tail + lead) * pack * self.dv
-            zero = Float32(0.0).to(self.dtype)
+            zero = Float32(0.0).to(out_dtype)
             for e in cutlass.range(tidx, n_items, num_threads, unroll=1):
                 row = e // self.dv
                 col = e - row * self.dv
@@ -199,7 +243,16 @@ class FwdKernelBase(KernelStateMixin):
 
     @cute.jit
     def store_o(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):
-        """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores."""
+        """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores.  Split-KV: fp32 partials,
+        stored straight from the accumulators (decode tiles have few rows)."""
+        if const_expr(self.cfg.split_kv):
+            store_row_pairs_from_acc(lambda row: ts.q_row(mO, row), acc_O, tiled_mma.get_slice(tidx),
+                                     ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv), Float32)
+        else:
+            self.store_o_smem(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
+
+    @cute.jit
+    def store_o_smem(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)

@@ -29,6 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from . import cute_utils as cu
+from .block_sparse import SparseBlockInfo
 from .fwd_base import FwdKernelBase
 
 
@@ -54,6 +55,10 @@ class FlashFwdSm80(FwdKernelBase):
         seqused_k: cute.Tensor | None,
         page_table: cute.Tensor | None,
         sink: cute.Tensor | None,
+        mask_block_cnt: cute.Tensor | None,
+        mask_block_idx: cute.Tensor | None,
+        full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -93,7 +98,8 @@ class FlashFwdSm80(FwdKernelBase):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink,
-            scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, scale_log2, softcap_prescale,
+            window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
@@ -121,6 +127,10 @@ class FlashFwdSm80(FwdKernelBase):
         mSeqUsedK: cute.Tensor | None,
         mPageTable: cute.Tensor | None,
         mSink: cute.Tensor | None,
+        mMaskCnt: cute.Tensor | None,
+        mMaskIdx: cute.Tensor | None,
+        mFullCnt: cute.Tensor | None,
+        mFullIdx: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -149,31 +159,27 @@ class FlashFwdSm80(FwdKernelBase):
         # around the producer's setmaxnreg
         bx, _, _ = cute.arch.block_idx()
         rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
+        sparse = (mMaskCnt, mMaskIdx, mFullCnt, mFullIdx)
         tile = partial(
             self.run_tile, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
-            scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            sparse, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
             rows_q, rows_k,
             (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
         )
-        if const_expr(self.grid_x_extra):
-            if bx == num_m_blocks:
-                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
-            else:
-                tile()
-        else:
-            tile()
+        self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
 
     @cute.jit
     def run_tile(
-        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, scale_log2,
-        softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, sQ_layout, sK_layout,
-        sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, rows_q, rows_k,
+        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse,
+        scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, sQ_layout,
+        sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, rows_q, rows_k,
         dropout,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, batch = cute.arch.block_idx()
+        bx, head_group, bz = cute.arch.block_idx()
+        batch, split = self.split_coords(bz, mO)
         # Causal/windowed tiles near the end of the sequence have the most work: schedule them first.
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx
@@ -181,15 +187,15 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
-                             mPageTable, dropout)
+                             mPageTable, split, dropout)
         if m_block * self.tile_m < ts.num_rows:
-            self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout,
-                              sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)
+            self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, sparse, qheads_per_kvhead, sQ_layout, sK_layout,
+                              sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)
 
     @cute.jit
     def process_tile(
-        self, ts, mQ, mK, mV, mO, mLSE, mSink, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout, sO_layout,
-        tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, tidx,
+        self, ts, mQ, mK, mV, mO, mLSE, mSink, sparse, qheads_per_kvhead, sQ_layout, sK_layout, sV_layout,
+        sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, tidx,
     ):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -233,7 +239,11 @@ class FlashFwdSm80(FwdKernelBase):
         state_max.fill(-Float32.inf)
         state_sum.fill(0.0)
 
-        plan = ts.block.kv_plan(ts.m_block)
+        block = ts.block
+        if const_expr(self.cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
+            block = SparseBlockInfo.from_block(ts.block, self.cfg.sparse_q_ratio, self.cfg.sparse_kv_ratio,
+                                               *sparse, ts.seq.batch, ts.head_group * ts.pack, ts.m_block)
+        plan = block.kv_plan(ts.m_block)
         n_min, n_max = plan[0], plan[1]
 
         if n_max > n_min:
@@ -249,6 +259,12 @@ class FlashFwdSm80(FwdKernelBase):
             else:
                 load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
                 load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
+            kv_tile = None
+            if const_expr(self.cfg.block_sparse):
+                # virtual tile -> listed KV tile; any listed tile may be partial or past the end: always predicate
+                kv_tile = block.tile_of
+                load_k = partial(self.load_listed, load_k, kv_tile)
+                load_v = partial(self.load_listed, load_v, kv_tile)
             n_first = n_max - 1
             for s in cutlass.range_constexpr(self.num_stages):
                 if const_expr(s == 0):
@@ -274,10 +290,10 @@ class FlashFwdSm80(FwdKernelBase):
                 tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
                 ldsm_copy_q=ldsm_copy_q, ldsm_copy_k=ldsm_copy_k, ldsm_copy_v=ldsm_copy_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, load_k=load_k, load_v=load_v, n_min=n_min,
-                score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, row_bh=row_bh,
+                score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, row_bh=row_bh, kv_tile=kv_tile,
             )
             # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
-            ts.block.run_kv_schedule(step, Int32(0), plan)
+            block.run_kv_schedule(step, Int32(0), plan)
             # drain the (empty) groups still in flight before smem is reused by the epilogue
             cute.arch.cp_async_wait_group(0)
 
@@ -298,13 +314,14 @@ class FlashFwdSm80(FwdKernelBase):
         n_block: Int32,
         stage: Int32,
         tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_copy_q, ldsm_copy_k, ldsm_copy_v, acc_O,
-        state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos, row_bh,
+        state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, kv_tile,
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
-        """One KV block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
+        """One KV block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight.  ``kv_tile``:
+        None, or (block sparsity) the map from the schedule's virtual index ``n_block`` to the real KV tile."""
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
@@ -332,8 +349,11 @@ class FlashFwdSm80(FwdKernelBase):
                 load_k(n_block - 1, 0, False)
             cute.arch.cp_async_commit_group()
 
+        n_real = n_block
+        if const_expr(kv_tile is not None):
+            n_real = kv_tile(n_block)
         tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
-                                n_block, is_first, mask_seqlen, mask_right, mask_left)
+                                n_real, is_first, mask_seqlen, mask_right, mask_left)
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed
@@ -344,6 +364,11 @@ class FlashFwdSm80(FwdKernelBase):
 
         cu.mma_rs(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, rd], ldsm_copy_v)
         return self.next_stage(stage)
+
+    @cute.jit
+    def load_listed(self, load, kv_tile, t: Int32, stage, need_pred: cutlass.Constexpr[bool]):
+        """Block sparsity: load the KV tile listed at virtual index ``t``, predicated on the sequence end."""
+        load(kv_tile(t), stage, True)
 
     @cute.jit
     def load_kv(self, tiled_copy, tXgX, tXsX, tXcX, t0XcX, seqlen_k: Int32, zero_fill: cutlass.Constexpr[bool],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cutlass import const_expr
 
-from .block_info import BlockInfo
+from .block_info import BlockInfo, SplitBlockInfo
 from .kv_source import ContiguousKV, PagedKV
 from .philox import DropoutRng
 from .score import ScoreHook
@@ -60,13 +60,20 @@ class KernelStateMixin:
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
                      softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None,
-                     dropout=None) -> KernelState:
+                     split=None, dropout=None) -> KernelState:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
-        ``mK``/``mPageTable``: needed by a paged configuration only.  ``dropout``: the kernel's dropout arguments
-        (threshold, scale, seed lo/hi, offset lo/hi, seed tensor), all None when the config has no dropout."""
+        ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
+        a split-KV forward (its KV range comes from SplitBlockInfo), else None.  ``dropout``: the kernel's dropout
+        arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor), all None when the config has no
+        dropout."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack)
+        if const_expr(split is not None):
+            block = SplitBlockInfo(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right, pack,
+                                   *split)
+        else:
+            block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right,
+                                        pack)
         rng = None
         if const_expr(cfg.has_dropout):
             rng = DropoutRng.create(*dropout)

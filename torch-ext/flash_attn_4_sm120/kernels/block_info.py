@@ -152,4 +152,7 @@ class SplitBlockInfo(BlockInfo):
         s_count_b = cutlass.max(s_start_b - cutlass.max(b_lo, lo), 0)
         s_start_c = s_start_b - s_count_b
         s_count_c = cutlass.max(s_start_c - lo, 0)
-        return lo, hi, s_count_a, s_count_b, s_count_c
+        # uniform over the CTA: keep the plan in uniform registers, off the mma warps' budget (in general
+        # registers these quotients stay live through the main loop and made the d256 tile spill)
+        u = cute.arch.make_warp_uniform
+        return u(lo), u(hi), u(s_count_a), u(s_count_b), u(s_count_c)

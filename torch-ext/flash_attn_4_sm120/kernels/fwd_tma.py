@@ -63,6 +63,11 @@ class FlashFwdWsSm120(FwdKernelBase):
         seqused_k: cute.Tensor | None,
         page_table: cute.Tensor | None,  # always None: paged K/V runs the cp.async kernel (config.candidate_tiles)
         sink: cute.Tensor | None,
+        # always None: block sparsity runs the cp.async kernel (config.candidate_tiles)
+        mask_block_cnt: cute.Tensor | None,
+        mask_block_idx: cute.Tensor | None,
+        full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -149,13 +154,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
             (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
         )
-        if const_expr(self.grid_x_extra):
-            if bx == num_m_blocks:
-                self.fill_unused_rows(mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
-            else:
-                tile()
-        else:
-            tile()
+        self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
 
     @cute.jit
     def run_tile(
@@ -166,7 +165,8 @@ class FlashFwdWsSm120(FwdKernelBase):
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, batch = cute.arch.block_idx()
+        bx, head_group, bz = cute.arch.block_idx()
+        batch, split = self.split_coords(bz, mO)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx  # longest tiles first
@@ -174,7 +174,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack,
-                             dropout=dropout)
+                             split=split, dropout=dropout)
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)

@@ -62,3 +62,23 @@ def store_rows_from_acc(row_of, acc: cute.Tensor, thr_mma, first, limit, shape: 
             g = row_of(idx)
             for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
                 g[coords[r, c][1]] = dtype(acc_mn[r, c])
+
+
+@cute.jit
+def store_row_pairs_from_acc(row_of, acc: cute.Tensor, thr_mma, first, limit, shape: cutlass.Constexpr,
+                             dtype: cutlass.Constexpr):
+    """Like ``store_rows_from_acc``, two adjacent columns per store (an mma.sync accumulator holds column pairs
+    2j, 2j + 1 of each n8 tile): half the store instructions, one 8-byte store per pair for fp32."""
+    cX = cute.make_identity_tensor(shape)
+    coords = cu.acc_mn_view(thr_mma.partition_C(cX))
+    acc_mn = cu.acc_mn_view(acc)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=2 * dtype.width)
+    for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
+        idx = first + coords[r, 0][0]
+        if idx < limit:
+            g = cute.tiled_divide(row_of(idx), (2,))
+            for c in cutlass.range_constexpr(0, cute.size(coords, mode=[1]), 2):
+                pair = cute.make_rmem_tensor(2, dtype)
+                pair[0] = dtype(acc_mn[r, c])
+                pair[1] = dtype(acc_mn[r, c + 1])
+                cute.copy(atom, pair, g[None, coords[r, c][1] // 2])

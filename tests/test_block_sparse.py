@@ -1,0 +1,223 @@
+"""Block sparsity on the CPU: the builders' semantics (against dense boolean masks and against torch's own
+flex_attention), the host checks (each bad input raises before any launch), the compile key and the records."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_flex, block_sparse_from_mask
+from flash_attn_4_sm120 import block_sparse as BS
+from flash_attn_4_sm120 import arguments, config, dispatch
+from reference import attention_ref, sparse_allowed
+
+
+def _block_mask(b, h, nq, nk, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(b, h, nq, nk, generator=g) < density
+    m[..., 0, :] = False  # one query block row with no KV block at all
+    return m
+
+
+def test_from_mask_lists_exactly_the_true_blocks_packed_left():
+    m = _block_mask(2, 3, 5, 7, 0.4, 0)
+    full = m & _block_mask(2, 3, 5, 7, 0.5, 1)
+    bst = block_sparse_from_mask(m, (64, 128), full_mask=full)
+    assert bst.block_size == (64, 128)
+    for t in bst[:4]:
+        assert t.dtype == torch.int32
+    assert torch.equal(bst.mask_block_cnt, (m & ~full).sum(-1).int())
+    assert torch.equal(bst.full_block_cnt, full.sum(-1).int())
+    for cnt, idx, want in ((bst.mask_block_cnt, bst.mask_block_idx, m & ~full),
+                           (bst.full_block_cnt, bst.full_block_idx, full)):
+        for b, h, qb in [(0, 0, 1), (1, 2, 4), (1, 1, 0), (0, 2, 3)]:
+            c = int(cnt[b, h, qb])
+            listed = idx[b, h, qb, :c].tolist()
+            assert listed == sorted(listed), "ascending, packed left"
+            assert listed == want[b, h, qb].nonzero().flatten().tolist()
+
+
+def test_dense_expansion_round_trip_with_partial_last_blocks():
+    m = _block_mask(1, 2, 3, 4, 0.5, 2)
+    bst = block_sparse_from_mask(m, (32, 16))
+    sq, sk = 3 * 32 - 5, 4 * 16 - 3  # partial last blocks
+    visited, full = BS.dense_mask_from_block_sparse(bst, sq, sk)
+    want = m.repeat_interleave(32, 2).repeat_interleave(16, 3)[:, :, :sq, :sk]
+    assert torch.equal(visited, want) and not full.any()
+
+
+def test_dense_expansion_clamps_lying_metadata_like_the_kernel():
+    cnt = torch.tensor([[[9, -3]]], dtype=torch.int32)  # count above the width, negative count
+    idx = torch.tensor([[[[1, 99], [0, 0]]]], dtype=torch.int32)  # index past the end: an empty block
+    visited, _ = BS.dense_mask_from_block_sparse(BlockSparseTensors(cnt, idx, block_size=(16, 16)), 32, 48)
+    assert visited[0, 0, :16, 16:32].all() and visited[0, 0, :16].sum() == 16 * 16
+    assert not visited[0, 0, 16:].any()
+
+
+def _flex():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    return fa.create_block_mask, fa.flex_attention
+
+
+def _sparse_ref(q, k, v, bst, causal=False, window=(None, None)):
+    """fp32 reference of a block-sparse call: visited blocks, with causal/window applied to mask blocks only."""
+    sq, sk = q.shape[1], k.shape[1]
+    visited, full = BS.dense_mask_from_block_sparse(bst, sq, sk)
+    return attention_ref(q, k, v, mask=sparse_allowed(visited, full, sq, sk, causal, window))
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents"])
+def test_flex_block_mask_semantics_match_flex_attention_on_cpu(kind):
+    create_block_mask, flex_attention = _flex()
+    s, h, d = 300, 2, 32
+    if kind == "causal":
+        def mod(b, hh, qi, kv):
+            return qi >= kv
+        kw = dict(causal=True)
+    elif kind == "window":
+        def mod(b, hh, qi, kv):
+            return (qi >= kv) & (qi - kv <= 100)
+        kw = dict(window=(100, 0))
+    else:  # documents aligned to the 128-key blocks: no partial block, the mask_mod is carried by the list alone
+        doc = torch.arange(s) // 128
+
+        def mod(b, hh, qi, kv):
+            return doc[qi] == doc[kv]
+        kw = {}
+    bm = create_block_mask(mod, 1, 1, s, s, device="cpu", BLOCK_SIZE=(128, 128))
+    bst = block_sparse_from_flex(bm)
+    assert bst.block_size == (128, 128) and bst.mask_block_cnt.dtype == torch.int32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, d, generator=g) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm)
+    ref, _ = _sparse_ref(q, k, v, bst, **kw)
+    assert (ref - want.transpose(1, 2)).abs().max().item() < 1e-4
+
+
+def test_block_size_must_be_a_multiple_of_the_tile():
+    tile = config.select_sparse_tile(128, 128, False)
+    assert BS.block_size_ratios((2 * tile.tile_m, 3 * tile.tile_n), 128, 128, False) == (2, 3)
+    with pytest.raises(ValueError, match=rf"\({tile.tile_m}, {tile.tile_n}\)"):
+        BS.block_size_ratios((tile.tile_m // 2, tile.tile_n), 128, 128, False)
+    with pytest.raises(ValueError, match="kv_block"):
+        BS.block_size_ratios((tile.tile_m, tile.tile_n + 16), 128, 128, False)
+    for bad in [(128,), (0, 128), (128.0, 128), "128"]:
+        with pytest.raises(ValueError, match="block_size"):
+            BS.block_size_ratios(bad, 128, 128, False)
+
+
+def _good(b=2, h=4, nq=3, width=5, full=True):
+    z3 = torch.zeros(b, h, nq, dtype=torch.int32)
+    z4 = torch.zeros(b, h, nq, width, dtype=torch.int32)
+    return BlockSparseTensors(z3, z4, z3.clone() if full else None, z4.clone() if full else None, (128, 128))
+
+
+def _check(bst, **kw):
+    args = dict(batch=2, heads=4, max_q=3 * 128, max_k=5 * 128, head_dim=64, head_dim_v=64, windowed=False,
+                device=torch.device("cpu"))
+    args.update(kw)
+    return BS.check_block_sparse(bst, **args)
+
+
+def test_check_accepts_good_and_broadcast_inputs():
+    (qr, kr), tensors = _check(_good())
+    tile = config.select_sparse_tile(64, 64, False)
+    assert (qr, kr) == (128 // tile.tile_m, 128 // tile.tile_n)
+    assert len(tensors) == 4
+    _check(_good(b=1, h=1))  # broadcast B and H
+    _, tensors = _check(_good(full=False))  # no full blocks: empty stand-ins
+    assert tensors[2].shape == (1, 1, 1) and int(tensors[2].sum()) == 0
+    # a strided index view is made contiguous (the kernel takes the last dim contiguous)
+    g = _good()
+    strided = torch.zeros(2, 4, 3, 10, dtype=torch.int32)[..., ::2]
+    _, tensors = _check(g._replace(mask_block_idx=strided))
+    assert tensors[1].stride(-1) == 1
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("dtype", "int32"), ("rank", "dims"), ("batch", "batch extent"), ("heads", "head extent"),
+    ("qblocks", "query blocks"), ("idx_shape", "first three dims"), ("half_full", "together"),
+    ("type", "BlockSparseTensors"), ("device", "on meta"),
+])
+def test_check_rejects(case, needle):
+    g = _good()
+    bad = {
+        "dtype": lambda: g._replace(mask_block_cnt=g.mask_block_cnt.long()),
+        "rank": lambda: g._replace(mask_block_idx=g.mask_block_idx[..., 0]),
+        "batch": lambda: _good(b=3),
+        "heads": lambda: _good(h=2),
+        "qblocks": lambda: _good(nq=2),
+        "idx_shape": lambda: g._replace(mask_block_idx=torch.zeros(2, 4, 2, 5, dtype=torch.int32)),
+        "half_full": lambda: g._replace(full_block_idx=None),
+        "type": lambda: (g.mask_block_cnt, g.mask_block_idx),
+        "device": lambda: g._replace(mask_block_cnt=g.mask_block_cnt.to("meta")),
+    }[case]()
+    with pytest.raises(ValueError, match=needle):
+        _check(bad)
+
+
+def test_debug_checks_name_lying_counts_and_indices():
+    g = _good()
+    cnt = g.mask_block_cnt.clone()
+    cnt[1, 2, 0] = 6  # width is 5
+    with pytest.raises(ValueError, match=r"mask_block_cnt\[1, 2, 0\]=6 is outside \[0, 5\]"):
+        _check(g._replace(mask_block_cnt=cnt), debug=True)
+    _check(g._replace(mask_block_cnt=cnt))  # without debug checks: not read on the host (the kernel clamps)
+    idx = g.full_block_idx.clone()
+    cnt = g.full_block_cnt.clone()
+    cnt[0, 0, 2] = 2
+    idx[0, 0, 2, 1] = 5  # 5 KV blocks: 0..4
+    with pytest.raises(ValueError, match=r"full_block_idx\[0, 0, 2, 1\]=5 is outside \[0, 5\)"):
+        _check(g._replace(full_block_cnt=cnt, full_block_idx=idx), debug=True)
+
+
+def test_refused_combinations():
+    with pytest.raises(NotImplementedError, match="backward"):
+        BS.refuse_combinations(True, None, None)
+    with pytest.raises(NotImplementedError, match="page_table"):
+        BS.refuse_combinations(False, torch.zeros(1, 1, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="pack_gqa"):
+        BS.refuse_combinations(False, None, True)
+    BS.refuse_combinations(False, None, False)
+    BS.refuse_combinations(False, None, None)
+
+
+def test_from_mask_rejects_bad_masks():
+    m = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="bool"):
+        block_sparse_from_mask(m.int(), (128, 128))
+    with pytest.raises(ValueError, match="bool"):
+        block_sparse_from_mask(m[0], (128, 128))
+    with pytest.raises(ValueError, match="full_mask"):
+        block_sparse_from_mask(m, (128, 128), full_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_from_mask(m, (128, 0))
+    with pytest.raises(ValueError, match="BlockMask"):
+        block_sparse_from_flex(object())
+
+
+def test_sparse_compile_key_and_records():
+    cfg = config.FwdKernelConfig("bf16", 128, 128, config.select_sparse_tile(128, 128, False),
+                                 sparse_q_ratio=2, sparse_kv_ratio=1)
+    assert cfg.block_sparse and "sparse2x1" in cfg.name() and not cfg.tile.tma
+    assert not config.FwdKernelConfig("bf16", 128, 128, cfg.tile).block_sparse
+    names = arguments.FWD_ARGS.names
+    for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
+        assert n in names
+    for c in config.sparse_gate_worklist():
+        assert c.block_sparse and not c.tile.tma
+    # the plan of a sparse call runs the cp.async tile and carries the ratios in its compile key
+    plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, False, 0, False, sparse=(2, 1))
+    assert plan.fwd_cfg.sparse_q_ratio == 2 and not plan.fwd_cfg.tile.tma
+
+
+def test_public_api_refuses_before_any_launch():
+    import flash_attn_4_sm120 as fa
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    bst = block_sparse_from_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), (128, 128))
+    with pytest.raises(NotImplementedError, match="backward"):
+        fa.flash_attn_func(q, q, q, block_sparse_tensors=bst)
+    assert math.isfinite(0.0)

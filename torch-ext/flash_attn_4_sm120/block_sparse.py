@@ -1,0 +1,252 @@
+"""Block sparsity, host side: the ``BlockSparseTensors`` record (keyword-compatible with flash-attn-4 b36's
+``block_sparse_tensors``), its checks, and builders from a dense boolean block mask and from PyTorch's
+``flex_attention`` ``BlockMask``.  Device side: kernels/block_sparse.py (the listed-blocks schedule).
+
+Semantics, per (batch b, query head h, query block qb of ``block_size[0]`` positions):
+  * ``mask_block_cnt[b, h, qb]`` KV blocks (of ``block_size[1]`` keys) listed first in ``mask_block_idx[b, h, qb]``
+    are visited with the masks of the call (causal / sliding window; the sequence end always);
+  * ``full_block_cnt[b, h, qb]`` blocks listed first in ``full_block_idx[b, h, qb]`` are visited without them;
+  * every other KV block is skipped.  A query block with no block at all gives O = 0 and LSE = -inf.
+Counts are int32 (B, H, num_q_blocks), indices int32 (B, H, num_q_blocks, width) packed left; B and H may be 1
+(broadcast).  Blocks of a varlen call are counted from the start of each sequence.  ``mask_mod``/``score_mod``
+are not supported yet (NotImplementedError), so "mask" blocks apply only causal / window.
+
+Counts and indices are the caller's contract: they are not read on the host (no sync), and the kernel clamps
+them (counts to [0, width], indices to the blocks of the sequence), so a lie gives wrong numbers but never an
+out-of-bounds access.  ``debug_checks=True`` checks them on the host and names the lie.
+
+Limits of this release: forward only (a call that needs grad raises NotImplementedError); the cp.async forward
+kernel runs it (never the TMA kernel); GQA packing is off (``pack_gqa=True`` raises); paged K/V is refused.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .config import select_sparse_tile
+
+DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every cp.async tile
+
+SPARSE_GRAD_ERROR = (
+    "block_sparse_tensors: the block-sparse backward is not implemented yet (forward only). Call it under "
+    "torch.no_grad() or with q, k, v (and learnable_sink) that do not require grad"
+)
+
+
+class BlockSparseTensors(NamedTuple):
+    """Block-sparse layout of one attention call (see the module docstring).  ``block_size``: (q_block,
+    kv_block), each a multiple of the kernel's query / KV tile; None means DEFAULT_BLOCK_SIZE (128, 128)."""
+
+    mask_block_cnt: torch.Tensor
+    mask_block_idx: torch.Tensor
+    full_block_cnt: torch.Tensor | None = None
+    full_block_idx: torch.Tensor | None = None
+    block_size: tuple[int, int] | None = None
+
+
+def refuse_combinations(needs_grad: bool, page_table, pack_gqa) -> None:
+    """What block sparsity does not combine with in this release (raised before any launch)."""
+    if needs_grad:
+        raise NotImplementedError(SPARSE_GRAD_ERROR)
+    if page_table is not None:
+        raise NotImplementedError("block_sparse_tensors cannot be combined with page_table (paged K/V) yet")
+    if pack_gqa is True:
+        raise ValueError("block_sparse_tensors runs without GQA packing (each query head has its own rows of "
+                         "blocks): pass pack_gqa=None or False")
+
+
+def _fail(msg: str):
+    raise ValueError(f"block_sparse_tensors: {msg}")
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool) -> tuple[int, int]:
+    """(q_block // tile_m, kv_block // tile_n) for the cp.async tile this call runs; ValueError naming the tile
+    when a block size is not a multiple of it."""
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
+    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+            or not all(_positive_int(b) for b in block_size)):
+        _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {block_size!r}")
+    tile = select_sparse_tile(head_dim, head_dim_v, windowed)  # cp.async tiles
+    q_block, kv_block = block_size
+    if q_block % tile.tile_m or kv_block % tile.tile_n:
+        _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "
+              f"{tile.tile_n}) used for head_dim={head_dim}, head_dim_v={head_dim_v}"
+              f"{', causal/window' if windowed else ''}: use q_block in {tile.tile_m}, {2 * tile.tile_m}, ... and "
+              f"kv_block in {tile.tile_n}, {2 * tile.tile_n}, ...")
+    return q_block // tile.tile_m, kv_block // tile.tile_n
+
+
+def _check_pair(name: str, cnt, idx, batch: int, heads: int, num_q_blocks: int, device) -> None:
+    for what, t, rank in ((f"{name}_block_cnt", cnt, 3), (f"{name}_block_idx", idx, 4)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            _fail(f"{what} must be int32, got {t.dtype}")
+        if t.device != device:
+            _fail(f"{what} is on {t.device}, q on {device}")
+        if t.dim() != rank:
+            _fail(f"{what} must have {rank} dims, got shape {tuple(t.shape)}")
+    b, h, nq = cnt.shape
+    if b not in (1, batch) or h not in (1, heads):
+        _fail(f"{name}_block_cnt has shape {tuple(cnt.shape)}: its batch extent must be 1 or {batch} and its head "
+              f"extent 1 or {heads} (the query heads)")
+    if nq < num_q_blocks:
+        _fail(f"{name}_block_cnt has {nq} query blocks, the call needs {num_q_blocks} (ceil(max_seqlen_q / q_block))")
+    if tuple(idx.shape[:3]) != tuple(cnt.shape):
+        _fail(f"{name}_block_idx has shape {tuple(idx.shape)}, its first three dims must equal "
+              f"{name}_block_cnt's {tuple(cnt.shape)}")
+
+
+def check_block_sparse(bst, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int, head_dim_v: int,
+                       windowed: bool, device, debug: bool = False):
+    """Validate ``bst`` for one call; returns ((q_ratio, kv_ratio), (mask_cnt, mask_idx, full_cnt, full_idx)) with
+    empty full tensors when none were given.  Raises ValueError before any launch."""
+    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+    if not all(hasattr(bst, n) for n in names):
+        _fail(f"expected a BlockSparseTensors (fields {', '.join(names)}, block_size), got {type(bst).__name__}")
+    ratios = block_size_ratios(getattr(bst, "block_size", None), head_dim, head_dim_v, windowed)
+    q_block, kv_block = getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE
+    num_q_blocks = -(-max_q // q_block)
+    _check_pair("mask", bst.mask_block_cnt, bst.mask_block_idx, batch, heads, num_q_blocks, device)
+    full_cnt, full_idx = bst.full_block_cnt, bst.full_block_idx
+    if (full_cnt is None) != (full_idx is None):
+        _fail("full_block_cnt and full_block_idx must be given together (or both None)")
+    if full_cnt is None:
+        full_cnt = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+        full_idx = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device)
+    else:
+        _check_pair("full", full_cnt, full_idx, batch, heads, num_q_blocks, device)
+    # the kernel takes the last dim contiguous and int32 strides (a strided or broadcast view is copied, on the
+    # device, without a sync)
+    tensors = tuple(t if t.stride(-1) == 1 else t.contiguous()
+                    for t in (bst.mask_block_cnt, bst.mask_block_idx, full_cnt, full_idx))
+    for name, t in zip(names, tensors):
+        if max((abs(st) * max(n - 1, 0) for st, n in zip(t.stride(), t.shape)), default=0) >= 2**31:
+            _fail(f"{name} spans {t.numel()} elements: its offsets must fit int32")
+    if debug:
+        _debug_check_values(tensors, -(-max_k // kv_block))
+    return ratios, tensors
+
+
+def _debug_check_values(tensors, num_kv_blocks: int) -> None:
+    """Opt-in host check (one device->host copy per tensor): counts in [0, width], listed indices in
+    [0, num_kv_blocks)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _fail("debug_checks read the sparse tensors on the host, which cannot be done while capturing a CUDA graph")
+    for name, cnt, idx in (("mask", tensors[0], tensors[1]), ("full", tensors[2], tensors[3])):
+        width = idx.shape[3]
+        bad = (cnt < 0) | (cnt > width)
+        if bool(bad.any()):
+            where = tuple(bad.nonzero()[0].tolist())
+            _fail(f"{name}_block_cnt{list(where)}={int(cnt[where])} is outside [0, {width}] (the width of "
+                  f"{name}_block_idx)")
+        cols = torch.arange(width, device=idx.device)
+        listed = cols < cnt.unsqueeze(-1)
+        bad = listed & ((idx < 0) | (idx >= num_kv_blocks))
+        if bool(bad.any()):
+            where = tuple(bad.nonzero()[0].tolist())
+            _fail(f"{name}_block_idx{list(where)}={int(idx[where])} is outside [0, {num_kv_blocks}) (the KV blocks "
+                  f"of max_seqlen_k)")
+
+
+def _pack_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, indices) of the True entries of the last dim, indices ascending and packed left (on the device)."""
+    cnt = mask.sum(-1, dtype=torch.int32)
+    # stable sort of "not listed" puts the listed blocks first, in ascending order
+    idx = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return cnt, idx
+
+
+def block_sparse_from_mask(block_mask: torch.Tensor, block_size=DEFAULT_BLOCK_SIZE,
+                           full_mask: torch.Tensor | None = None) -> BlockSparseTensors:
+    """Build BlockSparseTensors from a dense boolean block mask (B, H, num_q_blocks, num_kv_blocks) (B, H may be
+    1): True = the block is visited with the masks of the call.  ``full_mask`` (same shape, optional): blocks
+    visited without masks (they are visited whatever ``block_mask`` says there).  On the device, no host sync."""
+    for name, m in (("block_mask", block_mask), ("full_mask", full_mask)):
+        if m is None:
+            continue
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 4:
+            _fail(f"{name} must be a 4-D bool tensor (B, H, num_q_blocks, num_kv_blocks), got "
+                  f"{getattr(m, 'dtype', type(m).__name__)} {tuple(getattr(m, 'shape', ()))}")
+    if full_mask is not None:
+        if full_mask.shape != block_mask.shape or full_mask.device != block_mask.device:
+            _fail(f"full_mask {tuple(full_mask.shape)} on {full_mask.device} must match block_mask "
+                  f"{tuple(block_mask.shape)} on {block_mask.device}")
+    block_size = tuple(block_size)
+    if len(block_size) != 2 or not all(_positive_int(b) for b in block_size):
+        _fail(f"block_size must be a pair of positive ints, got {block_size!r}")
+    partial = block_mask if full_mask is None else block_mask & ~full_mask
+    mask_cnt, mask_idx = _pack_left(partial)
+    full_cnt = full_idx = None
+    if full_mask is not None:
+        full_cnt, full_idx = _pack_left(full_mask)
+    return BlockSparseTensors(mask_cnt, mask_idx, full_cnt, full_idx, block_size)
+
+
+def block_sparse_from_flex(block_mask) -> BlockSparseTensors:
+    """Convert a ``torch.nn.attention.flex_attention.BlockMask`` (from ``create_block_mask``): its partial blocks
+    (``kv_num_blocks``/``kv_indices``) become mask blocks, its full blocks (``full_kv_num_blocks``/
+    ``full_kv_indices``) full blocks, with its ``BLOCK_SIZE``.  No copy of the indices, no host sync.
+
+    The BlockMask's ``mask_mod`` is not carried over (mask_mod is not supported yet): a partial block gets the
+    causal / window masks of the call, so the result equals ``flex_attention`` when the mask_mod is causal
+    (pass ``causal=True``), a sliding window (pass ``window_size``) or when the mask has no partial blocks (e.g.
+    documents aligned to the block size).  The q-side tensors (``q_num_blocks``...) are for the backward, which
+    is not implemented yet."""
+    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE")
+    missing = [n for n in needed if not hasattr(block_mask, n)]
+    if missing:
+        _fail(f"expected a flex_attention BlockMask, got {type(block_mask).__name__} (missing {missing})")
+    bs = block_mask.BLOCK_SIZE
+    bs = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
+
+    def i32(t):
+        return None if t is None else (t if t.dtype == torch.int32 else t.to(torch.int32))
+
+    return BlockSparseTensors(i32(block_mask.kv_num_blocks), i32(block_mask.kv_indices),
+                              i32(block_mask.full_kv_num_blocks), i32(block_mask.full_kv_indices), bs)
+
+
+def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_k: int):
+    """(visited, full) boolean element masks (B, H, seqlen_q, seqlen_k) of ``bst`` (for tests and debugging):
+    ``visited`` marks keys in a listed block, ``full`` those in a full block.  Counts/indices are clamped as the
+    kernel does."""
+    q_block, kv_block = bst.block_size or DEFAULT_BLOCK_SIZE
+    nk = -(-seqlen_k // kv_block)
+
+    def blocks(cnt, idx):
+        if cnt is None:
+            return None
+        width = idx.shape[-1]
+        c = cnt.long().clamp(0, width)
+        listed = torch.arange(width, device=idx.device) < c.unsqueeze(-1)
+        i = idx.long().clamp(0, nk)  # one past the end: an empty block
+        out = torch.zeros((*cnt.shape, nk + 1), dtype=torch.bool, device=cnt.device)
+        out.scatter_(-1, torch.where(listed, i, torch.full_like(i, nk)), listed)  # unlisted entries go to nk
+        out[..., nk] = False
+        return out[..., :nk]
+
+    def expand(b):
+        e = b.repeat_interleave(q_block, dim=2).repeat_interleave(kv_block, dim=3)
+        nq = -(-seqlen_q // q_block)
+        if e.shape[2] < nq * q_block:
+            _fail(f"the counts cover {b.shape[2]} query blocks, {nq} are needed")
+        return e[:, :, :seqlen_q, :seqlen_k]
+
+    mask = blocks(bst.mask_block_cnt, bst.mask_block_idx)
+    full = blocks(bst.full_block_cnt, bst.full_block_idx)
+    mask_e = expand(mask)
+    full_e = torch.zeros_like(mask_e) if full is None else expand(full)
+    return mask_e | full_e, full_e
+
+
+__all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SPARSE_GRAD_ERROR", "block_sparse_from_flex",
+           "block_sparse_from_mask", "block_size_ratios", "check_block_sparse", "dense_mask_from_block_sparse",
+           "refuse_combinations"]

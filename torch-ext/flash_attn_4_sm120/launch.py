@@ -1,0 +1,24 @@
+"""Launch helpers shared by every host path (attention, split-KV combine): the compiled kernel of a config on a
+device, and a launch by argument-record names on that device.  Imports nothing of the package but jit (lazily), so
+any host module can use it without an import cycle."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compiled_kernel(cfg, device: torch.device):
+    """Compiled kernel for ``cfg`` on ``device``'s target (plans are per device, so this runs once per plan)."""
+    from .jit import get_kernel  # CuTe-DSL loads on the first launch, not at import
+
+    with torch.cuda.device(device):
+        return get_kernel(cfg)
+
+
+def launch(fn, record, device: torch.device, values: dict) -> None:
+    args = record.pack(values)
+    if device.index == torch._C._cuda_getDevice():  # torch.cuda.current_device() without its lazy-init check
+        fn(*args)
+    else:
+        with torch.cuda.device(device):
+            fn(*args)

@@ -1,0 +1,101 @@
+"""Host side of the split-KV forward: the ``num_splits`` rule, the automatic choice, the fp32 partials and the
+combine launch.
+
+``num_splits`` follows upstream FlashAttention: 1 (the default of flash_attn_func / flash_attn_varlen_func) runs
+one split; N > 1 runs exactly N; 0 or less picks N from the problem size and the SM count.  Split-KV is
+inference-only: a forced N > 1 with inputs that require grad raises; the automatic choice is 1 there (training
+calls never split).  The choice reads only shapes and the device's SM count (cached per device): no
+device->host sync, and a CUDA-graph capture records the N chosen at capture.
+
+Each split's CTAs (grid z folds (batch, split)) write fp32 partial O and LSE of their KV range; an empty range
+writes O = 0 and LSE = -inf, and q rows outside every sequence get LSE = -inf in every split, so the combine
+(kernels/combine.py) gives them O = 0 and LSE = -inf, the unsplit rule.  A learnable sink joins the denominator
+in split 0 only (the kernel gives the other splits a -inf sink), which is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .combine import launch_combine
+from .config import COMBINE_MAX_SPLITS, combine_head_dim_problem
+
+MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
+AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (MQA B=1 KV 32K: 64 beat ~109, H100)
+SPLIT_GRAD_ERROR = (
+    "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
+    "with tensors that do not require grad, or leave num_splits at 1"
+)
+_SM_COUNT: dict[int, int] = {}
+
+
+def check_num_splits(num_splits) -> int:
+    """``num_splits`` must be an int (not a bool, not a float)."""
+    if num_splits.__class__ is not int and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
+        raise ValueError(f"num_splits must be an int, got {num_splits!r}")
+    return int(num_splits)
+
+
+def sm_count(device: torch.device) -> int:
+    n = _SM_COUNT.get(device.index)
+    if n is None:
+        n = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of four ints, called once per decode step: memoised
+def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int) -> int:
+    """Splits that fill the GPU: 1 when the unsplit grid (``ctas``) already fills ~80% of the SMs; otherwise,
+    among the split counts that change the blocks per split, the smallest whose wave efficiency (waves /
+    ceil(waves)) is within 85% of the best one's, at most ``max_splits`` and ``n_blocks`` (KV blocks per tile)."""
+    if ctas <= 0 or ctas * 5 >= num_sms * 4 or n_blocks < 2:
+        return 1
+    limit = max(1, min(max_splits, n_blocks, AUTO_MAX_SPLITS))
+    candidates, effs = [], []
+    for n in range(1, limit + 1):
+        if n > 1 and -(-n_blocks // n) == -(-n_blocks // (n - 1)):
+            continue  # the same blocks per split as n - 1: only more, emptier CTAs
+        waves = ctas * n / num_sms
+        candidates.append(n)
+        effs.append(waves / -(-waves // 1))
+    best = max(effs)
+    return next(n for n, e in zip(candidates, effs) if e >= 0.85 * best)
+
+
+def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: int, n_blocks: int, dv: int,
+                       device: torch.device) -> int:
+    """The split count of a call (1: no split).  Raises ValueError for a forced count that cannot run."""
+    if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv))):
+        return 1
+    if num_splits > 1:
+        if needs_grad:
+            raise ValueError(SPLIT_GRAD_ERROR)
+        if num_splits > COMBINE_MAX_SPLITS:
+            raise ValueError(f"num_splits={num_splits} exceeds the supported maximum {COMBINE_MAX_SPLITS}")
+        if batch * num_splits > MAX_GRID_Z:
+            raise ValueError(f"batch * num_splits = {batch} * {num_splits} = {batch * num_splits} exceeds the "
+                             f"grid limit {MAX_GRID_Z}; use fewer splits")
+        problem = combine_head_dim_problem(dv)
+        if problem:
+            raise ValueError(f"num_splits={num_splits}: the split-KV combine cannot take head_dim_v: {problem}")
+        return num_splits
+    return auto_num_splits(ctas, n_blocks, sm_count(device), min(COMBINE_MAX_SPLITS, MAX_GRID_Z // max(batch, 1)))
+
+
+def partials(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial O and LSE in the forward kernel's layouts, with a leading num_splits dim."""
+    o = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
+    s = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=lse.device)
+    return o, s
+
+
+def combine_into(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 varlen_q: bool) -> None:
+    """Combine the partials into the call's out/lse (the forward's layouts: lse (B, Hq, Sq) or (Hq, total_q))."""
+    if varlen_q:  # (splits, total, H, D), (splits, H, total) -> batch 1
+        launch_combine(o_part.unsqueeze(1), lse_part.transpose(1, 2).unsqueeze(1), out.unsqueeze(0),
+                       lse.t().unsqueeze(0))
+    else:
+        launch_combine(o_part, lse_part.transpose(2, 3), out, lse.transpose(1, 2))
