@@ -10,7 +10,7 @@ A configuration passes when its cubin has HMMA (mma.sync) instructions (the atte
 combine kernel has no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config.dropout_gate_configs, config.paged_gate_worklist, config.sparse_gate_worklist, config.decode_gate_worklist,
+lightest and heaviest feature set (config.gate_configs, config.dropout_gate_worklist, config.paged_gate_worklist, config.sparse_gate_worklist, config.decode_gate_worklist,
 config.bwd_gate_configs),
 plus the combine kernel's (config.combine_gate_configs).
 """
@@ -51,13 +51,13 @@ def _worklist(pattern: str | None):
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
         items += config.gate_configs(dtype, d, dv, tile)
-        items += config.dropout_gate_configs(dtype, d, dv, tile)
     items += config.paged_gate_worklist()
     items += config.sparse_gate_worklist()
     items += config.decode_gate_worklist()
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
             items += config.bwd_gate_configs(dtype, d, dv)
+    items += config.dropout_gate_worklist()
     items += config.combine_gate_configs()
     return [c for c in items if pattern is None or pattern in c.name()]
 
