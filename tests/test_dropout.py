@@ -50,13 +50,37 @@ def test_philox7_emulation_matches_python_ints():
 
 def test_words_follow_the_stated_counter_layout():
     seed, offset = 0x1234_5678_9ABC_DEF0, 0x0000_0003_0000_0008
-    w = dropout.random_words(seed, offset, 2, 3, 5, 40, batch_start=1)
-    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 39), (0, 1, 3, 9), (1, 0, 2, 17), (0, 2, 1, 24)]:
+    w = dropout.random_words(seed, offset, 2, 3, 40, 40, batch_start=1)
+    cases = [(0, 0, 0, 0), (1, 2, 4, 39), (0, 1, 3, 9), (1, 0, 2, 17), (0, 2, 1, 24), (1, 1, 8, 0), (0, 0, 15, 33),
+             (1, 2, 23, 8), (0, 1, 39, 31), (1, 0, 16, 1)]
+    for b, h, i, j in cases:
         group = (j // 16) * 4 + (j % 8) // 2
+        pair = (i // 16) * 8 + i % 8
         word = 2 * ((j // 8) % 2) + j % 2
-        ctr = (group, i, ((b + 1) << 16) | h, offset & 0xFFFFFFFF)
+        half = (i // 8) % 2
+        ctr = (group, pair, ((b + 1) << 16) | h, offset & 0xFFFFFFFF)
         key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
-        assert int(w[b, h, i, j]) == _philox_int(ctr, key, 7)[word]
+        assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & 0xFFFF
+    assert int(w.max()) < 1 << 16
+
+
+def test_one_call_decides_the_2x4_block_of_a_thread_and_no_value_is_reused():
+    """The 8 elements (i0, i0 + 8) x (j0, j0 + 1, j0 + 8, j0 + 9) of an m16n8k16 thread share one Philox call,
+    and every element of a tile takes a distinct (call, word, half): the 128 bits of each call are used once."""
+    w = dropout.random_words(99, 4, 1, 1, 32, 32)
+    seen = {}
+    for i in range(32):
+        for j in range(32):
+            call = ((j // 16) * 4 + (j % 8) // 2, (i // 16) * 8 + i % 8)
+            slot = (2 * ((j // 8) % 2) + j % 2, (i // 8) % 2)
+            assert (call, slot) not in seen
+            seen[(call, slot)] = (i, j)
+    calls = {c for c, _ in seen}
+    assert len(calls) == 32 * 32 // 8 and all(sum(1 for c, _ in seen if c == cc) == 8 for cc in calls)
+    g, t = 3, 1  # thread lane 4 g + t of a 16x16 block: rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9
+    block = {(i, j) for i in (g, g + 8) for j in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)}
+    assert {seen[k] for k in seen if k[0] == ((2 * t) // 2, g)} == block
+    assert w.shape == (1, 1, 32, 32)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +96,7 @@ def test_keep_rate_within_4_sigma(words_10m, p):
     assert n >= 10_000_000
     rate = keep.double().mean().item()
     q = dropout.expected_keep_rate(p)
-    assert abs(q - (1 - p)) < 1e-9
+    assert abs(q - (1 - p)) <= 2.0 ** -17  # p quantised to a multiple of 2**-16
     sigma = math.sqrt(q * (1 - q) / n)
     assert abs(rate - q) <= 4 * sigma, f"keep rate {rate:.6f} vs {q:.6f} (4 sigma = {4 * sigma:.2e})"
 
@@ -83,14 +107,15 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a @ b / (a.norm() * b.norm())).item()
 
 
-@pytest.mark.parametrize("what", ["col+1", "col+8", "col+9", "col+16", "row+1", "tile_n+64", "tile_m+128", "head",
-                                  "batch"])
+@pytest.mark.parametrize("what", ["col+1", "col+8", "col+9", "col+16", "row+1", "row+8", "tile_n+64", "tile_m+128",
+                                  "head", "batch"])
 def test_neighbours_are_uncorrelated(words_10m, what):
     """Correlation of keep indicators (p = 0.5) between neighbours; a reused counter or word gives |r| ~ 1."""
     keep = words_10m >= dropout.keep_threshold(0.5)
     pairs = {
         "col+1": (keep[..., :-1], keep[..., 1:]),
         "col+8": (keep[..., :-8], keep[..., 8:]),  # the same Philox call, another word
+        "row+8": (keep[:, :, :-8], keep[:, :, 8:]),  # the same Philox call, the other half of the word
         "col+9": (keep[..., :-9], keep[..., 9:]),
         "col+16": (keep[..., :-16], keep[..., 16:]),  # the next group of the same row
         "row+1": (keep[:, :, :-1], keep[:, :, 1:]),
@@ -105,8 +130,14 @@ def test_neighbours_are_uncorrelated(words_10m, what):
 
 
 def test_words_are_uniform(words_10m):
-    """Chi-square of the top byte over 256 bins (df = 255: mean 255, sd ~22.6; 400 is > 6 sd)."""
-    counts = torch.bincount((words_10m >> 24).flatten(), minlength=256).double()
+    """Chi-square of the top byte of the 16-bit values over 256 bins (df = 255: mean 255, sd ~22.6; 400 is > 6 sd),
+    and of the low byte (the half of the word a 32-bit threshold never looked at)."""
+    for byte in (words_10m >> 8, words_10m & 0xFF):
+        counts = torch.bincount(byte.flatten(), minlength=256).double()
+        exp = words_10m.numel() / 256
+        chi2 = ((counts - exp) ** 2 / exp).sum().item()
+        assert chi2 < 400, chi2
+    counts = torch.bincount((words_10m >> 8).flatten(), minlength=256).double()
     exp = words_10m.numel() / 256
     chi2 = ((counts - exp) ** 2 / exp).sum().item()
     assert chi2 < 400, chi2
@@ -131,8 +162,9 @@ def test_mask_is_a_function_of_positions_only():
 def test_mask_p_edges():
     assert dropout.dropout_mask(1, 0, 0.0, 1, 1, 3, 5).all()
     assert not dropout.dropout_mask(1, 0, 1.0, 1, 1, 3, 5).any()
-    assert dropout.keep_threshold(0.5) == 1 << 31
-    assert dropout.keep_threshold(1 - 1e-12) == 0xFFFFFFFF
+    assert dropout.keep_threshold(0.5) == 1 << 15
+    assert dropout.keep_threshold(1 - 1e-12) == 1 << 16  # keeps none
+    assert dropout.keep_threshold(1e-9) == 0  # keeps all
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "0.1", None, True, torch.tensor(0.1)])
@@ -234,7 +266,7 @@ def test_dropout_with_paged_kv_raises():
 def test_kernel_values_are_int32_bit_patterns():
     a = dropout.DropoutArgs(0.5, (0xFFFFFFFE << 32) | 0x80000001, (5 << 32) | 0xFFFFFFFC)
     v = a.kernel_values()
-    assert v["dropout_threshold"] == -(1 << 31)  # 0x80000000
+    assert v["dropout_threshold"] == 1 << 15
     assert v["rng_seed_lo"] == -(1 << 31) + 1 and v["rng_seed_hi"] == -2
     assert v["rng_offset_lo"] == -4 and v["rng_offset_hi"] == 5
     assert v["dropout_scale"] == 2.0 and v["rng_seed"] is None
@@ -267,3 +299,66 @@ def test_column_groups_cover_each_column_once():
     groups = column_groups(wide, True)
     assert all(kind == "pair" for kind, _, _ in groups) and len(groups) == 4
     assert all(kind == "pair" for kind, _, _ in column_groups(fwd_cols, False))
+
+
+def test_row_pairs_match_the_m16_rows_of_a_thread():
+    pytest.importorskip("cutlass")
+    from flash_attn_4_sm120.kernels.philox import row_pairs
+
+    assert row_pairs([0, 8]) == [(0, 1)]
+    assert row_pairs([0, 8, 16, 24]) == [(0, 1), (2, 3)]  # two m16 atoms per warp
+    assert row_pairs([0, 8, 64, 72]) == [(0, 1), (2, 3)]  # atoms 64 rows apart (warps stacked along M)
+    assert row_pairs([0, 16]) is None and row_pairs([8, 16]) is None and row_pairs([0]) is None
+
+
+@pytest.mark.parametrize("wm,wn,tile_m,tile_n", [(8, 1, 128, 64), (4, 2, 64, 64), (2, 4, 32, 64), (4, 1, 64, 32),
+                                                 (8, 1, 256, 64)])
+def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
+    """A CPU mirror of ScoreHook.dropout_bits on m16n8k16 accumulator fragments (warps wm x wn; lane 4 g + t
+    holds rows g, g + 8 and columns 2t, 2t + 1 of each 16 x 8 atom): grouping columns with ``column_groups`` and
+    rows with ``row_pairs`` (thread 0's offsets, as the kernels do), one Philox call per (row pair, group), low
+    halves for the first row and high halves for the second, reproduces ``random_words`` for every element of
+    the tile, whichever warp layout (quads when warps are stacked along M, pairs otherwise)."""
+    pytest.importorskip("cutlass")
+    from flash_attn_4_sm120.kernels.philox import column_groups, row_pairs
+
+    seed, offset, b, h, m_block, n_block = 0xABCDEF0123, 0x5_0000_0010, 1, 2, 1, 3
+    ref = dropout.random_words(seed, offset, b + 1, h + 1, (m_block + 1) * tile_m, (n_block + 1) * tile_n)[b, h]
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32)
+    quad_ok = wn == 1
+    got = torch.full((tile_m, tile_n), -1, dtype=torch.int64)
+    for warp in range(wm * wn):
+        w_m, w_n = warp % wm, warp // wm
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            rows = [a * 16 * wm + w_m * 16 + g + e for a in range(tile_m // (16 * wm)) for e in (0, 8)]
+            cols = [a * 8 * wn + w_n * 8 + 2 * t + e for a in range(tile_n // (8 * wn)) for e in (0, 1)]
+            t0_rows = [r - rows[0] for r in rows]
+            t0_cols = [c - cols[0] for c in cols]
+            for ra, rb in row_pairs(t0_rows):
+                qa = m_block * tile_m + rows[ra]
+                for kind, c0, cs in column_groups(t0_cols, quad_ok):
+                    col = n_block * tile_n + cols[0] + c0
+                    ctr = ((col // 16) * 4 + (col % 8) // 2, (qa // 16) * 8 + qa % 8, (b << 16) | h,
+                           offset & 0xFFFFFFFF)
+                    w = _philox_int(ctr, (k0, k1), 7)
+                    mine = w if kind == "quad" else ((w[2], w[3]) if col & 8 else (w[0], w[1]))
+                    for e, c in enumerate(cs):
+                        got[rows[ra], cols[c]] = mine[e] & 0xFFFF
+                        got[rows[rb], cols[c]] = mine[e] >> 16
+    want = ref[m_block * tile_m:(m_block + 1) * tile_m, n_block * tile_n:(n_block + 1) * tile_n]
+    assert (got >= 0).all() and torch.equal(got, want)
+
+
+def test_packed_gqa_dropout_has_its_own_forward_config():
+    """With packed GQA rows a thread's rows g, g + 8 are not positions i, i + 8 of one head: the dispatcher runs
+    the forward compiled with ``dropout_packed`` (row-by-row keep bits) whenever pack > 1, on the same tile."""
+    from flash_attn_4_sm120 import dispatch
+
+    args = ("bf16", 128, 128, False, False, False, False, False, False, False, False, 0)
+    plain = dispatch._plan(*args, dropout=True).fwd_cfg
+    packed = dispatch._plan(*args, dropout=True, dropout_packed=True).fwd_cfg
+    assert not plain.dropout_packed and packed.dropout_packed and packed.tile == plain.tile
+    assert "_dpack" in packed.name() and "_dpack" not in plain.name()
+    fwd = [c for c in config.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
+    assert {c.tile for c in fwd if c.dropout_packed} == {c.tile for c in fwd}

@@ -82,6 +82,9 @@ class FwdKernelConfig:
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
     has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
     dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
+    # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
+    # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
+    dropout_packed: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
     # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
     # sparse_kv_ratio KV tiles; 0 = off
@@ -106,6 +109,7 @@ class FwdKernelConfig:
                 ("paged", self.paged),
                 ("drop", self.has_dropout),
                 ("seedt", self.dropout_seed_tensor),
+                ("dpack", self.dropout_packed),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
@@ -386,6 +390,11 @@ def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[Fwd
             replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
 
 
+def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
+    """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
+    return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
+
+
 def decode_gate_worklist() -> list[FwdKernelConfig]:
     """The decode tiles' split-KV configurations the compile gate builds: bf16, dv == d at the largest head dim of
     each decode tile (and d=192, the other user of the 64x32 one), contiguous and paged, lightest and heaviest
@@ -567,8 +576,8 @@ def dropout_gate_worklist() -> list:
     """The dropout configurations the compile gate builds: per tile of every kernel (forward TMA and cp.async on the
     tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
     (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
-    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), and
-    in fp16 at the largest pair (fp16 differs in the mma type only).  Dropout adds the same Philox code to every
+    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
+    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows.  Dropout adds the same Philox code to every
     pair of a tile, so the pairs between these add nothing the gate would not see."""
     groups: dict[tuple, list] = {}
     for dtype, d, dv, tile in all_fwd_tile_configs():
@@ -583,10 +592,14 @@ def dropout_gate_worklist() -> list:
         big = max(pairs, key=lambda x: (x[0], x[1]))
         thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
         picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
+        if key[0] == "fwd":
+            picks.append(("bf16", big, "packed"))
         if thin != big:
             picks.append(("bf16", thin, True))
         for dtype, (d, dv, tile), heavy in picks:
-            if key[0] == "fwd":
+            if key[0] == "fwd" and heavy == "packed":
+                out.append(dropout_packed_gate_config(dtype, d, dv, tile))
+            elif key[0] == "fwd":
                 light, hv = dropout_gate_configs(dtype, d, dv, tile)
                 out.append(hv if heavy else light)
             else:
