@@ -82,6 +82,9 @@ class FwdKernelConfig:
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
     has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
     dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
+    # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
+    # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
+    dropout_packed: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
     # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
     # sparse_kv_ratio KV tiles; 0 = off
@@ -106,6 +109,7 @@ class FwdKernelConfig:
                 ("paged", self.paged),
                 ("drop", self.has_dropout),
                 ("seedt", self.dropout_seed_tensor),
+                ("dpack", self.dropout_packed),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
@@ -386,6 +390,11 @@ def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[Fwd
             replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
 
 
+def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
+    """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
+    return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
+
+
 def decode_gate_worklist() -> list[FwdKernelConfig]:
     """The decode tiles' split-KV configurations the compile gate builds: bf16, dv == d at the largest head dim of
     each decode tile (and d=192, the other user of the 64x32 one), contiguous and paged, lightest and heaviest
@@ -551,15 +560,52 @@ def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
                                                         tn * cfg.head_dim_v))
 
 
+_BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
+
+
 def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
-    kernel and of the dQ kernel, without and with dropout."""
-    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
-    drop = dict(has_dropout=True)
-    drop_heavy = dict(heavy, has_dropout=True, dropout_seed_tensor=True)
+    kernel and of the dQ kernel (dropout variants: ``dropout_gate_worklist``)."""
     out = []
     for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
-        out += [cfg, replace(cfg, **heavy), replace(cfg, **drop), replace(cfg, **drop_heavy)]
+        out += [cfg, replace(cfg, **_BWD_HEAVY)]
+    return out
+
+
+def dropout_gate_worklist() -> list:
+    """The dropout configurations the compile gate builds: per tile of every kernel (forward TMA and cp.async on the
+    tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
+    (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
+    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
+    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows.  Dropout adds the same Philox code to every
+    pair of a tile, so the pairs between these add nothing the gate would not see."""
+    groups: dict[tuple, list] = {}
+    for dtype, d, dv, tile in all_fwd_tile_configs():
+        if dtype == "bf16":
+            groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
+    for d, dv in supported_head_dim_pairs():
+        for sel in (select_bwd_config, select_dq_config):
+            c = sel("bf16", d, dv)
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps), []).append((d, dv, None))
+    out = []
+    for key, pairs in groups.items():
+        big = max(pairs, key=lambda x: (x[0], x[1]))
+        thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
+        picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
+        if key[0] == "fwd":
+            picks.append(("bf16", big, "packed"))
+        if thin != big:
+            picks.append(("bf16", thin, True))
+        for dtype, (d, dv, tile), heavy in picks:
+            if key[0] == "fwd" and heavy == "packed":
+                out.append(dropout_packed_gate_config(dtype, d, dv, tile))
+            elif key[0] == "fwd":
+                light, hv = dropout_gate_configs(dtype, d, dv, tile)
+                out.append(hv if heavy else light)
+            else:
+                sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
+                flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
+                out.append(sel(dtype, d, dv, has_dropout=True, **flags))
     return out
 
 

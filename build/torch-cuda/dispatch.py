@@ -106,13 +106,14 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
-          sparse: tuple = (0, 0), decode: bool = False, dropout: bool = False, seed_tensor: bool = False) -> _Plan:
+          sparse: tuple = (0, 0), decode: bool = False, dropout: bool = False, seed_tensor: bool = False,
+          dropout_packed: bool = False) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
     runs the cp.async tiles); ``decode``: a split call with few query rows per CTA (config.decode_tile);
-    ``dropout``/``seed_tensor``: Philox dropout, seed from a device tensor (never with split or sparse: the
-    callers refuse those pairs).  Every argument after ``device_index`` is passed by keyword."""
+    ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout, seed from a device tensor, packed GQA rows
+    (never with split or sparse: the callers refuse those pairs).  Every argument after ``device_index`` is passed by keyword."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           decode, dropout, seed_tensor, table_version())
+           decode, dropout, seed_tensor, dropout_packed, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
@@ -124,7 +125,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
                                      sparse_kv_ratio=sparse[1], has_dropout=dropout,
-                                     dropout_seed_tensor=seed_tensor))
+                                     dropout_seed_tensor=seed_tensor, dropout_packed=dropout_packed))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor)
@@ -378,6 +379,11 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     tile_m = plan.fwd_cfg.tile.tile_m
     ratio = hq // hkv
     pack = 1 if sparse else _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
+    if in_kernel and pack > 1:  # packed rows make the keep bits row by row (config.FwdKernelConfig.dropout_packed)
+        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
+                     paged=page_table is not None, sparse=ratios, dropout=True,
+                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True)
     scale_log2, prescale = _log2_scales(meta)
     num_m_blocks = -(-meta.max_q * pack // tile_m)
     # decode (few query rows per CTA): a split call runs the decode tile; its KV block size sets the split count

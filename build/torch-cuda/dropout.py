@@ -5,14 +5,21 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
 
 * Generator: Philox4x32 with ``PHILOX_ROUNDS`` = 7 rounds (Salmon et al., SC'11; constants M0 = 0xD2511F53,
   M1 = 0xCD9E8D57, Weyl key bumps W0 = 0x9E3779B9, W1 = 0xBB67AE85 between rounds).
-* Key: ``(seed_lo, seed_hi ^ offset_hi)``; counter ``(group, i, (b << 16) | h, offset_lo)`` for batch entry ``b``
-  (the sequence index under varlen), query head ``h``, query position ``i`` and key position ``j`` (both counted
-  from the start of their sequence), with ``group = (j // 16) * 4 + (j % 8) // 2``.
-* One Philox call yields 4 words for the 4 key columns of its group, ``j0, j0 + 1, j0 + 8, j0 + 9``
-  (``j0 = 16 * (j // 16) + 2 * ((j % 8) // 2)``), word ``2 * ((j // 8) % 2) + j % 2``.  Every (b, h, i, j)
-  has its own (counter, word): nothing depends on tiles, warps or splits, and nothing is reused.
-* Keep element (b, h, i, j) iff its word ``>= threshold``, ``threshold = min(round(p * 2**32), 2**32 - 1)``;
-  kept probabilities are scaled by ``1 / (1 - p)``.
+* Key: ``(seed_lo, seed_hi ^ offset_hi)``; counter ``(group, pair, (b << 16) | h, offset_lo)`` for batch entry
+  ``b`` (the sequence index under varlen), query head ``h``, query position ``i`` and key position ``j`` (both
+  counted from the start of their sequence), with ``group = (j // 16) * 4 + (j % 8) // 2`` and
+  ``pair = (i // 16) * 8 + i % 8``.
+* One Philox call yields 4 words = 8 16-bit values for the 2 x 4 elements of its group: query rows ``i0, i0 + 8``
+  (``i0 = 16 * (i // 16) + i % 8``) by key columns ``j0, j0 + 1, j0 + 8, j0 + 9``
+  (``j0 = 16 * (j // 16) + 2 * ((j % 8) // 2)``).  Column ``j`` takes word ``2 * ((j // 8) % 2) + j % 2``; row
+  ``i`` its low 16 bits when ``(i // 8) % 2 == 0``, else its high 16 bits.  These are the rows and columns one
+  thread holds in an m16n8k16 accumulator, so a kernel whose rows are query positions uses all 8.  Every
+  (b, h, i, j) has its own (counter, word, half): nothing depends on tiles, warps or splits, and nothing is
+  reused.
+* Keep element (b, h, i, j) iff its 16-bit value ``>= threshold``, ``threshold = min(round(p * 2**16), 2**16)``:
+  the keep probability is ``1 - threshold / 2**16``, p quantised to a multiple of 2**-16 (within 2**-17 of
+  ``1 - p``; ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the
+  quantised one: the relative bias is below 2**-17 / (1 - p)).
 * Seed and offset: given (``dropout_seed``, ``dropout_offset``), or drawn from torch's CUDA default generator of
   q's device (its seed and offset; the offset then advances by ``OFFSET_INCREMENT``), so ``torch.manual_seed``
   reproduces a run.  Under CUDA-graph capture the generator is not read: pass ``dropout_seed`` as a CUDA int64
@@ -49,7 +56,7 @@ class DropoutArgs:
         return keep_threshold(self.p)
 
     def kernel_values(self) -> dict:
-        """The kernels' dropout arguments (32-bit patterns as signed Int32)."""
+        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**16)."""
         thr = self.threshold
         return dict(
             dropout_threshold=_s32(thr), dropout_scale=1.0 / (1.0 - self.p), rng_seed_lo=_s32(self.seed & _U32),
@@ -63,9 +70,12 @@ def _s32(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
+KEEP_BITS = 16  # each element's random value is 16 bits: one Philox call decides 8 elements
+
+
 def keep_threshold(p: float) -> int:
-    """Words >= this keep their element (0 < p < 1)."""
-    return min(int(round(p * 4294967296.0)), _U32)
+    """16-bit values >= this keep their element (0 < p < 1); 2**16 keeps none."""
+    return min(int(round(p * float(1 << KEEP_BITS))), 1 << KEEP_BITS)
 
 
 # ---- argument checks ----------------------------------------------------------------------------------------------
@@ -171,8 +181,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
 
 def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *,
                  batch_start: int = 0, device=None, rounds: int = PHILOX_ROUNDS) -> torch.Tensor:
-    """The uint32 word of every (b, h, i, j), as int64 (batch, heads, seqlen_q, seqlen_k); batch entries are
-    numbered from ``batch_start`` (a varlen sequence: batch=1, batch_start=its index)."""
+    """The 16-bit random value of every (b, h, i, j), as int64 (batch, heads, seqlen_q, seqlen_k); batch entries
+    are numbered from ``batch_start`` (a varlen sequence: batch=1, batch_start=its index)."""
     seed, offset = int(seed) & _U64, int(offset) & _U64
     if heads > _MAX_HEADS or batch_start + batch > _MAX_HEADS:
         raise ValueError(f"heads and batch entries must be < {_MAX_HEADS}")
@@ -181,11 +191,13 @@ def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     group = (j // 16) * 4 + (j % 8) // 2
     word = ((j // 8) % 2) * 2 + (j % 2)
     i = torch.arange(seqlen_q, device=dev, dtype=torch.int64)
+    pair = (i // 16) * 8 + i % 8
+    shift = ((i // 8) % 2) * KEEP_BITS
     b = torch.arange(batch_start, batch_start + batch, device=dev, dtype=torch.int64)
     h = torch.arange(heads, device=dev, dtype=torch.int64)
     bh = ((b[:, None] << 16) | h[None, :])[:, :, None, None]  # (B, H, 1, 1)
     c0 = group[None, None, None, :]
-    c1 = i[None, None, :, None]
+    c1 = pair[None, None, :, None]
     shape = (batch, heads, seqlen_q, seqlen_k)
     k0 = seed & _U32
     k1 = (seed >> 32) ^ (offset >> 32)
@@ -193,7 +205,8 @@ def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     w = word.expand(shape)
     res = torch.where(w == 0, out[0], out[1])
     res = torch.where(w == 2, out[2], res)
-    return torch.where(w == 3, out[3], res)
+    res = torch.where(w == 3, out[3], res)
+    return (res >> shift[None, None, :, None]) & ((1 << KEEP_BITS) - 1)
 
 
 def dropout_mask(seed: int, offset: int, p: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *,
@@ -215,9 +228,9 @@ def dropout_mask(seed: int, offset: int, p: float, batch: int, heads: int, seqle
 
 
 def expected_keep_rate(p: float) -> float:
-    """Exact keep probability of ``dropout_mask`` for 0 < p < 1 (p quantised to 2**-32)."""
-    return (4294967296 - keep_threshold(p)) / 4294967296.0
+    """Exact keep probability of ``dropout_mask`` for 0 < p < 1 (p quantised to a multiple of 2**-16)."""
+    return ((1 << KEEP_BITS) - keep_threshold(p)) / float(1 << KEEP_BITS)
 
 
-__all__ = ["DropoutArgs", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold",
+__all__ = ["DropoutArgs", "KEEP_BITS", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold",
            "philox4x32", "random_words", "refuse_combinations", "resolve"]

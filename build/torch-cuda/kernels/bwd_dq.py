@@ -34,6 +34,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
         # ScoreHook.dropout_bits and not when it is unrolled
         self.dropout_row_loop = cfg.tile_n > 32
+        # measured on sm_120a (compile gate): the d192 dQ tile (64x64, 4 warps) spilled 27 STL/LDL (d192/dv192) and
+        # 15 (d192/dv32) in its heaviest dropout set with the four Philox calls of a row pair unrolled, 0 in a loop
+        self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 64
 
     @cute.jit
     def __call__(

@@ -60,6 +60,9 @@ class FwdKernelBase(KernelStateMixin):
         # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
         # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
         self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
+        # measured on sm_120a (compile gate): the d192 TMA tile reading Q from shared memory (128x64, one stage)
+        # spilled 10 STL/LDL in its lightest dropout set (d192/dv192) with a row pair's four Philox calls unrolled
+        self.dropout_group_loop = t.tma and t.tile_m == 128 and t.tile_n == 64 and t.num_stages == 1 and not t.q_in_regs
 
     def compute_sync(self):
         raise NotImplementedError

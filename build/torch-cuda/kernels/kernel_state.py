@@ -34,6 +34,9 @@ class KernelStateMixin:
     # dropout: make a tile's keep bits one row per loop iteration (ScoreHook.dropout_bits); a kernel may turn it
     # off where the compile gate measured fewer registers unrolled
     dropout_row_loop = True
+    # dropout: make a row pair's Philox calls one per iteration of a loop that is not unrolled (ScoreHook._pair_rows);
+    # a kernel turns it on where the unrolled calls spill (measured by the compile gate)
+    dropout_group_loop = False
 
     def seq_rows(self, mQ, mK, mPageTable=None):
         """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk; with a page table (paged
@@ -78,5 +81,5 @@ class KernelStateMixin:
         if const_expr(cfg.has_dropout):
             rng = DropoutRng.create(*dropout)
         score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
-                                 rng, self.dropout_quad_ok, self.dropout_row_loop)
+                                 rng, self.dropout_quad_ok, self.dropout_row_loop, self.dropout_group_loop)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

@@ -2,7 +2,8 @@
 
 The RNG contract (counters, key, rounds, threshold) is stated once, in ``dropout.py`` (host), whose pure-torch
 ``dropout_mask`` the tests compare against; this file implements the same function on 32-bit registers:
-one Philox call = ``PHILOX_ROUNDS`` x (2 IMAD.WIDE.U32 + 2 LOP3) + key bumps, for 4 elements.
+one Philox call = ``PHILOX_ROUNDS`` x (2 IMAD.WIDE.U32 + 2 LOP3) + key bumps, for 8 elements (2 query rows x
+4 key columns, a 16-bit value each).
 """
 
 from dataclasses import dataclass
@@ -61,10 +62,27 @@ class DropoutRng:
 
     @cute.jit
     def words(self, col0: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32):
-        """The four words of the Philox group holding key column ``col0`` (even) of query row ``qpos``: words 0/1
-        for columns j0, j0 + 1 and 2/3 for j0 + 8, j0 + 9 (dropout.py)."""
+        """The four words of the Philox call holding key column ``col0`` (even) of query position ``qpos``: words
+        0/1 for columns j0, j0 + 1 and 2/3 for j0 + 8, j0 + 9; in each, the low 16 bits for the query row i0 =
+        16 (qpos // 16) + qpos % 8 and the high 16 bits for i0 + 8 (dropout.py)."""
         group = (col0 >> 4) * 4 + ((col0 & 7) >> 1)
-        return philox4x32(Uint32(group), Uint32(qpos), Uint32(bh), Uint32(self.offset_lo), k0, k1)
+        pair = (qpos >> 4) * 8 + (qpos & 7)
+        return philox4x32(Uint32(group), Uint32(pair), Uint32(bh), Uint32(self.offset_lo), k0, k1)
+
+
+def row_pairs(t0_rows):
+    """Trace time: a thread's accumulator rows (thread 0's offsets, in mn-view order) as pairs (r, r + 1) whose
+    offsets are t and t + 8 with t % 16 == 0 (the rows g and g + 8 of an m16 atom, one Philox call's two rows when
+    they are query positions), or None when the rows do not pair up that way."""
+    rows = [int(t) for t in t0_rows]
+    if len(rows) % 2:
+        return None
+    pairs = []
+    for r in range(0, len(rows), 2):
+        if rows[r] % 16 != 0 or rows[r + 1] != rows[r] + 8:
+            return None
+        pairs.append((r, r + 1))
+    return pairs
 
 
 def column_groups(t0_cols, quad_ok: bool):

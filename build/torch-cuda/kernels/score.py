@@ -25,8 +25,22 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64, const_expr
 
 from .cute_utils import LOG2_E, acc_mn_view
-from .philox import DropoutRng, column_groups
+from .philox import DropoutRng, column_groups, row_pairs
 from .seqlen_info import SeqInfo
+
+
+def _regular_step(groups):
+    """Trace time: the column step between consecutive Philox groups when they are evenly spaced, of one kind,
+    and cover mn-view columns in order (group g = columns g * n ... g * n + n - 1); else None."""
+    if not groups:
+        return None
+    kind, t00, cs0 = groups[0]
+    n = len(cs0)
+    step = groups[1][1] - t00 if len(groups) > 1 else 0
+    for g, (k, t0, cs) in enumerate(groups):
+        if k != kind or t0 != t00 + g * step or tuple(cs) != tuple(range(g * n, g * n + n)):
+            return None
+    return step if n * len(groups) <= 32 else None
 
 
 @dataclass(frozen=True)
@@ -48,14 +62,16 @@ class ScoreHook:
     quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
     rng: DropoutRng | None = None
     row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
+    dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
+    group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
-               rng=None, quad_ok: bool = True, row_loop: bool = True):
+               rng=None, quad_ok: bool = True, row_loop: bool = True, group_loop: bool = False):
         has_dropout = getattr(cfg, "has_dropout", False)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
                          window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
-                         rng if has_dropout else None, row_loop)
+                         rng if has_dropout else None, row_loop, getattr(cfg, "dropout_packed", False), group_loop)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
@@ -114,40 +130,122 @@ class ScoreHook:
         return -(-cute.size(tScS_mn) // 32)
 
     @cute.jit
-    def _row_bits(self, groups, ncols: int, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
+    def _group_values(self, w, kind: cutlass.Constexpr, col: Int32):
+        """The 32-bit words of a thread's columns in one Philox call: (w0, w1, w2, w3) for a quad; for a pair
+        (columns j, j + 1 only) words 0/1 when j % 16 < 8, else 2/3."""
+        if const_expr(kind == "quad"):
+            return (w[0], w[1], w[2], w[3])
+        else:
+            hi = (col & 8) != 0
+            return (w[2] if hi else w[0], w[3] if hi else w[1])
+
+    @staticmethod
+    def _place(bits: cute.Tensor, r: int, ncols: int, row: Uint32):
+        """Trace time: OR row ``r``'s keep bits (bit c for mn-view column c) into the packed words."""
+        first = r * ncols
+        if first % 32 + ncols <= 32:
+            shifted = row if first % 32 == 0 else row << Uint32(first % 32)
+            bits[first // 32] = bits[first // 32] | shifted
+        else:
+            for c in range(ncols):
+                idx = first + c
+                bits[idx // 32] = bits[idx // 32] | (((row >> Uint32(c)) & Uint32(1)) << Uint32(idx % 32))
+
+    @cute.jit
+    def _paired_bits(self, bits: cute.Tensor, pairs, groups, ncols: int, col_base: Int32, row_qpos: cute.Tensor,
+                     row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits of the thread's row pairs (mn rows r, r + 1 = tile rows g, g + 8 of an m16 atom), which are
+        query positions i, i + 8 (i % 16 < 8) of one head: one Philox call per column group gives both rows (low
+        halves row i, high halves row i + 8).  Several pairs are a loop that is not unrolled (as in
+        ``_single_row_bits``) when the bits fit a 64-bit shift register and the kernel's ``dropout_row_loop``
+        says so."""
+        npairs = len(pairs)
+        total = 2 * npairs * ncols
+        if const_expr(npairs > 1 and total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for pi in cutlass.range(npairs, unroll=1):
+                qpos = row_qpos[pairs[0][0]]
+                for pj in cutlass.range_constexpr(1, npairs):
+                    qpos = row_qpos[pairs[pj][0]] if pi == pj else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[pairs[0][0]]
+                    for pj in cutlass.range_constexpr(1, npairs):
+                        bh = row_bh[pairs[pj][0]] if pi == pj else bh
+                lo_row, hi_row = self._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
+                # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...)
+                acc = (acc >> Uint64(2 * ncols)) | (Uint64(lo_row) << Uint64(total - 2 * ncols)) | (
+                    Uint64(hi_row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            for pi in cutlass.range_constexpr(npairs):
+                ra, rb = pairs[pi]
+                bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
+                lo_row, hi_row = self._pair_rows(groups, col_base, row_qpos[ra], bh, k0, k1, t)
+                self._place(bits, ra, ncols, lo_row)
+                self._place(bits, rb, ncols, hi_row)
+
+    @cute.jit
+    def _pair_rows(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits (bit c for mn-view column c) of query rows qpos (i % 16 < 8) and qpos + 8.  With
+        ``group_loop`` (a kernel choice, where the unrolled calls spill) and evenly spaced groups, the column
+        groups are a loop that is not unrolled: one Philox call in flight, bits shifted in per group."""
+        lo_row = Uint32(0)
+        hi_row = Uint32(0)
+        step = _regular_step(groups)
+        if const_expr(self.group_loop and step is not None and len(groups) > 1):
+            kind = groups[0][0]
+            per = len(groups[0][2])
+            ncols = per * len(groups)
+            for gi in cutlass.range(len(groups), unroll=1):
+                col = col_base + gi * step
+                w = self.rng.words(col, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col)
+                lo_g = Uint32(0)
+                hi_g = Uint32(0)
+                for e in cutlass.range_constexpr(per):
+                    lo_g = lo_g | (Uint32(1 << e) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                    hi_g = hi_g | (Uint32(1 << e) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+                # shift register: after the last group, group g's bits sit at [g * per, (g + 1) * per)
+                lo_row = (lo_row >> Uint32(per)) | (lo_g << Uint32(ncols - per))
+                hi_row = (hi_row >> Uint32(per)) | (hi_g << Uint32(ncols - per))
+        else:
+            for gi in cutlass.range_constexpr(len(groups)):
+                kind, t0, cs = groups[gi]
+                w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col_base + t0)
+                for e in cutlass.range_constexpr(len(cs)):
+                    lo_row = lo_row | (Uint32(1 << cs[e]) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                    hi_row = hi_row | (Uint32(1 << cs[e]) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+        return lo_row, hi_row
+
+    @cute.jit
+    def _row_bits(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
                   t: Uint32) -> Uint32:
-        """Keep bits of one row of this thread's columns: bit c for mn-view column c (ncols <= 32)."""
+        """Keep bits of one row on its own (bit c for mn-view column c, ncols <= 32): the row's half of each
+        Philox call, the other half unused (rows that do not pair up: packed GQA in the forward)."""
         row = Uint32(0)
+        shift = Uint32((qpos & 8) << 1)  # 0 for i % 16 < 8 (low half), 16 otherwise
         for gi in cutlass.range_constexpr(len(groups)):
             kind, t0, cs = groups[gi]
             w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
-            if const_expr(kind == "quad"):
-                mine = (w[0], w[1], w[2], w[3])
-            else:  # a pair owns columns j, j + 1 of its group: words 0/1 when j % 16 < 8, else 2/3
-                hi = ((col_base + t0) & 8) != 0
-                mine = (w[2] if hi else w[0], w[3] if hi else w[1])
+            mine = self._group_values(w, kind, col_base + t0)
             for e in cutlass.range_constexpr(len(cs)):
-                row = row | (Uint32(1 << cs[e]) if mine[e] >= t else Uint32(0))
+                row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(0xFFFF)) >= t else Uint32(0))
         return row
 
     @cute.jit
-    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
-                     n_block: Int32) -> cute.Tensor:
-        """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
-        ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
-        forward with packed GQA) or one for all rows (an Int32, backward).
-
-        The rows are a loop that is not unrolled (when the bits fit one 64-bit shift register and the kernel's
-        ``dropout_row_loop`` says so): ptxas then cannot interleave the Philox calls of every row for ILP, which
-        would need ~10 registers per call in flight."""
-        nrows = cute.size(tScS_mn, mode=[0])
-        ncols = cute.size(tScS_mn, mode=[1])
-        groups = self._dropout_groups(t0ScS_mn)
-        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
-        k0, k1 = self.rng.key()
-        t = Uint32(self.rng.threshold)
-        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
-        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+    def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32,
+                         row_qpos: cute.Tensor, row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32,
+                         t: Uint32):
+        """Keep bits row by row (one Philox call per row and column group).  The rows are a loop that is not
+        unrolled when the bits fit one 64-bit shift register and the kernel's ``dropout_row_loop`` says so: ptxas
+        then cannot interleave the Philox calls of every row for ILP, which would need ~10 registers per call in
+        flight."""
         total = nrows * ncols
         if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
             acc = Uint64(0)
@@ -162,20 +260,43 @@ class ScoreHook:
                     bh = row_bh[0]
                     for rr in cutlass.range_constexpr(1, nrows):
                         bh = row_bh[rr] if r == rr else bh
-                row = self._row_bits(groups, ncols, col_base, qpos, bh, k0, k1, t)
+                row = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
                 # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
                 acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
             bits[0] = Uint32(acc)
             if const_expr(total > 32):
                 bits[1] = Uint32(acc >> Uint64(32))
         else:
-            bits.fill(0)
             for r in cutlass.range_constexpr(nrows):
                 bh = row_bh if const_expr(scalar_bh) else row_bh[r]
-                row = self._row_bits(groups, ncols, col_base, row_qpos[r], bh, k0, k1, t)
-                for c in cutlass.range_constexpr(ncols):
-                    idx = r * ncols + c
-                    bits[idx // 32] = bits[idx // 32] | (((row >> Uint32(c)) & Uint32(1)) << Uint32(idx % 32))
+                self._place(bits, r, ncols, self._row_bits(groups, col_base, row_qpos[r], bh, k0, k1, t))
+
+    @cute.jit
+    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
+                     n_block: Int32) -> cute.Tensor:
+        """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
+        ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
+        forward with packed GQA) or one for all rows (an Int32, backward).
+
+        A thread's rows g and g + 8 of each m16 atom are query positions i, i + 8 (i % 16 < 8) of one head in the
+        backward kernels and in the forward without GQA packing: one Philox call then decides 8 elements, all
+        this thread's.  A forward compiled for packed GQA rows (``dropout_packed``: a row is a (position, head)
+        pair; the dispatcher picks that config whenever pack > 1) makes each row on its own, using half of each
+        call."""
+        nrows = cute.size(tScS_mn, mode=[0])
+        ncols = cute.size(tScS_mn, mode=[1])
+        groups = self._dropout_groups(t0ScS_mn)
+        pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
+        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
+        bits.fill(0)
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        if const_expr(pairs is None or self.dropout_packed):
+            self._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+        else:
+            self._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         return bits
 
     @staticmethod
