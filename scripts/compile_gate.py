@@ -10,8 +10,8 @@ A configuration passes when its cubin has HMMA (mma.sync) instructions (the atte
 combine kernel has no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config.paged_gate_worklist, config.sparse_gate_worklist,
-config.decode_gate_worklist, config.bwd_gate_configs, config.sparse_bwd_gate_worklist),
+lightest and heaviest feature set (config.gate_configs, config.dropout_gate_worklist, config.paged_gate_worklist,
+config.sparse_gate_worklist, config.decode_gate_worklist, config.bwd_gate_configs, config.sparse_bwd_gate_worklist),
 plus the combine kernel's (config.combine_gate_configs).
 """
 
@@ -58,6 +58,7 @@ def _worklist(pattern: str | None):
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
             items += config.bwd_gate_configs(dtype, d, dv)
+    items += config.dropout_gate_worklist()
     items += config.combine_gate_configs()
     return [c for c in items if pattern is None or pattern in c.name()]
 

@@ -9,12 +9,14 @@ import torch
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, None), softcap=0.0, sink=None,
-                  upcast=True, mask=None):
+                  upcast=True, mask=None, keep=None, dropout_p=0.0):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D|Dv) -> out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) fp32.
 
     Masks follow FlashAttention: query i sees key j iff j <= i + Sk - Sq (+ right) and j >= i + Sk - Sq - left.
     ``mask``: an explicit boolean (B|1, Hq|1, Sq, Sk) mask of allowed entries, ANDed with the others.
     Rows that see nothing give out = 0 and lse = -inf (or the sink logit).
+    Dropout: ``keep`` (B, Hq, Sq, Sk) bool, as from ``dropout_mask``; the LSE is the undropped one and
+    out = (P * keep / (1 - dropout_p)) V.
     """
     dtype = q.dtype
     b, sq, hq, d = q.shape
@@ -51,6 +53,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
     if sink is not None:
         p = p[..., :sk]
+    if keep is not None:
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
     p = p if upcast else p.to(dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out.to(dtype), lse
@@ -72,9 +76,10 @@ def sparse_allowed(visited, full, sq, sk, causal=False, window=(None, None)):
     return visited & (full | win)
 
 
-def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
+def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, keep_of=None, **kw):
     """Reference for packed (total, H, D) inputs: the dense reference per sequence.  Rows past seqused_q are
-    not compared (returned as NaN); lse is (Hq, total_q)."""
+    not compared (returned as NaN); lse is (Hq, total_q).  ``keep_of(b, lq, lk)``: the dropout keep mask of
+    sequence b, (1, Hq, lq, lk)."""
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.full((total_q, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((hq, total_q), float("nan"), dtype=torch.float32, device=q.device)
@@ -94,7 +99,8 @@ def varlen_ref(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
                   else torch.full((hq, lq), -math.inf, device=q.device))
             out[q0:q0 + lq], lse[:, q0:q0 + lq] = o, l_
             continue
-        o, l_ = attention_ref(qb, kb, vb, **kw)
+        extra = {} if keep_of is None else {"keep": keep_of(bi, lq, lk)}
+        o, l_ = attention_ref(qb, kb, vb, **kw, **extra)
         out[q0:q0 + lq] = o[0]
         lse[:, q0:q0 + lq] = l_[0]
     return out, lse

@@ -54,5 +54,5 @@ def test_ops_are_registered_with_fake_impls():
 
     with FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
-        out, lse = ops.fwd(fq, fk, fk, None, None, None, None, None, None, None, None, True, None, None, 0.0, None, None)
+        out, lse, _rng = ops.fwd(fq, fk, fk, None, None, None, None, None, None, None, None, True, None, None, 0.0, None, None)
         assert out.shape == (2, 10, 4, 64) and lse.shape == (2, 4, 10) and lse.dtype == torch.float32

@@ -65,6 +65,59 @@ def test_gate_configs_light_heavy_and_split():
     assert not light.split_kv and not heavy.split_kv
 
 
+def test_dropout_gate_configs_light_and_heavy():
+    light, heavy, _split = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    drop_light, drop_heavy = config.dropout_gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    assert not light.has_dropout and not heavy.has_dropout and not _split.has_dropout
+    assert drop_light == config.replace(light, has_dropout=True)
+    assert drop_heavy == config.replace(heavy, has_dropout=True, dropout_seed_tensor=True)
+    assert not any(c.has_dropout for c in config.bwd_gate_configs("bf16", 128, 128))
+    assert "_drop" in drop_light.name() and "_drop" not in light.name()
+
+
+def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
+    """Every tile of every kernel that dropout can run gets its lightest and heaviest dropout set in the gate, and
+    the list stays small (CI time)."""
+    work = config.dropout_gate_worklist()
+    assert all(c.has_dropout for c in work) and len(work) <= 60
+    assert len({c.name() for c in work}) == len(work)
+
+    def tile_of(c):
+        if isinstance(c, config.FwdKernelConfig):
+            return ("fwd", c.tile)
+        return (type(c).__name__, c.tile_m, c.tile_n, c.num_warps)
+
+    heavy = {tile_of(c) for c in work if c.windowed and c.dropout_seed_tensor and c.has_softcap}
+    light = {tile_of(c) for c in work if not (c.windowed or c.has_softcap or c.varlen_q or c.dropout_seed_tensor)}
+    tiles = set()
+    for d, dv in config.supported_head_dim_pairs():
+        for w in (False, True):
+            tiles.add(("fwd", config.dropout_fwd_tile(d, dv, config.select_fwd_tile(d, dv, w))))
+        c = config.select_bwd_config("bf16", d, dv)
+        tiles.add(("BwdKernelConfig", c.tile_m, c.tile_n, c.num_warps))
+        c = config.select_dq_config("bf16", d, dv)
+        tiles.add(("DqKernelConfig", c.tile_m, c.tile_n, c.num_warps))
+    assert tiles <= heavy and tiles <= light
+    assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt" in {c.name() for c in work}
+
+
+def test_dropout_keeps_the_tile_except_where_it_spills():
+    """Dropout takes the tile of the path without it, except for the two measured spilling tiles (config.py),
+    where it takes the next tile of the preference list; the gate builds the dropout variants on that tile."""
+    moved = {}
+    for d, dv in config.supported_head_dim_pairs():
+        for windowed in (False, True):
+            tile = config.select_fwd_tile(d, dv, windowed)
+            dtile = config.dropout_fwd_tile(d, dv, tile)
+            assert not config.fwd_tile_problems(d, dv, dtile)
+            if dtile != tile:
+                moved[(d, dv)] = (tile.name(), dtile.name())
+    assert moved == {(192, 128): ("128x64w8s1qt", "128x64w8s1t"), (256, 256): ("64x64w4s1", "64x32w4s1")}
+    tile = config.select_fwd_tile(256, 256, False)
+    drop_light, drop_heavy = config.dropout_gate_configs("bf16", 256, 256, tile)
+    assert drop_light.tile == drop_heavy.tile == FwdTile(64, 32, 4, 1, False)
+
+
 @pytest.mark.parametrize(
     "causal,window,expected",
     [

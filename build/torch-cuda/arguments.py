@@ -15,6 +15,7 @@ Kinds:
           dim when ``split`` is on)
   i32vec  a 1-D int32 tensor (cu_seqlens, seqused)
   i32mat  a 2-D int32 tensor, last dim contiguous (page table)
+  i64vec  a 1-D int64 tensor (dropout seed on the device)
   f32vec  a 1-D fp32 tensor (learnable sink)
   i32nd   an int32 tensor of ``rank`` dims, last dim contiguous, int32 strides (block-sparse counts and indices)
   f32/i32 a runtime scalar
@@ -73,6 +74,19 @@ _SEQ_META = (
     Arg("seqused_k", "i32vec", when="seqused_k"),
 )
 
+# Dropout (config.has_dropout): keep threshold (uint32 bits), 1/(1-p), Philox seed and offset (32-bit halves);
+# the seed tensor replaces the scalar seed when config.dropout_seed_tensor.  All None without dropout, so the
+# p = 0 kernel is the kernel without dropout.
+_DROPOUT = (
+    Arg("dropout_threshold", "i32", when="has_dropout"),
+    Arg("dropout_scale", "f32", when="has_dropout"),
+    Arg("rng_seed_lo", "i32", when="has_dropout"),
+    Arg("rng_seed_hi", "i32", when="has_dropout"),
+    Arg("rng_offset_lo", "i32", when="has_dropout"),
+    Arg("rng_offset_hi", "i32", when="has_dropout"),
+    Arg("rng_seed", "i64vec", when="dropout_seed_tensor"),
+)
+
 FWD_ARGS = ArgRecord("forward", (
     _act("q", "head_dim", "varlen_q"),
     _act("k", "head_dim", "varlen_k"),
@@ -95,6 +109,7 @@ FWD_ARGS = ArgRecord("forward", (
     Arg("num_m_blocks", "i32"),
     Arg("num_head_groups", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))
 
 # The two backward kernels share their inputs; each adds its outputs and grid extents.
@@ -134,6 +149,7 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     Arg("num_n_blocks", "i32"),
     Arg("num_kv_heads", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))
 
 BWD_DQ_ARGS = ArgRecord("backward dQ", (
@@ -146,6 +162,7 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),
     Arg("num_batch", "i32"),
+    *_DROPOUT,
 ))
 
 # Split-KV combine: out_partial (splits, B, S, H, D) and lse_partial (splits, B, S, H) -> out (B, S, H, D), lse

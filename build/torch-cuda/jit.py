@@ -175,6 +175,8 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
         elif arg.kind == "i32mat":
             out.append(cute.runtime.make_fake_tensor(
                 cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4))
+        elif arg.kind == "i64vec":
+            out.append(cute.runtime.make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8))
         elif arg.kind == "i32nd":  # int32 strides (the host checks the extents), last dim contiguous
             out.append(cute.runtime.make_fake_tensor(
                 cutlass.Int32, tuple(cute.sym_int() for _ in range(arg.rank)),

@@ -15,13 +15,15 @@ in split 0 only (the kernel gives the other splits a -inf sink), which is exact.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .combine import launch_combine
 from .config import COMBINE_MAX_SPLITS, combine_head_dim_problem
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
-AUTO_MAX_SPLITS = 128
+AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (MQA B=1 KV 32K: 64 beat ~109, H100)
 SPLIT_GRAD_ERROR = (
     "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
     "with tensors that do not require grad, or leave num_splits at 1"
@@ -43,6 +45,7 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of four ints, called once per decode step: memoised
 def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int) -> int:
     """Splits that fill the GPU: 1 when the unsplit grid (``ctas``) already fills ~80% of the SMs; otherwise,
     among the split counts that change the blocks per split, the smallest whose wave efficiency (waves /

@@ -36,7 +36,7 @@ _DTYPES = {"fp32": Float32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 class FlashCombine:
     ARGS = COMBINE_ARGS
-    UNROLL = 4  # splits whose loads are issued together
+    UNROLL = 8  # splits whose loads are issued together (8: 32 fp32 registers of loads in flight per thread)
 
     def __init__(self, cfg: CombineKernelConfig):
         self.cfg = cfg

@@ -68,6 +68,13 @@ class FlashFwdSm80(FwdKernelBase):
         num_m_blocks: Int32,
         num_head_groups: Int32,
         num_batch: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         stream,
     ):
         dt = self.dtype
@@ -93,6 +100,7 @@ class FlashFwdSm80(FwdKernelBase):
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink,
             mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, scale_log2, softcap_prescale,
             window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
@@ -130,6 +138,13 @@ class FlashFwdSm80(FwdKernelBase):
         pack: Int32,
         qheads_per_kvhead: Int32,
         num_m_blocks: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -150,6 +165,7 @@ class FlashFwdSm80(FwdKernelBase):
             sparse, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
             rows_q, rows_k,
+            (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
         )
         self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
 
@@ -158,6 +174,7 @@ class FlashFwdSm80(FwdKernelBase):
         self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse,
         scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, sQ_layout,
         sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, rows_q, rows_k,
+        dropout,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -170,7 +187,7 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
-                             mPageTable, split)
+                             mPageTable, split, dropout)
         if m_block * self.tile_m < ts.num_rows:
             self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, sparse, qheads_per_kvhead, sQ_layout, sK_layout,
                               sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)
@@ -215,6 +232,7 @@ class FlashFwdSm80(FwdKernelBase):
         tOsVt = ldsm_copy_v.partition_S(sVt)
 
         tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
+        row_bh = self.row_bh(ts, tScS_mn)
         num_my_rows = cute.size(row_qpos)
         state_max = cute.make_rmem_tensor(num_my_rows, Float32)
         state_sum = cute.make_rmem_tensor(num_my_rows, Float32)
@@ -272,7 +290,7 @@ class FlashFwdSm80(FwdKernelBase):
                 tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
                 ldsm_copy_q=ldsm_copy_q, ldsm_copy_k=ldsm_copy_k, ldsm_copy_v=ldsm_copy_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, load_k=load_k, load_v=load_v, n_min=n_min,
-                score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, kv_tile=kv_tile,
+                score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, row_bh=row_bh, kv_tile=kv_tile,
             )
             # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
             block.run_kv_schedule(step, Int32(0), plan)
@@ -296,7 +314,7 @@ class FlashFwdSm80(FwdKernelBase):
         n_block: Int32,
         stage: Int32,
         tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_copy_q, ldsm_copy_k, ldsm_copy_v, acc_O,
-        state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos, kv_tile,
+        state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, kv_tile,
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_right: cutlass.Constexpr[bool],
@@ -307,6 +325,7 @@ class FlashFwdSm80(FwdKernelBase):
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
+        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
 
@@ -333,8 +352,8 @@ class FlashFwdSm80(FwdKernelBase):
         n_real = n_block
         if const_expr(kv_tile is not None):
             n_real = kv_tile(n_block)
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_real,
-                                is_first, mask_seqlen, mask_right, mask_left)
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
+                                n_real, is_first, mask_seqlen, mask_right, mask_left)
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed

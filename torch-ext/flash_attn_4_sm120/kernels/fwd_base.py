@@ -57,6 +57,12 @@ class FwdKernelBase(KernelStateMixin):
         self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
+        # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
+        # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
+        self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
+        # measured on sm_120a (compile gate): the d192 TMA tile reading Q from shared memory (128x64, one stage)
+        # spilled 10 STL/LDL in its lightest dropout set (d192/dv192) with a row pair's four Philox calls unrolled
+        self.dropout_group_loop = t.tma and t.tile_m == 128 and t.tile_n == 64 and t.num_stages == 1 and not t.q_in_regs
 
     def compute_sync(self):
         raise NotImplementedError
@@ -88,9 +94,9 @@ class FwdKernelBase(KernelStateMixin):
 
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
-                   mPageTable=None, split=None) -> TileState:
+                   mPageTable=None, split=None, dropout=None) -> TileState:
         st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, split)
+                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, split, dropout)
         return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
@@ -113,17 +119,41 @@ class FwdKernelBase(KernelStateMixin):
         return tScS_mn, t0ScS_mn, row_qpos
 
     @cute.jit
+    def row_bh(self, ts: TileState, tScS_mn):
+        """Dropout's per-row Philox counter word, (batch << 16) | query head, of this thread's rows (None without
+        dropout)."""
+        res = None
+        if const_expr(self.cfg.has_dropout):
+            num_rows = cute.size(tScS_mn, mode=[0])
+            res = cute.make_rmem_tensor(num_rows, Int32)
+            for r in cutlass.range_constexpr(num_rows):
+                _, head = ts.q_head(ts.m_block * self.tile_m + tScS_mn[r, 0][0])
+                res[r] = (ts.seq.batch << 16) | head
+        return res
+
+    @cute.jit
+    def dropout_bits(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
+        """Keep bits of this KV block (None without dropout).  Called before the S mma: the Philox work then runs
+        while S is not live (score.py)."""
+        bits = None
+        if const_expr(score.has_dropout):
+            bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        return bits
+
+    @cute.jit
     def scores_to_p(
-        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
+        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits, n_block,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
-        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> P in the input dtype,
-        returned as the A operand of the P V mma."""
+        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> dropout (after the row sums
+        took the undropped P) -> P in the input dtype, returned as the A operand of the P V mma."""
         score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
+        if const_expr(score.has_dropout):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
+            score.dropout_fwd(rP, drop_bits)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit
@@ -143,6 +173,8 @@ class FwdKernelBase(KernelStateMixin):
                     _, _, bz = cute.arch.block_idx()
                     if bz % mO.shape[0] != 0:
                         sink[r] = -Float32.inf
+        if const_expr(cfg.has_dropout):  # O accumulated P * keep: the 1/(1-p) of the kept ones, once
+            acc_O.store(acc_O.load() * ts.score.rng.scale)
         softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
         self.store_lse(ts, self.split_slice(mLSE), lse, tScS_mn)
         if const_expr(not cfg.split_kv):  # split-KV stores from registers: smem is not reused

@@ -77,6 +77,13 @@ class FlashFwdWsSm120(FwdKernelBase):
         num_m_blocks: Int32,
         num_head_groups: Int32,
         num_batch: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         stream,
     ):
         mQ, mK, mV = q, k, v
@@ -115,7 +122,8 @@ class FlashFwdWsSm120(FwdKernelBase):
         self.kernel(
             mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
-            rows_q, rows_k,
+            rows_q, rows_k, dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
+            rng_offset_hi, rng_seed,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
@@ -130,6 +138,9 @@ class FlashFwdWsSm120(FwdKernelBase):
         self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
         scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
         qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
         copy_q: cute.TiledCopy, copy_o: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -141,6 +152,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
             softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
+            (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
         )
         self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
 
@@ -149,7 +161,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
         softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
         tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o,
-        SharedStorage: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr, dropout,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -162,7 +174,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack,
-                             split=split)
+                             split=split, dropout=dropout)
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)
@@ -230,6 +242,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         tSsQ, tSsK, tOsVt = ldsm_q.partition_S(sQ), ldsm_k.partition_S(sK), ldsm_v.partition_S(sVt)
 
         tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
+        row_bh = self.row_bh(ts, tScS_mn)
         state_max = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_sum = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_max.fill(-Float32.inf)
@@ -247,7 +260,7 @@ class FlashFwdWsSm120(FwdKernelBase):
                 pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
                 tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
-                row_qpos=row_qpos, sV=sV, tidx=tidx,
+                row_qpos=row_qpos, row_bh=row_bh, sV=sV, tidx=tidx,
             )
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             ts.block.run_kv_schedule(step, state, plan)
@@ -257,15 +270,16 @@ class FlashFwdWsSm120(FwdKernelBase):
     def kv_step(
         self, n_block: Int32, state,
         pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
-        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, sV, tidx,
+        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, sV, tidx,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
         """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
+        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, n_block,
-                                is_first, mask_seqlen, mask_right, mask_left)
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
+                                n_block, is_first, mask_seqlen, mask_right, mask_left)
         if const_expr(mask_seqlen):
             # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds
             # there (the next sequence, padding, NaN from torch.empty); P is 0 on them, but 0 * NaN is NaN

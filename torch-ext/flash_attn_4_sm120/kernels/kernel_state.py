@@ -10,6 +10,7 @@ from cutlass import const_expr
 
 from .block_info import BlockInfo, SplitBlockInfo
 from .kv_source import ContiguousKV, PagedKV
+from .philox import DropoutRng
 from .score import ScoreHook
 from .seqlen_info import SeqInfo
 
@@ -27,6 +28,15 @@ class KernelStateMixin:
 
     block_info_cls = BlockInfo
     kv_source_cls = ContiguousKV
+    # dropout: every thread's first S-accumulator column is even and < 8 mod 16 (true when warps are stacked
+    # along M), so one Philox call serves 4 of its elements (kernels/philox.py); else one call per column pair
+    dropout_quad_ok = True
+    # dropout: make a tile's keep bits one row per loop iteration (ScoreHook.dropout_bits); a kernel may turn it
+    # off where the compile gate measured fewer registers unrolled
+    dropout_row_loop = True
+    # dropout: make a row pair's Philox calls one per iteration of a loop that is not unrolled (ScoreHook._pair_rows);
+    # a kernel turns it on where the unrolled calls spill (measured by the compile gate)
+    dropout_group_loop = False
 
     def seq_rows(self, mQ, mK, mPageTable=None):
         """Sequence extent of q and k as given: total rows when varlen, else Sq / Sk; with a page table (paged
@@ -54,10 +64,12 @@ class KernelStateMixin:
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
                      softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None,
-                     split=None) -> KernelState:
+                     split=None, dropout=None) -> KernelState:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
         ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
-        a split-KV forward (its KV range comes from SplitBlockInfo), else None."""
+        a split-KV forward (its KV range comes from SplitBlockInfo), else None.  ``dropout``: the kernel's dropout
+        arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor), all None when the config has no
+        dropout."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if const_expr(split is not None):
@@ -66,5 +78,9 @@ class KernelStateMixin:
         else:
             block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right,
                                         pack)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        rng = None
+        if const_expr(cfg.has_dropout):
+            rng = DropoutRng.create(*dropout)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
+                                 rng, self.dropout_quad_ok, self.dropout_row_loop, self.dropout_group_loop)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

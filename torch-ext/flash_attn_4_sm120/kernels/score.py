@@ -3,9 +3,16 @@ probabilities, written once and used by the forward kernels and both backward ke
 same code everywhere.
 
 Today it holds the scale (in the log2 domain), softcap and the causal / sliding-window / sequence-end masks.
-Score modifiers (score_mod, mask_mod) and dropout plug in here: the forward calls ``apply`` before its online
-softmax, the backward calls ``apply`` and then ``backward_p_ds``, which recomputes P from the saved LSE and
-forms dS, including the derivative of whatever ``apply`` did (softcap's 1 - tanh^2 today).
+Score modifiers (score_mod, mask_mod) plug in here: the forward calls ``apply`` before its online softmax, the
+backward calls ``apply`` and then ``backward_p_ds``, which recomputes P from the saved LSE and forms dS,
+including the derivative of whatever ``apply`` did (softcap's 1 - tanh^2 today).
+
+Dropout (``has_dropout``, a compile-time flag; the keep mask is the Philox function of (seed, offset, b, h, i, j)
+in kernels/philox.py, never of the tile): the forward's row sums / LSE take the undropped P and O accumulates
+P * keep (``dropout_fwd``; the 1/(1-p) scale is applied to O once, in the epilogue).  The backward follows
+FlashAttention-2: with dP = dO V^T and D = rowsum(dO * O),
+    dS = P * (keep * dP / (1 - p) - D),      dV = (P * keep / (1 - p))^T dO
+(the dK/dV kernel scales dV by 1/(1-p) once at the end).
 
 Mask conventions: see block_info.py.  Only boundary blocks are masked (the caller says which masks a block
 needs, as compile-time flags); the inner loop is one integer compare + select per element.
@@ -15,11 +22,26 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, Uint64, const_expr
 
 from ..config import WINDOW_UNBOUNDED
 from .cute_utils import LOG2_E, acc_mn_view
+from .philox import DropoutRng, column_groups, row_pairs
 from .seqlen_info import SeqInfo
+
+
+def _regular_step(groups):
+    """Trace time: the column step between consecutive Philox groups when they are evenly spaced, of one kind,
+    and cover mn-view columns in order (group g = columns g * n ... g * n + n - 1); else None."""
+    if not groups:
+        return None
+    kind, t00, cs0 = groups[0]
+    n = len(cs0)
+    step = groups[1][1] - t00 if len(groups) > 1 else 0
+    for g, (k, t0, cs) in enumerate(groups):
+        if k != kind or t0 != t00 + g * step or tuple(cs) != tuple(range(g * n, g * n + n)):
+            return None
+    return step if n * len(groups) <= 32 else None
 
 
 @dataclass(frozen=True)
@@ -37,11 +59,20 @@ class ScoreHook:
     window_left: Int32
     window_right: Int32
     diag: Int32  # seqlen_k - seqlen_q: query i's diagonal key is i + diag (bottom-right alignment)
+    has_dropout: bool = False
+    quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
+    rng: DropoutRng | None = None
+    row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
+    dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
+    group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
 
     @staticmethod
-    def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right):
+    def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
+               rng=None, quad_ok: bool = True, row_loop: bool = True, group_loop: bool = False):
+        has_dropout = getattr(cfg, "has_dropout", False)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
-                         window_right, seq.seqlen_k - seq.seqlen_q)
+                         window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
+                         rng if has_dropout else None, row_loop, getattr(cfg, "dropout_packed", False), group_loop)
 
     @cute.jit
     def for_sparse_block(self, masked) -> "ScoreHook":
@@ -98,6 +129,242 @@ class ScoreHook:
                 elif const_expr(mask_seqlen or mask_right):
                     if col >= hi:
                         s_mn[r, c] = -Float32.inf
+
+    # ---- dropout
+    # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
+    # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
+    # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code; the
+    # consumers below read one bit per element.
+    def _dropout_groups(self, t0ScS_mn):
+        """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
+        ncols = cute.size(t0ScS_mn, mode=[1])
+        return column_groups([t0ScS_mn[0, c][1] for c in range(ncols)], self.quad_ok)
+
+    def dropout_num_words(self, tScS_mn) -> int:
+        return -(-cute.size(tScS_mn) // 32)
+
+    @cute.jit
+    def _group_values(self, w, kind: cutlass.Constexpr, col: Int32):
+        """The 32-bit words of a thread's columns in one Philox call: (w0, w1, w2, w3) for a quad; for a pair
+        (columns j, j + 1 only) words 0/1 when j % 16 < 8, else 2/3."""
+        if const_expr(kind == "quad"):
+            return (w[0], w[1], w[2], w[3])
+        else:
+            hi = (col & 8) != 0
+            return (w[2] if hi else w[0], w[3] if hi else w[1])
+
+    @staticmethod
+    def _place(bits: cute.Tensor, r: int, ncols: int, row: Uint32):
+        """Trace time: OR row ``r``'s keep bits (bit c for mn-view column c) into the packed words."""
+        first = r * ncols
+        if first % 32 + ncols <= 32:
+            shifted = row if first % 32 == 0 else row << Uint32(first % 32)
+            bits[first // 32] = bits[first // 32] | shifted
+        else:
+            for c in range(ncols):
+                idx = first + c
+                bits[idx // 32] = bits[idx // 32] | (((row >> Uint32(c)) & Uint32(1)) << Uint32(idx % 32))
+
+    @cute.jit
+    def _paired_bits(self, bits: cute.Tensor, pairs, groups, ncols: int, col_base: Int32, row_qpos: cute.Tensor,
+                     row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits of the thread's row pairs (mn rows r, r + 1 = tile rows g, g + 8 of an m16 atom), which are
+        query positions i, i + 8 (i % 16 < 8) of one head: one Philox call per column group gives both rows (low
+        halves row i, high halves row i + 8).  Several pairs are a loop that is not unrolled (as in
+        ``_single_row_bits``) when the bits fit a 64-bit shift register and the kernel's ``dropout_row_loop``
+        says so."""
+        npairs = len(pairs)
+        total = 2 * npairs * ncols
+        if const_expr(npairs > 1 and total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for pi in cutlass.range(npairs, unroll=1):
+                qpos = row_qpos[pairs[0][0]]
+                for pj in cutlass.range_constexpr(1, npairs):
+                    qpos = row_qpos[pairs[pj][0]] if pi == pj else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[pairs[0][0]]
+                    for pj in cutlass.range_constexpr(1, npairs):
+                        bh = row_bh[pairs[pj][0]] if pi == pj else bh
+                lo_row, hi_row = self._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
+                # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...)
+                acc = (acc >> Uint64(2 * ncols)) | (Uint64(lo_row) << Uint64(total - 2 * ncols)) | (
+                    Uint64(hi_row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            for pi in cutlass.range_constexpr(npairs):
+                ra, rb = pairs[pi]
+                bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
+                lo_row, hi_row = self._pair_rows(groups, col_base, row_qpos[ra], bh, k0, k1, t)
+                self._place(bits, ra, ncols, lo_row)
+                self._place(bits, rb, ncols, hi_row)
+
+    @cute.jit
+    def _pair_rows(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits (bit c for mn-view column c) of query rows qpos (i % 16 < 8) and qpos + 8.  With
+        ``group_loop`` (a kernel choice, where the unrolled calls spill) and evenly spaced groups, the column
+        groups are a loop that is not unrolled: one Philox call in flight, bits shifted in per group."""
+        lo_row = Uint32(0)
+        hi_row = Uint32(0)
+        step = _regular_step(groups)
+        if const_expr(self.group_loop and step is not None and len(groups) > 1):
+            kind = groups[0][0]
+            per = len(groups[0][2])
+            ncols = per * len(groups)
+            for gi in cutlass.range(len(groups), unroll=1):
+                col = col_base + gi * step
+                w = self.rng.words(col, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col)
+                lo_g = Uint32(0)
+                hi_g = Uint32(0)
+                for e in cutlass.range_constexpr(per):
+                    lo_g = lo_g | (Uint32(1 << e) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                    hi_g = hi_g | (Uint32(1 << e) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+                # shift register: after the last group, group g's bits sit at [g * per, (g + 1) * per)
+                lo_row = (lo_row >> Uint32(per)) | (lo_g << Uint32(ncols - per))
+                hi_row = (hi_row >> Uint32(per)) | (hi_g << Uint32(ncols - per))
+        else:
+            for gi in cutlass.range_constexpr(len(groups)):
+                kind, t0, cs = groups[gi]
+                w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col_base + t0)
+                for e in cutlass.range_constexpr(len(cs)):
+                    lo_row = lo_row | (Uint32(1 << cs[e]) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                    hi_row = hi_row | (Uint32(1 << cs[e]) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+        return lo_row, hi_row
+
+    @cute.jit
+    def _row_bits(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
+                  t: Uint32) -> Uint32:
+        """Keep bits of one row on its own (bit c for mn-view column c, ncols <= 32): the row's half of each
+        Philox call, the other half unused (rows that do not pair up: packed GQA in the forward)."""
+        row = Uint32(0)
+        shift = Uint32((qpos & 8) << 1)  # 0 for i % 16 < 8 (low half), 16 otherwise
+        for gi in cutlass.range_constexpr(len(groups)):
+            kind, t0, cs = groups[gi]
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+            mine = self._group_values(w, kind, col_base + t0)
+            for e in cutlass.range_constexpr(len(cs)):
+                row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(0xFFFF)) >= t else Uint32(0))
+        return row
+
+    @cute.jit
+    def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32,
+                         row_qpos: cute.Tensor, row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32,
+                         t: Uint32):
+        """Keep bits row by row (one Philox call per row and column group).  The rows are a loop that is not
+        unrolled when the bits fit one 64-bit shift register and the kernel's ``dropout_row_loop`` says so: ptxas
+        then cannot interleave the Philox calls of every row for ILP, which would need ~10 registers per call in
+        flight."""
+        total = nrows * ncols
+        if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for r in cutlass.range(nrows, unroll=1):
+                qpos = row_qpos[0]
+                for rr in cutlass.range_constexpr(1, nrows):
+                    qpos = row_qpos[rr] if r == rr else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[0]
+                    for rr in cutlass.range_constexpr(1, nrows):
+                        bh = row_bh[rr] if r == rr else bh
+                row = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
+                # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
+                acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            for r in cutlass.range_constexpr(nrows):
+                bh = row_bh if const_expr(scalar_bh) else row_bh[r]
+                self._place(bits, r, ncols, self._row_bits(groups, col_base, row_qpos[r], bh, k0, k1, t))
+
+    @cute.jit
+    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
+                     n_block: Int32) -> cute.Tensor:
+        """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
+        ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
+        forward with packed GQA) or one for all rows (an Int32, backward).
+
+        A thread's rows g and g + 8 of each m16 atom are query positions i, i + 8 (i % 16 < 8) of one head in the
+        backward kernels and in the forward without GQA packing: one Philox call then decides 8 elements, all
+        this thread's.  A forward compiled for packed GQA rows (``dropout_packed``: a row is a (position, head)
+        pair; the dispatcher picks that config whenever pack > 1) makes each row on its own, using half of each
+        call."""
+        nrows = cute.size(tScS_mn, mode=[0])
+        ncols = cute.size(tScS_mn, mode=[1])
+        groups = self._dropout_groups(t0ScS_mn)
+        pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
+        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
+        bits.fill(0)
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        if const_expr(pairs is None or self.dropout_packed):
+            self._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+        else:
+            self._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+        return bits
+
+    @staticmethod
+    def _kept(bits: cute.Tensor, idx: int):
+        """Element ``idx``'s keep bit (``idx`` is trace-time)."""
+        return (bits[idx // 32] & Uint32(1 << (idx % 32))) != Uint32(0)
+
+    @cute.jit
+    def dropout_fwd(self, acc_P: cute.Tensor, bits: cute.Tensor):
+        """Zero the dropped probabilities of a P tile (16-bit, after the online softmax summed them)."""
+        p_mn = acc_mn_view(acc_P)
+        ncols = cute.size(p_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                p_mn[r, c] = p_mn[r, c] if keep else p_mn.element_type(0.0)
+
+    @cute.jit
+    def _ds_dropout(self, s, p, dp, d_r, keep):
+        """(dS, P * keep) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS."""
+        dp_eff = dp * self.rng.scale if keep else Float32(0.0)
+        ds = p * (dp_eff - d_r)
+        if const_expr(self.has_softcap):
+            ds = ds * cute.arch.fmax(1.0 - s * s, 0.0)
+        return ds, (p if keep else Float32(0.0)), dp_eff
+
+    @cute.jit
+    def backward_ds_dropout(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor,
+                            bits: cute.Tensor):
+        """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
+        of dV is applied once by the caller)."""
+        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        ncols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keep)
+                dp_mn[r, c] = ds
+                p_mn[r, c] = p_kept
+
+    @cute.jit
+    def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
+                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor):
+        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp) with dropout; dP is
+        the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
+        s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        ncols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
+                ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keep)
+                pdp[r] = pdp[r] + p * dp_eff
+                dp_mn[r, c] = ds
 
     # ---- backward
     @cute.jit
