@@ -44,7 +44,8 @@ CASES = {
     "split kv past grid z": (lambda: qkv(b=300, s=1), {"num_splits": 256}, ValueError, "grid limit"),
     "split kv float": (lambda: qkv(), {"num_splits": 2.0}, ValueError, "num_splits must be an int"),
     "block sparse type": (lambda: qkv(), {"block_sparse_tensors": object()}, ValueError, "BlockSparseTensors"),
-    "dropout": (lambda: qkv(), {"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    "dropout out of range": (lambda: qkv(), {"dropout_p": 1.5}, ValueError, "dropout_p"),
+    "dropout with split kv": (lambda: qkv(), {"dropout_p": 0.1, "num_splits": 2}, ValueError, "num_splits"),
     "score_mod": (lambda: qkv(), {"score_mod": lambda *a: a[0]}, NotImplementedError, "score_mod"),
     "pack_gqa type": (lambda: qkv(hq=8, hkv=2), {"pack_gqa": "yes"}, ValueError, "pack_gqa"),
 }
