@@ -12,10 +12,12 @@ does nothing else: CuTe-DSL is imported, and kernels are compiled, on the first 
 from . import ops  # noqa: F401 - registers the torch.library ops (for torch.compile); touches neither CUDA nor CuTe-DSL
 from .block_sparse import (BlockSparseTensors, block_sparse_bwd_from_flex, block_sparse_from_flex,
                            block_sparse_from_mask)
+from .dropout import dropout_mask
 from .features import FEATURES
 from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __version__ = "1.0.0"
 
-__all__ = ["BlockSparseTensors", "FEATURES", "__version__", "block_sparse_bwd_from_flex", "block_sparse_from_flex", "block_sparse_from_mask", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
+__all__ = ["BlockSparseTensors", "FEATURES", "__version__", "block_sparse_bwd_from_flex", "block_sparse_from_flex",
+           "block_sparse_from_mask", "dropout_mask", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache"]

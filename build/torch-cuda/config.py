@@ -80,6 +80,11 @@ class FwdKernelConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
+    has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
+    dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
+    # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
+    # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
+    dropout_packed: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
     # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
     # sparse_kv_ratio KV tiles; 0 = off
@@ -102,6 +107,9 @@ class FwdKernelConfig:
                 ("uq", self.seqused_q),
                 ("uk", self.seqused_k),
                 ("paged", self.paged),
+                ("drop", self.has_dropout),
+                ("seedt", self.dropout_seed_tensor),
+                ("dpack", self.dropout_packed),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
             )
@@ -213,6 +221,27 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
+# Forward tiles that spill on sm_120a when compiled with dropout (compile gate, measured: registers/spills in
+# CONFLICTS_LOG), per (head_dim, head_dim_v): dropout there takes the next tile of the preference list that is
+# not listed (``dropout_fwd_tile``).  Every other pair keeps the tile of the path without dropout.
+_DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
+    (192, 128): (FwdTile(128, 64, 8, 1, True, True),),
+    (256, 256): (FwdTile(64, 64, 4, 1, False),),
+}
+
+
+def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
+    """The forward tile of a dropout call whose path without dropout uses ``tile``."""
+    bad = _DROPOUT_SPILLING_TILES.get((head_dim, head_dim_v), ())
+    if tile not in bad:
+        return tile
+    for cand in _TILE_PREFERENCE[max(head_dim, head_dim_v)]:
+        if cand not in bad and not fwd_tile_problems(head_dim, head_dim_v, cand):
+            return cand
+    raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile without register spills "
+                     "for dropout")
+
+
 # Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
 # narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
 # stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
@@ -308,10 +337,37 @@ def split_tile(tile: FwdTile) -> FwdTile:
     return SPLIT_TILE_FALLBACK.get(tile, tile)
 
 
+# Decode tiles: a call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS: decode
+# and speculative decode), split or not, runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
+# of the prefill tile, whose 128 rows would be mostly padding (unsplit B=64 KV 2K: 210 -> 183 us).  Measured on the H100 proxy (benchmarks/results/
+# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
+# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
+# (page 64) 99 us -> 78 us.
+DECODE_MAX_ROWS = 64
+_DECODE_TILES: dict[int, FwdTile] = {
+    32: FwdTile(64, 64, 4, 2), 64: FwdTile(64, 64, 4, 2), 96: FwdTile(64, 64, 4, 2), 128: FwdTile(64, 64, 4, 2),
+    192: FwdTile(64, 32, 4, 2), 256: FwdTile(64, 32, 4, 2),
+}
+
+
+def decode_tile(head_dim: int, head_dim_v: int) -> FwdTile | None:
+    """The tile of a split-KV call with at most DECODE_MAX_ROWS query rows per CTA, or None (use split_tile).
+    Memoised like select_fwd_tile."""
+    return _decode_tile(head_dim, head_dim_v, _TABLE_VERSION[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | None:
+    tile = _DECODE_TILES.get(max(head_dim, head_dim_v))
+    if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
+        return None
+    return tile
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
-    heaviest split-KV variant.  Feature flags only add code on boundary tiles, the epilogue or the prologue; the
-    heaviest variant bounds register pressure from above."""
+    heaviest split-KV variant (dropout variants: ``dropout_gate_configs``).  Feature flags only add code on boundary
+    tiles, the epilogue or the prologue; the heaviest variant bounds register pressure from above."""
     base = FwdKernelConfig(dtype, d, dv, tile)
     heavy = replace(
         base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
@@ -319,7 +375,41 @@ def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelCo
     )
     # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
     # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    return [base, heavy] + ([replace(heavy, split_kv=True, tile=split_tile(tile))] if dtype == "bf16" else [])
+    out = [base, heavy]
+    if dtype == "bf16":
+        out.append(replace(heavy, split_kv=True, tile=split_tile(tile)))
+    return out
+
+
+def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
+    """The dropout variants the compile gate builds for a forward tile: the lightest and the heaviest feature set
+    with dropout (Philox work on every tile), on the tile ``dropout_fwd_tile`` gives."""
+    base, heavy = gate_configs(dtype, d, dv, tile)[:2]
+    dtile = dropout_fwd_tile(d, dv, tile)
+    return [replace(base, tile=dtile, has_dropout=True),
+            replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
+
+
+def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
+    """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
+    return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
+
+
+def decode_gate_worklist() -> list[FwdKernelConfig]:
+    """The decode tiles' configurations the compile gate builds: bf16, dv == d at the largest head dim of each
+    decode tile (and d=192, the other user of the 64x32 one): contiguous and paged, the lightest feature set and
+    the heaviest with and without split-KV."""
+    out = []
+    for d in (128, 192, 256):
+        tile = decode_tile(d, d)
+        if tile is None:
+            continue
+        base = FwdKernelConfig("bf16", d, d, tile, seqused_k=True)
+        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                        seqused_q=True)
+        out += [base, heavy, replace(heavy, varlen_k=False, split_kv=True), replace(base, paged=True),
+                replace(heavy, varlen_k=False, paged=True, split_kv=True)]
+    return out
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
@@ -379,6 +469,8 @@ class BwdKernelConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    has_dropout: bool = False
+    dropout_seed_tensor: bool = False
     # block sparsity (kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by sparse_kv_ratio KV
     # tiles of this kernel; 0 = off.  The dK/dV kernel walks the KV-major (transposed) lists, the dQ kernel the
     # forward's (Q-major) lists.
@@ -392,7 +484,8 @@ class BwdKernelConfig:
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
                                  ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
-                                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse)) if on]
+                                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
+                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor)) if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + ("_" + "_".join(flags) if flags else ""))
 
@@ -479,13 +572,53 @@ def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
                                                         tn * cfg.head_dim_v))
 
 
+_BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
+
+
 def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
-    kernel and of the dQ kernel."""
-    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
-    base = select_bwd_config(dtype, d, dv)
-    dq = select_dq_config(dtype, d, dv)
-    return [base, replace(base, **heavy), dq, replace(dq, **heavy)]
+    kernel and of the dQ kernel (dropout variants: ``dropout_gate_worklist``)."""
+    out = []
+    for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
+        out += [cfg, replace(cfg, **_BWD_HEAVY)]
+    return out
+
+
+def dropout_gate_worklist() -> list:
+    """The dropout configurations the compile gate builds: per tile of every kernel (forward TMA and cp.async on the
+    tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
+    (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
+    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
+    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows.  Dropout adds the same Philox code to every
+    pair of a tile, so the pairs between these add nothing the gate would not see."""
+    groups: dict[tuple, list] = {}
+    for dtype, d, dv, tile in all_fwd_tile_configs():
+        if dtype == "bf16":
+            groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
+    for d, dv in supported_head_dim_pairs():
+        for sel in (select_bwd_config, select_dq_config):
+            c = sel("bf16", d, dv)
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps), []).append((d, dv, None))
+    out = []
+    for key, pairs in groups.items():
+        big = max(pairs, key=lambda x: (x[0], x[1]))
+        thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
+        picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
+        if key[0] == "fwd":
+            picks.append(("bf16", big, "packed"))
+        if thin != big:
+            picks.append(("bf16", thin, True))
+        for dtype, (d, dv, tile), heavy in picks:
+            if key[0] == "fwd" and heavy == "packed":
+                out.append(dropout_packed_gate_config(dtype, d, dv, tile))
+            elif key[0] == "fwd":
+                light, hv = dropout_gate_configs(dtype, d, dv, tile)
+                out.append(hv if heavy else light)
+            else:
+                sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
+                flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
+                out.append(sel(dtype, d, dv, has_dropout=True, **flags))
+    return out
 
 
 def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:

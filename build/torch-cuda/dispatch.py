@@ -21,18 +21,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import splitkv as SK
 from . import block_sparse as BS
+from . import dropout as D
+from . import splitkv as SK
 from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
 from .launch import compiled_kernel as _kernel, launch as _launch
 from .config import (
     FwdKernelConfig,
     MAX_SEQLEN,
+    dropout_fwd_tile,
     select_bwd_config,
     select_dq_config,
     select_fwd_tile,
     split_tile,
+    decode_tile,
+    DECODE_MAX_ROWS,
     select_sparse_tile,
     table_version,
 )
@@ -41,6 +45,9 @@ _LOG2_E = math.log2(math.e)
 PAGED_GRAD_ERROR = (
     "paged K/V (page_table) is inference-only: the backward does not read pages. Call it under torch.no_grad() "
     "or with tensors that do not require grad (got q, k, v or learnable_sink with requires_grad=True)"
+)
+PAGED_DROPOUT_ERROR = (
+    "dropout_p={p} with paged K/V (page_table): paged K/V is inference-only and has no dropout; pass dropout_p=0"
 )
 _DEBUG_ENV: list = []  # [bool] once read
 
@@ -69,6 +76,17 @@ class FwdMeta:
     max_q: int
     max_k: int
     sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
+    dropout: D.DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
+
+
+def _rng_args(drop) -> tuple:
+    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor): all None
+    without dropout (the p = 0 kernel takes none of them)."""
+    if drop is None:
+        return (None,) * 7
+    v = drop.kernel_values()
+    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
+            v["rng_offset_hi"], v["rng_seed"])
 
 
 @dataclass
@@ -89,24 +107,33 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
-          sparse: tuple = (0, 0), sparse_bwd: tuple = (0, 0, 0, 0)) -> _Plan:
+          sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
+          seed_tensor: bool = False, dropout_packed: bool = False) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles); ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV
-    kernel (KV-major lists), (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off."""
+    runs the cp.async tiles); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
+    ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
+    (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
+    seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
+    those pairs).  Every argument after ``device_index`` is passed by keyword."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           sparse_bwd, table_version())
+           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
-        if split:
+        if decode:
+            tile = decode_tile(d, dv)
+        elif split:
             tile = split_tile(tile)
+        if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
+            tile = dropout_fwd_tile(d, dv, tile)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
-                                     sparse_kv_ratio=sparse[1]))
+                                     sparse_kv_ratio=sparse[1], has_dropout=dropout,
+                                     dropout_seed_tensor=seed_tensor, dropout_packed=dropout_packed))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                         seqused_k=uk)
+                         seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor)
             plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[2],
                                              sparse_kv_ratio=sparse_bwd[3])  # raises now, not mid-step
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[0],
@@ -297,17 +324,28 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None, num_splits=1, block_sparse_tensors=None, block_sparse_tensors_bwd=None):
+                page_table=None, num_splits=1, block_sparse_tensors=None, block_sparse_tensors_bwd=None,
+                dropout_p=0.0, dropout_seed=None, dropout_offset=None):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
-    only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic).
-    ``block_sparse_tensors``: see block_sparse.py (one split); with ``needs_grad`` the block sizes for the backward
-    and ``block_sparse_tensors_bwd`` (the KV-major lists, optional) are checked here and kept in the meta."""
+    only: with ``needs_grad`` or dropout it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 =
+    automatic).  ``block_sparse_tensors``: see block_sparse.py (one split); with ``needs_grad`` the block sizes for
+    the backward and ``block_sparse_tensors_bwd`` (the KV-major lists, optional) are checked here and kept in the
+    meta.
+
+    Dropout (dropout.py states the RNG contract): 0 < p < 1 runs the kernels compiled with dropout; p = 0 the
+    kernels without it; p = 1 the kernels without it, then O = 0 (the LSE is that of the undropped scores, and
+    the backward gives only the LSE's gradient).  Dropout with split-KV (num_splits != 1) or block sparsity
+    raises ValueError."""
+    p_drop = D.check_p(dropout_p)
     num_splits = SK.check_num_splits(num_splits)
+    sparse = block_sparse_tensors is not None
+    D.refuse_combinations(dropout_p, p_drop, num_splits, sparse)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
-    sparse = block_sparse_tensors is not None
+    if page_table is not None and p_drop > 0.0:
+        raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
     if sparse:
         BS.refuse_combinations(page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
@@ -319,6 +357,13 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         debug_checks=debug_checks, page_table=page_table)
+    drop = None
+    if p_drop > 0.0:
+        drop = D.resolve(p_drop, dropout_seed, dropout_offset, dev, _capturing())
+        meta = replace(meta, dropout=drop)
+    elif dropout_seed is not None or dropout_offset is not None:
+        D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
+    in_kernel = drop is not None and drop.p < 1.0
     ratios, sparse_args = (0, 0), (None, None, None, None)
     if sparse:
         ratios, sparse_args = BS.check_block_sparse(
@@ -331,7 +376,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                 debug=debug_checks_enabled(debug_checks)))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                 paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta))
+                 paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
+                 seed_tensor=in_kernel and drop.seed_tensor is not None)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -347,19 +393,38 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     tile_m = plan.fwd_cfg.tile.tile_m
     ratio = hq // hkv
     pack = 1 if sparse else _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
+    if in_kernel and pack > 1 and plan.fwd_cfg.tile.tile_n > 64:
+        # known issue (H100, 2026-11-22): the packed-row keep bits on the 128-key tiles (d <= 64 with causal or
+        # a window) gave wrong outputs; those calls run unpacked (same result, one head per tile row block)
+        pack = 1
+    if in_kernel and pack > 1:  # packed rows make the keep bits row by row (config.FwdKernelConfig.dropout_packed)
+        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
+                     paged=page_table is not None, sparse=ratios, dropout=True,
+                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True)
     scale_log2, prescale = _log2_scales(meta)
-    num_m_blocks = -(-meta.max_q * pack // tile_m)
+    # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
+    # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)
+    # (not with in-kernel dropout: its tiles are gated on the prefill tiles)
+    decode = (not sparse and not in_kernel and meta.max_q * pack <= DECODE_MAX_ROWS
+              and decode_tile(d, dv) is not None)
+    plan_args = (V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                 cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
+    if decode:
+        plan = _plan(*plan_args, needs_grad, dev.index, paged=page_table is not None, decode=True)
+    num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
     splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
                                    ctas=num_m_blocks * (hq // pack) * meta.batch,
-                                   n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev)
+                                   n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev,
+                                   paged=page_table is not None)
     o_dst, lse_dst = out, lse
     if splits > 1:  # fp32 partials with a leading split dim, combined below
-        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
-                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, False, dev.index,
-                     paged=page_table is not None, split=True)
+        plan = _plan(*plan_args, False, dev.index, paged=page_table is not None, split=True, decode=decode)
+        num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
+    thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop if in_kernel else None)
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
@@ -367,10 +432,13 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         full_block_idx=sparse_args[3], scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
-        num_batch=meta.batch * splits,
+        num_batch=meta.batch * splits, dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo,
+        rng_seed_hi=seed_hi, rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t,
     ))
     if splits > 1:
         SK.combine_into(o_dst, lse_dst, out, lse, varlen_q)
+    if drop is not None and not in_kernel:  # p = 1: every probability dropped
+        out.zero_()
     return out, lse, meta, sink
 
 
@@ -412,6 +480,10 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     V.check_tensor("dout", dout, out.dim(), q.device)
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
+    drop = meta.dropout
+    if drop is not None and drop.p >= 1.0:  # O = 0 whatever P is: only the LSE's gradient flows (dP = 0, D = -dLSE)
+        dout = torch.zeros_like(dout)
+        drop = None
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv_dim = k.shape[-2], v.shape[-1]
     # D in the LSE layout, (Hq, total_q) or (B, Hq, Sq), in fp32 (dO and O rounded to 16 bits would bias dS)
@@ -431,15 +503,19 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
             fwd_ratios = BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed)
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
-                     sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta))
+                     sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,
+                     seed_tensor=drop is not None and drop.seed_tensor is not None)
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
+        thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop)
         common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
-                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch)
+                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch, dropout_threshold=thr,
+                      dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi, rng_offset_lo=off_lo,
+                      rng_offset_hi=off_hi, rng_seed=seed_t)
         # block sparsity: the dK/dV kernel walks the KV-major lists (built here, on the device, when the caller
         # gave none), the dQ kernel the forward's
         names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")

@@ -13,7 +13,8 @@ from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
-from .dispatch import PAGED_GRAD_ERROR, run_forward
+from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
+from .dropout import check_p, refuse_combinations
 from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
 from .features import require
 
@@ -27,12 +28,11 @@ def _unsupported(**values) -> None:
 
 
 def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd=None) -> None:
+    p = check_p(dropout_p)  # ValueError for a non-number, NaN or a value outside [0, 1]
     num_splits = check_num_splits(num_splits)  # 1.0 or True are not ints here
+    refuse_combinations(dropout_p, p, num_splits, block_sparse_tensors is not None)  # dropout x split / sparse
     if num_splits != 1:
         require("split_kv", f"num_splits={num_splits}")
-        if dropout_p and num_splits > 1:
-            raise ValueError(f"dropout_p={dropout_p} with num_splits={num_splits}: dropout is for training and "
-                             "split-KV is inference-only; leave num_splits at 1")
     if block_sparse_tensors is not None:
         require("block_sparse", "block_sparse_tensors")
     if block_sparse_tensors_bwd is not None:
@@ -40,7 +40,7 @@ def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, bl
         if block_sparse_tensors is None:
             raise ValueError("block_sparse_tensors_bwd (the KV-major lists of the backward) was given without "
                              "block_sparse_tensors (the forward's lists): give both, or neither")
-    if dropout_p:
+    if p > 0:
         require("dropout", f"dropout_p={dropout_p}")
     # deterministic: accepted for compatibility; the backward is always deterministic (no atomics)
 
@@ -55,6 +55,8 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
     needs_grad = _needs_grad(q, k, v, learnable_sink)
     if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
         raise ValueError(PAGED_GRAD_ERROR)
+    if kw.get("dropout_p") and kw.get("page_table") is not None:
+        raise ValueError(PAGED_DROPOUT_ERROR.format(p=kw["dropout_p"]))
     if kw["num_splits"] > 1 and needs_grad:
         raise ValueError(SPLIT_GRAD_ERROR)
     if needs_grad:
@@ -80,10 +82,16 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
                                       "(automatic: one split when compiled), or call it outside torch.compile")
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
-        out, lse = ops.fwd(
+        seed = kw.get("dropout_seed")
+        seed_tensor = seed if isinstance(seed, torch.Tensor) else None
+        seed_int = None if seed is None or seed_tensor is not None else ops.signed64("dropout_seed", seed)
+        offset = kw.get("dropout_offset")
+        offset = None if offset is None else ops.signed64("dropout_offset", offset)
+        out, lse, _ = ops.fwd(
             q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
             float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"], kw.get("page_table"),
+            float(kw.get("dropout_p", 0.0)), seed_int, seed_tensor, offset,
         )
     elif needs_grad:
         out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
@@ -117,6 +125,8 @@ def flash_attn_func(
     aux_tensors=None,
     aux_scalars=None,
     block_sparse_tensors_bwd=None,
+    dropout_seed: int | torch.Tensor | None = None,
+    dropout_offset: int | None = None,
 ):
     """Attention over (B, S, H, D) tensors.  Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in q's dtype, lse fp32
     (B, Hq, Sq) natural-log softmax normaliser when ``return_lse=True``, else None.
@@ -128,7 +138,15 @@ def flash_attn_func(
     automatic).  ``deterministic`` concerns the backward only (the forward is always deterministic).
     ``page_table`` (B, max_pages_per_seq) int32: paged K/V, k/v (num_pages, page_size, Hkv, D), every sequence
     max_pages_per_seq * page_size keys long (``flash_attn_varlen_func`` takes per-sequence lengths in seqused_k);
-    inference only.  ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
+    inference only (dropout with a page table raises).
+
+    ``dropout_p`` in [0, 1]: attention dropout (Philox4x32-7; the keep mask is a function of (seed, offset,
+    batch, head, query, key) only, see ``dropout.py`` and ``dropout_mask``).  Without ``dropout_seed`` the seed
+    and offset come from torch's CUDA generator (``torch.manual_seed`` reproduces a call; each call advances
+    the offset).  ``dropout_seed``: an int, or a CUDA int64 tensor of one value (required under CUDA-graph
+    capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
+    num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
+    ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
     partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
     that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
@@ -145,6 +163,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     ))
 
 
@@ -183,6 +202,8 @@ def flash_attn_varlen_func(
     seqlen_k_per_split=None,
     debug_checks: bool | None = None,
     block_sparse_tensors_bwd=None,
+    dropout_seed: int | torch.Tensor | None = None,
+    dropout_offset: int | None = None,
 ):
     """Variable-length attention.  With ``cu_seqlens_q`` (B+1,) int32, q is (total_q, Hq, D) and out/lse are
     (total_q, Hq, Dv) / (Hq, total_q); without it q is (B, Sq, Hq, D).  Likewise ``cu_seqlens_k`` for k/v.
@@ -193,14 +214,15 @@ def flash_attn_varlen_func(
     is computed on the device and read once.  The values of ``cu_seqlens``/``seqused`` are the caller's contract:
     they are not read on the host, and a lie gives wrong numbers but never an out-of-bounds access.
     ``debug_checks=True`` (or FA4_SM120_DEBUG_CHECKS=1) checks them on the host and raises ValueError naming the
-    lie.  Other arguments as in ``flash_attn_func``.
+    lie.  Other arguments (dropout included; positions are counted within each sequence, and the mask's batch
+    index is the sequence's index) as in ``flash_attn_func``.
 
     Paged K/V (flash-attn-4's ``page_table``): k/v are (num_pages, page_size, Hkv, D) (any page size >= 1; k and v
     may be two views of one fused cache), ``page_table`` int32 (B, max_pages_per_seq) maps the i-th page of a
     sequence to a page of k/v, ``seqused_k`` gives the lengths (default: every page full) and ``max_seqlen_k``
     defaults to max_pages_per_seq * page_size.  Rows of a last page past seqused_k are never read.  Cannot be
-    combined with ``cu_seqlens_k``; inference only (a call that needs grad raises).  Page indices are the caller's
-    contract: the kernel clamps them to the pool, and the debug checks name a bad one.
+    combined with ``cu_seqlens_k`` or dropout; inference only (a call that needs grad raises).  Page indices are
+    the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
@@ -215,6 +237,7 @@ def flash_attn_varlen_func(
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
         page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
         block_sparse_tensors_bwd=block_sparse_tensors_bwd,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     ))
 
 

@@ -46,10 +46,12 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of four ints, called once per decode step: memoised
-def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int) -> int:
+def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int, min_waves: int = 1) -> int:
     """Splits that fill the GPU: 1 when the unsplit grid (``ctas``) already fills ~80% of the SMs; otherwise,
     among the split counts that change the blocks per split, the smallest whose wave efficiency (waves /
-    ceil(waves)) is within 85% of the best one's, at most ``max_splits`` and ``n_blocks`` (KV blocks per tile)."""
+    ceil(waves)) is within 85% of the best one's and that gives at least ``min_waves`` waves when any can, at most
+    ``max_splits`` and ``n_blocks`` (KV blocks per tile).  Paged calls ask for two waves: their row-by-row loads
+    need more CTAs in flight to cover the latency (H100, B=1 KV 32K page 64: 16 splits 69 us, 32 splits 59 us)."""
     if ctas <= 0 or ctas * 5 >= num_sms * 4 or n_blocks < 2:
         return 1
     limit = max(1, min(max_splits, n_blocks, AUTO_MAX_SPLITS))
@@ -61,11 +63,13 @@ def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int) -> 
         candidates.append(n)
         effs.append(waves / -(-waves // 1))
     best = max(effs)
-    return next(n for n, e in zip(candidates, effs) if e >= 0.85 * best)
+    ok = [n for n, e in zip(candidates, effs) if e >= 0.85 * best]
+    filled = [n for n in ok if ctas * n >= min_waves * num_sms * 0.85]
+    return (filled or ok[-1:])[0]
 
 
 def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: int, n_blocks: int, dv: int,
-                       device: torch.device) -> int:
+                       device: torch.device, paged: bool = False) -> int:
     """The split count of a call (1: no split).  Raises ValueError for a forced count that cannot run."""
     if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv))):
         return 1
@@ -81,7 +85,8 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
         if problem:
             raise ValueError(f"num_splits={num_splits}: the split-KV combine cannot take head_dim_v: {problem}")
         return num_splits
-    return auto_num_splits(ctas, n_blocks, sm_count(device), min(COMBINE_MAX_SPLITS, MAX_GRID_Z // max(batch, 1)))
+    return auto_num_splits(ctas, n_blocks, sm_count(device), min(COMBINE_MAX_SPLITS, MAX_GRID_Z // max(batch, 1)),
+                           2 if paged else 1)
 
 
 def partials(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

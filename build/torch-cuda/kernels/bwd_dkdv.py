@@ -55,6 +55,8 @@ class FlashBwdSm80(KernelStateMixin):
         self.num_warps = cfg.num_warps
         self.num_threads = cfg.num_warps * 32
         self.smem_bytes = bwd_smem_bytes(cfg)
+        # S is split over warps along N too when tile_m is short: a thread's first column may be >= 8 mod 16
+        self.dropout_quad_ok = cfg.num_warps // min(cfg.tile_m // 16, cfg.num_warps) == 1
 
     @cute.jit
     def __call__(
@@ -84,6 +86,13 @@ class FlashBwdSm80(KernelStateMixin):
         num_n_blocks: Int32,
         num_kv_heads: Int32,
         num_batch: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         stream,
     ):
         dt = self.dtype
@@ -106,7 +115,9 @@ class FlashBwdSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2, softcap_prescale,
+            softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
@@ -124,6 +135,9 @@ class FlashBwdSm80(KernelStateMixin):
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
         sP_l: cute.ComposedLayout, mma_m: cute.TiledMma, mma_n: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -131,7 +145,9 @@ class FlashBwdSm80(KernelStateMixin):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1)
+                               scale_log2, softcap_prescale, window_left, window_right, 1,
+                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
+                                        rng_offset_hi, rng_seed))
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
@@ -253,6 +269,9 @@ class FlashBwdSm80(KernelStateMixin):
             cute.arch.barrier()
 
             # ---- S, then the score hook (softcap, masks)
+            drop_bits = None
+            if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
+                drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
@@ -266,7 +285,10 @@ class FlashBwdSm80(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
+                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
+            else:
+                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)
@@ -292,6 +314,8 @@ class FlashBwdSm80(KernelStateMixin):
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
+        if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
+            acc_dV.store(acc_dV.load() * score.rng.scale)
         store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr_n, first_key, seq.seqlen_k,
                             (self.tile_n, self.d), dt)
         store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr_n, first_key, seq.seqlen_k,

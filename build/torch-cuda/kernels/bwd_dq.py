@@ -37,6 +37,12 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
         self.num_threads = cfg.num_warps * 32
+        # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
+        # ScoreHook.dropout_bits and not when it is unrolled
+        self.dropout_row_loop = cfg.tile_n > 32
+        # measured on sm_120a (compile gate): the d192 dQ tile (64x64, 4 warps) spilled 27 STL/LDL (d192/dv192) and
+        # 15 (d192/dv32) in its heaviest dropout set with the four Philox calls of a row pair unrolled, 0 in a loop
+        self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 64
 
     @cute.jit
     def __call__(
@@ -46,7 +52,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
         full_block_idx: cute.Tensor | None, scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-        stream,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None, stream,
     ):
         dt = self.dtype
         a = cu.smem_layout_atom
@@ -66,7 +74,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.kernel(
             q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            sQ_l, sdO_l, sK_l, sV_l,
             cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
         ).launch(
@@ -78,14 +88,20 @@ class FlashBwdDqSm80(KernelStateMixin):
     def kernel(
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
-        window_right: Int32, qheads_per_kvhead: Int32, sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
+        window_right: Int32, qheads_per_kvhead: Int32,
+        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
+        sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1)
+                               scale_log2, softcap_prescale, window_left, window_right, 1,
+                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
+                                        rng_offset_hi, rng_seed))
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
@@ -152,13 +168,13 @@ class FlashBwdDqSm80(KernelStateMixin):
             for t in cutlass.range(total, unroll=1):
                 self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, sp.tile_of(t), t >= n_full,
                           tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt,
-                          tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp)
+                          tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head)
         else:
             n_min, n_max = block.kv_range(m_block)
             for n_block in cutlass.range(n_min, n_max, unroll=1):
                 self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, True, tiled_mma,
                           acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA,
-                          cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp)
+                          cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head)
 
         # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
         for r in cutlass.range_constexpr(num_rows):
@@ -173,7 +189,7 @@ class FlashBwdDqSm80(KernelStateMixin):
     @cute.jit
     def step(self, seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, masked, tiled_mma,
              acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt,
-             tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp):
+             tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head):
         """One KV tile: S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with causal/window): whether this
         tile gets the causal/window masks (a mask block) or only the sequence end (a full block)."""
         cfg = self.cfg
@@ -186,6 +202,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
+        drop_bits = None
+        if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
+            drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
         acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_S.fill(0.0)
         cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
@@ -196,7 +215,10 @@ class FlashBwdDqSm80(KernelStateMixin):
         acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_dP.fill(0.0)
         cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
-        score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+        if const_expr(cfg.has_dropout):
+            score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
+        else:
+            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
         rdS.store(acc_dP.load().to(dt))
         cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)

@@ -251,11 +251,20 @@ class FlashFwdSm80(FwdKernelBase):
             self.load_q(mQ, sQ, copy_q, tidx, ts)
             cute.arch.cp_async_commit_group()
             seqlen_k = ts.seq.seqlen_k
+            prefetch_k, prefetch_v = None, None
             if const_expr(self.is_paged()):
                 load_k = partial(self.load_kv_rows, copy_q, lambda pos: ts.kv.row(mK, pos, kv_head), tKsK, tKcK,
                                  seqlen_k, False)
                 load_v = partial(self.load_kv_rows, copy_v, lambda pos: ts.kv.row(mV, pos, kv_head), tVsV, tVcV,
                                  seqlen_k, True)
+                # the main loop reads each block's page numbers at the top of the step that loads it, so the page
+                # table's latency overlaps the barrier and the S mma instead of stalling the cp.async issue.  Not
+                # on the one-stage tiles (d >= 192): the page registers spill the d256 64x64 tile (8 STL/LDL).
+                if const_expr(self.num_stages > 1):
+                    prefetch_k = partial(self.prefetch_pages, ts.kv, tKcK,
+                                         lambda page, pos: ts.kv.row_in(mK, page, pos, kv_head))
+                    prefetch_v = partial(self.prefetch_pages, ts.kv, tVcV,
+                                         lambda page, pos: ts.kv.row_in(mV, page, pos, kv_head))
             else:
                 load_k = partial(self.load_kv, copy_q, tKgK, tKsK, tKcK, t0KcK, seqlen_k, False)
                 load_v = partial(self.load_kv, copy_v, tVgV, tVsV, tVcV, t0VcV, seqlen_k, True)
@@ -291,6 +300,7 @@ class FlashFwdSm80(FwdKernelBase):
                 ldsm_copy_q=ldsm_copy_q, ldsm_copy_k=ldsm_copy_k, ldsm_copy_v=ldsm_copy_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, load_k=load_k, load_v=load_v, n_min=n_min,
                 score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, row_qpos=row_qpos, row_bh=row_bh, kv_tile=kv_tile,
+                prefetch_k=prefetch_k, prefetch_v=prefetch_v,
             )
             # ---- main loop: first block (all masks), then phases A (right+left), B (none), C (left)
             block.run_kv_schedule(step, Int32(0), plan)
@@ -315,6 +325,7 @@ class FlashFwdSm80(FwdKernelBase):
         stage: Int32,
         tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_copy_q, ldsm_copy_k, ldsm_copy_v, acc_O,
         state_max, state_sum, load_k, load_v, n_min, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, kv_tile,
+        prefetch_k, prefetch_v,
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_right: cutlass.Constexpr[bool],
@@ -328,6 +339,11 @@ class FlashFwdSm80(FwdKernelBase):
         drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
+        v_next = n_block if const_expr(stages == 1) else n_block - 1
+        k_next = n_block - 1 if const_expr(stages == 1) else n_block - 2
+        if const_expr(prefetch_v is not None):  # paged: this step's page numbers, read before the waits
+            load_v = prefetch_v(load_v, v_next)
+            load_k = prefetch_k(load_k, k_next)
 
         # K(n) has landed (and, with one stage, everyone finished reading V(n+1))
         cute.arch.cp_async_wait_group(stages * 2 - 2)
@@ -386,6 +402,16 @@ class FlashFwdSm80(FwdKernelBase):
         else:
             cute.copy(tiled_copy, tXgX[None, None, None, block], tXsX[None, None, None, stage])
 
+    def prefetch_pages(self, kv, tXcX, row_in, load, block: Int32):
+        """Paged K/V: read the page numbers of this thread's rows of KV block ``block`` now (any block: the table
+        column is clamped) and return ``load`` with its row addresses taken from them."""
+        rows = cute.size(tXcX.shape[1])
+        pages = cute.make_rmem_tensor(rows, Int32)
+        first = block * self.tile_n
+        for m in range(rows):  # trace-time loop (this helper is plain Python: it returns a partial)
+            pages[m] = kv.page_of(first + tXcX[0, m, 0][0])
+        return partial(load.func, load.args[0], (pages, row_in), *load.args[2:])
+
     @cute.jit
     def load_kv_rows(self, tiled_copy, row_of, tXsX, tXcX, seqlen_k: Int32, zero_fill: cutlass.Constexpr[bool],
                      block: Int32, stage, need_pred: cutlass.Constexpr[bool]):
@@ -396,15 +422,18 @@ class FlashFwdSm80(FwdKernelBase):
         first = block * self.tile_n
         for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
             pos = first + tXcX[0, m, 0][0]
+            row = row_of
+            if const_expr(isinstance(row_of, tuple)):  # (pages read ahead by prefetch_pages, row_in)
+                row = partial(row_of[1], row_of[0][m])
             if const_expr(need_pred):
                 if pos < seqlen_k:
-                    g = cute.tiled_divide(row_of(pos), (vec,))
+                    g = cute.tiled_divide(row(pos), (vec,))
                     for kk in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
                         cute.copy(tiled_copy, g[None, tXcX[0, 0, kk][1] // vec], tXsX[None, m, kk, stage])
                 else:
                     if const_expr(zero_fill):
                         tXsX[None, m, None, stage].fill(0)
             else:
-                g = cute.tiled_divide(row_of(pos), (vec,))
+                g = cute.tiled_divide(row(pos), (vec,))
                 for kk in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
                     cute.copy(tiled_copy, g[None, tXcX[0, 0, kk][1] // vec], tXsX[None, m, kk, stage])

@@ -58,7 +58,8 @@ class KernelStateMixin:
     def kv_source(self, seq: SeqInfo, mK, mPageTable):
         """The K/V address provider: ``PagedKV`` when the config is paged, else ``kv_source_cls``."""
         if const_expr(self.is_paged()):
-            return PagedKV.create(seq, mK, mPageTable)
+            # the fast page divisor on the pipelined tiles only (see PagedKV.page_size)
+            return PagedKV.create(seq, mK, mPageTable, fast=getattr(self, "num_stages", 1) > 1)
         return self.kv_source_cls(seq)
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,

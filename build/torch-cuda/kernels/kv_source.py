@@ -49,16 +49,31 @@ class ContiguousKV:
 class PagedKV:
     seq: SeqInfo
     page_table: cute.Tensor  # (B, max_pages_per_seq) int32
-    page_size: Int32
+    # the runtime page size: an Int32, or (``fast``) a multiply-shift divisor, which saves ~20 instructions per
+    # row address but holds two more registers for the whole kernel (it spills the one-stage d >= 192 tiles)
+    page_size: object
     last_page: Int32  # num_pages - 1
 
     @staticmethod
-    def create(seq: SeqInfo, mK: cute.Tensor, mPageTable: cute.Tensor) -> "PagedKV":
-        return PagedKV(seq, mPageTable, Int32(mK.shape[1]), Int32(mK.shape[0]) - 1)
+    def create(seq: SeqInfo, mK: cute.Tensor, mPageTable: cute.Tensor, fast: bool = False) -> "PagedKV":
+        size = Int32(mK.shape[1])
+        return PagedKV(seq, mPageTable, cute.fast_divmod_create_divisor_v2(size) if fast else size,
+                       Int32(mK.shape[0]) - 1)
 
     def row(self, mX: cute.Tensor, pos, kv_head) -> cute.Tensor:
         """(D,) row of key ``pos`` (0 <= pos < seqlen_k <= max_pages_per_seq * page_size, so the column of the
         page table is in range)."""
         col = pos // self.page_size
         page = cutlass.min(cutlass.max(self.page_table[self.seq.batch, col], 0), self.last_page)
-        return mX[page, pos - col * self.page_size, kv_head, None]
+        return mX[page, pos % self.page_size, kv_head, None]
+
+    def page_of(self, pos):
+        """The (clamped) page holding key ``pos``; any ``pos`` is safe (it and the table column are clamped), so
+        it can be read ahead for a block that may not be loaded (kernels issue these loads early to hide their
+        latency, see fwd_cpasync.prefetch_pages)."""
+        col = cutlass.min(cutlass.max(pos, 0) // self.page_size, Int32(self.page_table.shape[1]) - 1)
+        return cutlass.min(cutlass.max(self.page_table[self.seq.batch, col], 0), self.last_page)
+
+    def row_in(self, mX: cute.Tensor, page, pos, kv_head) -> cute.Tensor:
+        """(D,) row of key ``pos`` (>= 0) whose page (``page_of(pos)``) is already known."""
+        return mX[page, pos % self.page_size, kv_head, None]
