@@ -502,16 +502,24 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     return q + do + k + v + 2 * p
 
 
-# (tile_m, tile_n, num_warps) per max(head_dim, head_dim_v); every (wm, wn) warp split must divide the tiles.
+# (tile_m, tile_n, num_warps) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn) warp split must
+# divide the tiles.  128-key tiles (measured on the H100 proxy, benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): the
+# dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7% slower causal).
 _BWD_TILES = {
-    32: ((64, 64, 8),), 64: ((64, 64, 8),), 96: ((64, 64, 8),), 128: ((64, 64, 8),),
+    32: ((64, 64, 8),), 64: ((64, 128, 8), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
     192: ((32, 64, 8), (64, 64, 8), (32, 64, 4)),
     256: ((32, 32, 4),),
 }
+# (tile, max head dim) pairs whose dropout variant spills on sm_120a (compile gate): 64x128 at d64, 10 STL/LDL in the
+# heaviest dropout set
+_BWD_DROPOUT_SPILLING = {((64, 128, 8), 64)}
 
 
 def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps)
+    if cfg.has_dropout and (tile, max(cfg.head_dim, cfg.head_dim_v)) in _BWD_DROPOUT_SPILLING:
+        problems.append("backward tile spills registers with dropout on sm_120a")
     smem = bwd_smem_bytes(cfg)
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
@@ -543,33 +551,56 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
-# dQ kernel (bwd_dq_kernel.py): Q-stationary, warps stacked along M.
-_DQ_TILES = {32: (128, 64, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8), 192: (64, 64, 4),
-             256: (64, 32, 4)}
+# dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
+# stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
+# proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
+# two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
+_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1),
+             192: (64, 64, 4, 1), 256: (64, 32, 4, 1)}
 
 
 @dataclass(frozen=True)
 class DqKernelConfig(BwdKernelConfig):
-    """Compile key of the dQ kernel (same fields as the dK/dV kernel's)."""
+    """Compile key of the dQ kernel (the dK/dV kernel's fields, plus the number of K/V smem stages)."""
+
+    kv_stages: int = 1
 
     def name(self) -> str:
-        return "dq" + super().name()[3:]
+        return "dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+
+
+def dq_problems(cfg: BwdKernelConfig) -> list[str]:
+    problems = []
+    smem = dq_smem_bytes(cfg)
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"the dQ kernel needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    threads = cfg.num_warps * 32
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        rows_per_pass = threads // copy_threads_per_row(dim, 16)
+        for rows in (cfg.tile_m, cfg.tile_n):
+            if rows % rows_per_pass != 0:
+                problems.append(f"dQ tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
 
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
-    tm, tn, nw = _DQ_TILES[max(head_dim, head_dim_v)]
-    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
-    smem = sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * head_dim, tm * head_dim_v, tn * head_dim, tn * head_dim_v))
-    if smem > SMEM_LIMIT_BYTES:
-        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the dQ kernel needs {smem} B "
-                         f"of shared memory > {SMEM_LIMIT_BYTES} B")
+    tm, tn, nw, stages = _DQ_TILES[max(head_dim, head_dim_v)]
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages, **flags)
+    problems = dq_problems(cfg)
+    if problems:
+        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))
     return cfg
 
 
 def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
     tm, tn = cfg.tile_m, cfg.tile_n
-    return sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * cfg.head_dim, tm * cfg.head_dim_v, tn * cfg.head_dim,
-                                                        tn * cfg.head_dim_v))
+    stages = getattr(cfg, "kv_stages", 1)
+
+    def align(n: int) -> int:
+        return (n * 2 + 1023) // 1024 * 1024
+
+    return (align(tm * cfg.head_dim) + align(tm * cfg.head_dim_v)
+            + align(stages * tn * cfg.head_dim) + align(stages * tn * cfg.head_dim_v))
 
 
 _BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
@@ -634,7 +665,7 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
             continue
         for select in (select_bwd_config, select_dq_config):
             base = select("bf16", d, dv)
-            tile = (type(base), base.tile_m, base.tile_n, base.num_warps)
+            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1))
             if tile in seen:
                 continue
             seen.add(tile)
