@@ -27,22 +27,26 @@ from bench_fwd import flops, time_fn  # noqa: E402
 import flash_attn_4_sm120 as fa  # noqa: E402
 from flash_attn_4_sm120 import config  # noqa: E402
 
-DKDV = {  # (tile_m, tile_n, num_warps)
-    64: [(64, 64, 8), (64, 128, 8)],
-    128: [(64, 64, 8), (32, 128, 8)],
+DKDV = {  # (tile_m, tile_n, num_warps[, kv_warp_rows])
+    64: [(64, 128, 8), (64, 128, 8, 32)],
+    128: [(32, 128, 8), (32, 128, 8, 32)],
+    96: [(64, 64, 8), (64, 64, 8, 32)],
+    192: [(32, 64, 8), (32, 64, 8, 32)],
+    256: [(32, 32, 4), (32, 32, 4, 32)],
 }
 DQ = {  # (tile_m, tile_n, num_warps, kv_stages)
-    64: [(128, 64, 8, 1), (128, 64, 8, 2)],
-    128: [(128, 64, 8, 1)],
-    192: [(64, 64, 4, 1), (64, 32, 4, 2)],
-    96: [(128, 64, 8, 1), (128, 32, 8, 2), (128, 64, 8, 2)],
+    64: [],
+    128: [],
+    192: [],
+    96: [],
+    256: [],
 }
 CELLS = {64: [(16, 16, 4096, 4), (16, 16, 1024, 16)], 128: [(32, 8, 4096, 4), (32, 8, 1024, 16)],
-         96: [(16, 16, 2048, 8)], 192: [(16, 16, 2048, 4)]}  # (hq, hkv, seqlen, batch)
+         96: [(16, 16, 2048, 8)], 192: [(16, 16, 2048, 4)], 256: [(8, 8, 4096, 4)]}  # (hq, hkv, seqlen, batch)
 
 
 def _variants(d):
-    base_kv = config._BWD_TILES[d][0]
+    base_kv = tuple(config._BWD_TILES[d][0])
     base_q = config._DQ_TILES[d]
     out = [("base", base_kv, base_q)]
     out += [("dkdv", t, base_q) for t in DKDV.get(d, []) if t != base_kv]
@@ -51,7 +55,7 @@ def _variants(d):
 
 
 def _cfgs(d, kv, q):
-    c1 = config.BwdKernelConfig("bf16", d, d, *kv)
+    c1 = config.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16)
     c2 = config.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3])
     return [c1, c2] + [config.replace(c, windowed=True) for c in (c1, c2)]
 

@@ -90,6 +90,9 @@ class FwdKernelConfig:
     # sparse_kv_ratio KV tiles; 0 = off
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
+    # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
+    # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
+    kv_warp_rows: int = 16
 
     @property
     def block_sparse(self) -> bool:
@@ -476,6 +479,9 @@ class BwdKernelConfig:
     # forward's (Q-major) lists.
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
+    # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
+    # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
+    kv_warp_rows: int = 16
 
     @property
     def block_sparse(self) -> bool:
@@ -487,6 +493,7 @@ class BwdKernelConfig:
                                  (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
                                  ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor)) if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
+                + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -502,29 +509,39 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     return q + do + k + v + 2 * p
 
 
-# (tile_m, tile_n, num_warps) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn) warp split must
-# divide the tiles.  128-key tiles (measured on the H100 proxy, benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): the
-# dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7% slower causal).
+# (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn)
+# warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/v4.jsonl):
+# 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7%
+# slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10% causal at d256
+# (neutral at d128: kept at 16).
 _BWD_TILES = {
-    32: ((64, 64, 8),), 64: ((64, 128, 8), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
-    192: ((32, 64, 8), (64, 64, 8), (32, 64, 4)),
-    256: ((32, 32, 4),),
+    32: ((64, 64, 8),), 64: ((64, 128, 8, 32), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
+    192: ((32, 64, 8, 32), (32, 64, 8), (64, 64, 8), (32, 64, 4)),
+    256: ((32, 32, 4, 32), (32, 32, 4)),
 }
-# (tile, max head dim) pairs whose dropout variant spills on sm_120a (compile gate): 64x128 at d64, 10 STL/LDL in the
-# heaviest dropout set
-_BWD_DROPOUT_SPILLING = {((64, 128, 8), 64)}
+# Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
+# take the next tile of the table.  Dropout: 64x128 (r16 and r32) at d64, 10-18 STL/LDL in the heaviest set; 32x128 at
+# d128, 2 STL/LDL in fp16.  Block sparsity: 32x32 r32 at d256, 35-60 STL/LDL.
+_BWD_SPILLING = {
+    ((64, 128, 8, 16), 64): {"dropout"}, ((64, 128, 8, 32), 64): {"dropout"},
+    ((32, 128, 8, 16), 128): {"dropout"},
+    ((32, 32, 4, 32), 256): {"sparse"},
+}
 
 
 def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
-    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps)
-    if cfg.has_dropout and (tile, max(cfg.head_dim, cfg.head_dim_v)) in _BWD_DROPOUT_SPILLING:
-        problems.append("backward tile spills registers with dropout on sm_120a")
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
+    spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
+    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse)):
+        if on and feature in spilling:
+            problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
-    for rows, ns in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim)), (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v))):
-        wm = min(rows // 16, cfg.num_warps)
+    for rows, ns, per_warp in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim), 16),
+                               (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v), cfg.kv_warp_rows)):
+        wm = min(rows // per_warp, cfg.num_warps)
         wn = cfg.num_warps // wm
         for n in ns:
             if n % (wn * 16) != 0:
@@ -542,8 +559,8 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
     gradients are required, so a training step never fails half-way)."""
     reasons = []
-    for tm, tn, nw in _BWD_TILES[max(head_dim, head_dim_v)]:
-        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
+    for tm, tn, nw, *rows in _BWD_TILES[max(head_dim, head_dim_v)]:
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows[0] if rows else 16, **flags)
         problems = bwd_problems(cfg)
         if not problems:
             return cfg
@@ -628,8 +645,9 @@ def dropout_gate_worklist() -> list:
             groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
     for d, dv in supported_head_dim_pairs():
         for sel in (select_bwd_config, select_dq_config):
-            c = sel("bf16", d, dv)
-            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps), []).append((d, dv, None))
+            c = sel("bf16", d, dv, has_dropout=True)  # the tile a dropout call runs
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows,
+                               getattr(c, "kv_stages", 1)), []).append((d, dv, None))
     out = []
     for key, pairs in groups.items():
         big = max(pairs, key=lambda x: (x[0], x[1]))
@@ -664,12 +682,13 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
         if d != dv:
             continue
         for select in (select_bwd_config, select_dq_config):
-            base = select("bf16", d, dv)
-            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1))
+            base = select("bf16", d, dv, sparse_q_ratio=1, sparse_kv_ratio=1)  # the tile a sparse call runs
+            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1),
+                    base.kv_warp_rows)
             if tile in seen:
                 continue
             seen.add(tile)
-            out += [replace(base, sparse_q_ratio=1, sparse_kv_ratio=1), replace(base, **heavy)]
+            out += [base, select("bf16", d, dv, **heavy)]
     return out
 
 

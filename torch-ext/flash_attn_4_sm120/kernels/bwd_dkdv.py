@@ -35,9 +35,10 @@ from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
 
-def _mma(dtype, tile_rows: int, num_warps: int):
-    """Warps split over M (up to tile_rows/16) and N (16 columns per warp per repetition)."""
-    wm = min(tile_rows // 16, num_warps)
+def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
+    """Warps split over M (up to tile_rows/warp_rows: a warp's m16 atoms repeat every wm*16 rows) and N (16 columns
+    per warp per repetition)."""
+    wm = min(tile_rows // warp_rows, num_warps)
     wn = num_warps // wm
     return cute.make_tiled_mma(
         cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16)
@@ -118,7 +119,7 @@ class FlashBwdSm80(KernelStateMixin):
             (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2, softcap_prescale,
             softmax_scale, window_left, window_right, qheads_per_kvhead,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
-            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
+            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
             SharedStorage,
