@@ -58,6 +58,9 @@ class FlashBwdSm80(KernelStateMixin):
         self.smem_bytes = bwd_smem_bytes(cfg)
         # S is split over warps along N too when tile_m is short: a thread's first column may be >= 8 mod 16
         self.dropout_quad_ok = cfg.num_warps // min(cfg.tile_m // 16, cfg.num_warps) == 1
+        # measured on sm_120a (compile gate): the 128-key tiles spilled 2-18 STL/LDL in their heaviest dropout sets
+        # with the Philox calls of a row unrolled, none with them in a loop
+        self.dropout_group_loop = cfg.tile_n == 128
 
     @cute.jit
     def __call__(
