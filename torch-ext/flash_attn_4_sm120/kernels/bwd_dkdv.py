@@ -36,12 +36,14 @@ from .rows import load_rows, store_rows_from_acc
 
 
 def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
-    """Warps split over M (up to tile_rows/warp_rows: a warp's m16 atoms repeat every wm*16 rows) and N (16 columns
-    per warp per repetition)."""
+    """Warps split over M (up to tile_rows/warp_rows: a warp's m16 atoms repeat every wm*16 rows) and N: each warp
+    owns 16 adjacent columns per repetition (the N permutation puts a warp's two n8 atoms side by side), so every
+    thread's columns come as (c, c+1, c+8, c+9) with c % 16 < 8 — one Philox call's quad of dropout columns."""
     wm = min(tile_rows // warp_rows, num_warps)
     wn = num_warps // wm
+    perm_n = cute.make_layout((8, wn, 2), stride=(1, 16, 8)) if wn > 1 else 16
     return cute.make_tiled_mma(
-        cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16)
+        cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, perm_n, 16)
     )
 
 
@@ -56,8 +58,8 @@ class FlashBwdSm80(KernelStateMixin):
         self.num_warps = cfg.num_warps
         self.num_threads = cfg.num_warps * 32
         self.smem_bytes = bwd_smem_bytes(cfg)
-        # S is split over warps along N too when tile_m is short: a thread's first column may be >= 8 mod 16
-        self.dropout_quad_ok = cfg.num_warps // min(cfg.tile_m // 16, cfg.num_warps) == 1
+        # every thread's S columns come in quads (c, c+1, c+8, c+9), c % 16 < 8 (_mma's N permutation)
+        self.dropout_quad_ok = True
         # measured on sm_120a (compile gate): the 128-key tiles spilled 2-18 STL/LDL in their heaviest dropout sets
         # with the Philox calls of a row unrolled, none with them in a loop
         self.dropout_group_loop = cfg.tile_n == 128
