@@ -255,7 +255,6 @@ def test_repeated_mod_does_not_recompile():
 
 def test_split_kv_and_paged_with_mods():
     """Split-KV (inference) and paged K/V see the same logical key positions."""
-    m = _mods()
     gen = torch.Generator(device="cuda").manual_seed(8)
     b, s, h = 2, 300, 2
     q = _rand(b, 3, h, 64, gen=gen)
