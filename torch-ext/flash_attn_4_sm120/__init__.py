@@ -22,7 +22,7 @@ def __getattr__(name):
     if name == "mods":
         import importlib
 
-        return importlib.import_module(f"{__name__}.mods")
+        return importlib.import_module(f"{__name__}.kernels.mods")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -22,7 +22,7 @@ Compile key: each mod enters by its module, qualified name, a hash of its source
 cells and defaults (by value when hashable, else by identity), so a new mod compiles once and a repeated one (or
 an equal closure made again) never recompiles.  Aux tensors enter by dtype and rank only.  Mods defined outside
 this package are compiled in memory only (their source can change without this package's fingerprint
-changing); the library mods (mods.py) use the disk cache.
+changing); the library mods (kernels/mods.py) use the disk cache.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class ModSpec:
 def _from_recipe(factory: str, args: tuple, aux_sig: tuple, with_bwd: bool):
     """A library ModSpec rebuilt from its recipe (the compile gate's worker processes unpickle configs so):
     ``mods.<factory>(*args)`` returns the dict of mods."""
-    lib = importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.mods")
+    lib = importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.kernels.mods")
     fns = dict(getattr(lib, factory)(*args))
     if not with_bwd:
         fns.pop("score_mod_bwd", None)

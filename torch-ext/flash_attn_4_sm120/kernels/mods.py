@@ -1,6 +1,7 @@
 """A small library of score and mask mods (CuTe-DSL device code; importing this module imports CuTe-DSL).
 
-Each factory returns a dict of mods to splat into the call, in upstream flash-attn-4's convention (modspec.py):
+Reached as ``flash_attn_4_sm120.mods`` (loaded on first access).  Each factory returns a dict of mods to splat
+into the call, in upstream flash-attn-4's convention (modspec.py):
 
     from flash_attn_4_sm120 import flash_attn_func, mods
     out, _ = flash_attn_func(q, k, v, **mods.alibi(), aux_tensors=[slopes])      # slopes: fp32 (Hq,)
