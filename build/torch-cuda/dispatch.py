@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +33,7 @@ from .config import (
     select_dq_config,
     select_fwd_tile,
     split_tile,
+    mods_tile,
     select_sparse_tile,
     table_version,
 )
@@ -68,6 +69,12 @@ class FwdMeta:
     batch: int
     max_q: int
     max_k: int
+    mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
+
+
+MODS_SPARSE_ERROR = ("score_mod/mask_mod together with block_sparse_tensors is not supported by flash-attn-4-sm120 "
+                     "yet (the block-sparse schedule does not call mods); apply the mask_mod densely (drop "
+                     "block_sparse_tensors) or express the mask as block_sparse_tensors with causal/window")
 
 
 @dataclass
@@ -88,23 +95,26 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
-          sparse: tuple = (0, 0)) -> _Plan:
+          sparse: tuple = (0, 0), mods=None) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles)."""
+    runs the cp.async tiles); ``mods``: modspec.ModSpec or None (the forward kernel keys on its forward part)."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           table_version())
+           mods, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
         if split:
             tile = split_tile(tile)
+        if mods is not None:
+            tile = mods_tile(tile)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
-                                     sparse_kv_ratio=sparse[1]))
+                                     sparse_kv_ratio=sparse[1],
+                                     mods=None if mods is None else mods.forward_part()))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                         seqused_k=uk)
+                         seqused_k=uk, mods=mods)
             plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags)  # raises now, not mid-step
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags)
         _PLANS[key] = plan
@@ -235,7 +245,10 @@ def _choose_pack(pack_gqa, ratio: int, max_seqlen_q: int, tile_m: int) -> int:
 
 
 def _log2_scales(meta: FwdMeta) -> tuple[float, float]:
-    """(scale_log2, softcap_prescale) of the score hook."""
+    """(scale_log2, softcap_prescale) of the score hook.  With a score_mod: (log2(e), softmax scale), the mod
+    seeing the scaled scores (upstream's convention)."""
+    if meta.mods is not None and meta.mods.score_mod is not None:
+        return _LOG2_E, meta.scale
     if meta.softcap > 0:
         return meta.softcap * _LOG2_E, meta.scale / meta.softcap
     return meta.scale * _LOG2_E, 1.0
@@ -293,16 +306,19 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pag
 def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
-                page_table=None, num_splits=1, block_sparse_tensors=None):
+                page_table=None, num_splits=1, block_sparse_tensors=None, mods=None, aux_tensors=()):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
     only: with ``needs_grad`` it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 = automatic).
-    ``block_sparse_tensors``: see block_sparse.py (forward only; one split)."""
+    ``block_sparse_tensors``: see block_sparse.py (forward only; one split).  ``mods``/``aux_tensors``: the
+    checked modspec.ModSpec and aux tuple of a call with score/mask mods (modspec.check_mods)."""
     num_splits = SK.check_num_splits(num_splits)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
     sparse = block_sparse_tensors is not None
+    if sparse and mods is not None:
+        raise ValueError(MODS_SPARSE_ERROR)
     if sparse:
         BS.refuse_combinations(needs_grad, page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
@@ -314,6 +330,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         debug_checks=debug_checks, page_table=page_table)
+    if mods is not None:
+        meta = replace(meta, mods=mods)
     ratios, sparse_args = (0, 0), (None, None, None, None)
     if sparse:
         ratios, sparse_args = BS.check_block_sparse(
@@ -321,7 +339,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
             head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                 paged=page_table is not None, sparse=ratios)
+                 paged=page_table is not None, sparse=ratios, mods=mods)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -346,7 +364,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     if splits > 1:  # fp32 partials with a leading split dim, combined below
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, False, dev.index,
-                     paged=page_table is not None, split=True)
+                     paged=page_table is not None, split=True, mods=mods)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
@@ -354,7 +372,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
         mask_block_cnt=sparse_args[0], mask_block_idx=sparse_args[1], full_block_cnt=sparse_args[2],
-        full_block_idx=sparse_args[3], scale_log2=scale_log2,
+        full_block_idx=sparse_args[3], aux_tensors=aux_tensors or None, scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
         num_batch=meta.batch * splits,
@@ -384,7 +402,7 @@ def _row_valid(lse, cu_q, used_q):
 
 
 def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_q=None, seqused_k=None):
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
     Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
@@ -411,13 +429,14 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     pdpsum = alloc(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
-                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index)
+                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
+                     mods=meta.mods)
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
         common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                      seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
+                      seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
                       qheads_per_kvhead=hq // hkv, num_batch=meta.batch)
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(

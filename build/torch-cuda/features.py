@@ -70,6 +70,11 @@ FEATURES: dict[str, Feature] = {
                 "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); backward planned "
                 "(a grad-requiring call raises NotImplementedError); no paged K/V, no split-KV, no torch.compile "
                 "yet"),
+        Feature("score_mask_mods", SUPPORTED, "score_mod=, score_mod_bwd=, mask_mod=, aux_tensors=[...]",
+                "upstream flash-attn-4's @cute.jit convention (logical b, h, q_idx, kv_idx under varlen, GQA "
+                "packing, paged K/V and split-KV), forward and backward; compiled once per mod (identity + "
+                "source); library in flash_attn_4_sm120.mods (causal, sliding window, document, prefix-LM, ALiBi, "
+                "relative bias); softcap with score_mod, block_sparse_tensors and torch.compile raise"),
         Feature("dropout", PLANNED, "dropout_p>0", "raises NotImplementedError"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",

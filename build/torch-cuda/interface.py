@@ -15,6 +15,7 @@ from . import validate as V
 from .block_sparse import SPARSE_GRAD_ERROR
 from .combine import run_combine
 from .dispatch import PAGED_GRAD_ERROR, run_forward
+from .modspec import check_mods
 from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
 from .features import require
 
@@ -49,6 +50,15 @@ def _needs_grad(*tensors) -> bool:
 def _attention(q, k, v, learnable_sink, return_lse, kw):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
     needs_grad = _needs_grad(q, k, v, learnable_sink)
+    mod_args = kw.pop("mod_args", None) or {}
+    mods, aux = check_mods(score_mod=mod_args.get("score_mod"), score_mod_bwd=mod_args.get("score_mod_bwd"),
+                           mask_mod=mod_args.get("mask_mod"), aux_tensors=mod_args.get("aux_tensors"),
+                           softcap=kw["softcap"], device=getattr(q, "device", None), needs_grad=needs_grad)
+    if mods is not None:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("score_mod/mask_mod are not supported under torch.compile yet (the "
+                                      "torch.library op does not take callables); call it eagerly")
+        kw.update(mods=mods, aux_tensors=aux)
     if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
         raise ValueError(PAGED_GRAD_ERROR)
     if kw["num_splits"] > 1 and needs_grad:
@@ -127,17 +137,15 @@ def flash_attn_func(
     that needs grad or under torch.compile).
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
-    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
-            or block_sparse_tensors_bwd is not None):
-        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+    if qv is not None or gather_kv_indices is not None or aux_scalars is not None or block_sparse_tensors_bwd is not None:
+        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars,
                      block_sparse_tensors_bwd=block_sparse_tensors_bwd)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors,
+        mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 
 
@@ -195,17 +203,16 @@ def flash_attn_varlen_func(
     contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic)
-    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
+    if (qv is not None or gather_kv_indices is not None or aux_scalars is not None
             or min_seqlen_k is not None or scheduler_metadata is not None or seqlen_k_per_split is not None):
-        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
+        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
                      scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
         page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
+        mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 
 

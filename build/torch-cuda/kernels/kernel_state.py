@@ -42,6 +42,11 @@ class KernelStateMixin:
             rows_k = mPageTable.shape[1] * mK.shape[1]
         return rows_q, rows_k
 
+    def wants_raw_scores(self) -> bool:
+        """A backward kernel keeps the scaled scores before the score_mod (its score_mod_bwd reads them)."""
+        mods = getattr(self.cfg, "mods", None)
+        return mods is not None and mods.score_mod is not None
+
     def is_paged(self) -> bool:
         return getattr(self.cfg, "paged", False)  # backward configs have no paged flag
 
@@ -53,10 +58,11 @@ class KernelStateMixin:
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
                      softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None,
-                     split=None) -> KernelState:
+                     split=None, aux=None) -> KernelState:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
         ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
-        a split-KV forward (its KV range comes from SplitBlockInfo), else None."""
+        a split-KV forward (its KV range comes from SplitBlockInfo), else None.  ``aux``: the mods' aux tensors (a
+        tuple) when the config has mods."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if const_expr(split is not None):
@@ -65,5 +71,6 @@ class KernelStateMixin:
         else:
             block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right,
                                         pack)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right)
+        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
+                                 aux)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))
