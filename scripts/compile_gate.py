@@ -12,7 +12,7 @@ combine kernel has no matmul and must have none), none of the instructions SM120
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
 lightest and heaviest feature set (config.gate_configs, config.dropout_gate_worklist, config.paged_gate_worklist,
 config.sparse_gate_worklist, config.decode_gate_worklist, config.bwd_gate_configs, config.sparse_bwd_gate_worklist),
-plus the combine kernel's (config.combine_gate_configs).
+plus the combine kernel's (config.combine_gate_configs) and the library mods' (modspec.gate_worklist).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def _worklist(pattern: str | None):
             items += config.bwd_gate_configs(dtype, d, dv)
     items += config.dropout_gate_worklist()
     items += config.combine_gate_configs()
+    from flash_attn_4_sm120 import modspec
+
+    items += modspec.gate_worklist()
     return [c for c in items if pattern is None or pattern in c.name()]
 
 

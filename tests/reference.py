@@ -9,11 +9,12 @@ import torch
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, None), softcap=0.0, sink=None,
-                  upcast=True, mask=None, keep=None, dropout_p=0.0):
+                  upcast=True, mask=None, keep=None, dropout_p=0.0, bias=None):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D|Dv) -> out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) fp32.
 
     Masks follow FlashAttention: query i sees key j iff j <= i + Sk - Sq (+ right) and j >= i + Sk - Sq - left.
     ``mask``: an explicit boolean (B|1, Hq|1, Sq, Sk) mask of allowed entries, ANDed with the others.
+    ``bias``: an fp32 (B|1, Hq|1, Sq, Sk) tensor added to the scaled (capped) scores (a score_mod's bias).
     Rows that see nothing give out = 0 and lse = -inf (or the sink logit).
     Dropout: ``keep`` (B, Hq, Sq, Sk) bool, as from ``dropout_mask``; the LSE is the undropped one and
     out = (P * keep / (1 - dropout_p)) V.
@@ -32,6 +33,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(None, No
     s = s.float()
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.float()
     left, right = window
     if causal:
         right = 0

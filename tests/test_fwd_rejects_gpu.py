@@ -46,7 +46,19 @@ CASES = {
     "block sparse type": (lambda: qkv(), {"block_sparse_tensors": object()}, ValueError, "BlockSparseTensors"),
     "dropout out of range": (lambda: qkv(), {"dropout_p": 1.5}, ValueError, "dropout_p"),
     "dropout with split kv": (lambda: qkv(), {"dropout_p": 0.1, "num_splits": 2}, ValueError, "num_splits"),
-    "score_mod": (lambda: qkv(), {"score_mod": lambda *a: a[0]}, NotImplementedError, "score_mod"),
+    "dropout with a mask_mod": (lambda: qkv(), {"dropout_p": 0.1, "mask_mod": lambda *a: a[2]}, ValueError,
+                                "dropout_p"),
+    "score_mod with softcap": (lambda: qkv(), {"score_mod": lambda *a, **kw: a[0], "softcap": 5.0}, ValueError,
+                               "softcap"),
+    "score_mod_bwd alone": (lambda: qkv(), {"score_mod_bwd": lambda *a, **kw: a[0]}, ValueError, "score_mod_bwd"),
+    "aux without mods": (lambda: qkv(), lambda: {"aux_tensors": [torch.zeros(3, device="cuda")]}, ValueError,
+                         "aux_tensors"),
+    "aux on cpu": (lambda: qkv(), lambda: {"mask_mod": lambda *a: a[2], "aux_tensors": [torch.zeros(3)]},
+                   ValueError, "aux_tensors[0] is on cpu"),
+    "mods with block sparsity": (lambda: qkv(s=128), lambda: {
+        "mask_mod": lambda *a: a[2], "block_sparse_tensors": fa.block_sparse_from_mask(
+            torch.ones(1, 1, 1, 1, dtype=torch.bool, device="cuda"), (128, 128))}, ValueError, "block_sparse"),
+    "aux_scalars": (lambda: qkv(), {"aux_scalars": (1,)}, NotImplementedError, "aux_scalars"),
     "pack_gqa type": (lambda: qkv(hq=8, hkv=2), {"pack_gqa": "yes"}, ValueError, "pack_gqa"),
 }
 

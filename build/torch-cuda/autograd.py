@@ -17,6 +17,7 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"],
                               kw["seqused_k"])
         ctx.meta = meta
+        ctx.aux = kw.get("aux_tensors", ())  # read by the mods, never differentiated
         ctx.set_materialize_grads(False)  # an unused LSE gives dlse = None: no zeros to make, no subtraction
         ctx.sink_dtype = None if learnable_sink is None else learnable_sink.dtype
         return out, lse
@@ -28,7 +29,7 @@ class FlashAttnFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv, dsink = run_backward(
             dout, q, k, v, out, lse, ctx.meta, sink=sink, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            seqused_q=used_q, seqused_k=used_k,
+            seqused_q=used_q, seqused_k=used_k, aux_tensors=ctx.aux,
         )
         if dsink is not None and ctx.sink_dtype is not None:
             dsink = dsink.to(ctx.sink_dtype)

@@ -90,13 +90,17 @@ class FwdKernelConfig:
     # sparse_kv_ratio KV tiles; 0 = off
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
-    # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
-    # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
-    kv_warp_rows: int = 16
+    # score_mod / mask_mod of the call (modspec.ModSpec: keyed by the mods' identity and source and the aux
+    # tensors' dtype/rank), None when off
+    mods: object = None
 
     @property
     def block_sparse(self) -> bool:
         return self.sparse_q_ratio > 0
+
+    @property
+    def has_aux(self) -> bool:
+        return self.mods is not None and bool(self.mods.aux_sig)
 
     def name(self) -> str:
         flags = [
@@ -115,6 +119,7 @@ class FwdKernelConfig:
                 ("dpack", self.dropout_packed),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
+                (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None),
             )
             if on
         ]
@@ -365,6 +370,16 @@ def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | Non
     if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
         return None
     return tile
+# Score/mask mods on the d=256 cp.async tiles (255 registers without them) spilled on sm_120a with aux tensors and
+# the heaviest feature set (64x64: 12-27 STL/LDL, 64x32: 2-4; document, ALiBi, relative bias; compile gate
+# 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).
+MODS_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 16, 4, 1, False),
+                      FwdTile(64, 32, 4, 1, False): FwdTile(64, 16, 4, 1, False)}
+
+
+def mods_tile(tile: FwdTile) -> FwdTile:
+    """The tile a call with score/mask mods runs for ``tile``."""
+    return MODS_TILE_FALLBACK.get(tile, tile)
 
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
@@ -482,16 +497,23 @@ class BwdKernelConfig:
     # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
     # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
     kv_warp_rows: int = 16
+    mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
 
     @property
     def block_sparse(self) -> bool:
         return self.sparse_q_ratio > 0
 
+    @property
+    def has_aux(self) -> bool:
+        return self.mods is not None and bool(self.mods.aux_sig)
+
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
                                  ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
                                  (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
-                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor)) if on]
+                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor),
+                                 (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None))
+                 if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
                 + ("_" + "_".join(flags) if flags else ""))

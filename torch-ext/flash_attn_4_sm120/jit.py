@@ -181,6 +181,15 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(cute.runtime.make_fake_tensor(
                 cutlass.Int32, tuple(cute.sym_int() for _ in range(arg.rank)),
                 stride=tuple(cute.sym_int() for _ in range(arg.rank - 1)) + (1,), assumed_align=4))
+        elif arg.kind == "aux":
+            aux_dtypes = {"fp32": Float32, "i32": cutlass.Int32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
+                          "i64": cutlass.Int64}
+            # int32 extents and strides (the host checks numel < 2**31), last dim contiguous: few registers
+            out.append(tuple(cute.runtime.make_fake_tensor(
+                aux_dtypes[name], tuple(cute.sym_int() for _ in range(rank)),
+                stride=tuple(cute.sym_int() for _ in range(rank - 1)) + (1,),
+                assumed_align=aux_dtypes[name].width // 8)
+                for name, rank in cfg.mods.aux_sig))
         elif arg.kind == "f32vec":
             out.append(vec(Float32))
         elif arg.kind == "f32":
@@ -224,9 +233,26 @@ def compile_kernel(cfg, with_kernel: bool = False):
     ``launch_smem_bytes`` is set at trace time); runs on a CPU-only machine too."""
     import cutlass.cute as cute
 
+    from dataclasses import replace
+
+    mods = getattr(cfg, "mods", None)
+    if mods is not None:
+        mods = mods.resolved()  # a library mod named by its recipe (the compile gate's workers) gets its callables
+        cfg = replace(cfg, mods=mods)
     kernel = kernel_class(cfg)(cfg)
-    fn = cute.compile(kernel, *fake_args(kernel.ARGS, cfg), options="--enable-tvm-ffi")
+    if mods is None:
+        fn = cute.compile(kernel, *fake_args(kernel.ARGS, cfg), options="--enable-tvm-ffi")
+    else:
+        try:
+            fn = cute.compile(kernel, *fake_args(kernel.ARGS, cfg), options="--enable-tvm-ffi")
+        except Exception as exc:  # name the user's mods: the DSL error alone points into this package
+            raise ModCompileError(f"{cfg.name()}: the kernel with {mods.names} (aux tensors {mods.aux_sig}) failed "
+                                  f"to compile: {type(exc).__name__}: {exc}") from exc
     return (fn, kernel) if with_kernel else fn
+
+
+class ModCompileError(ValueError):
+    """A score_mod / mask_mod / score_mod_bwd that CuTe-DSL could not compile (message names the mods)."""
 
 
 def _load_runtime_libs():
@@ -357,7 +383,8 @@ def _get_kernel(key: tuple, cfg, compile_fn):
         if fn is not None:
             return fn
         t0 = time.perf_counter()
-        path = _disk_path(key)
+        mods = getattr(cfg, "mods", None)
+        path = _disk_path(key) if mods is None or mods.disk_cacheable else None  # user mods: memory only
         if path is not None and not _safe_dir(path.parent):
             path = None
         if path is not None:

@@ -53,7 +53,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor, cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
         mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None, scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        full_block_idx: cute.Tensor | None,
+        aux_tensors,  # the mods' aux tensors (a tuple) or None
+        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
         rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
@@ -76,7 +78,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
             softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_l, sdO_l, sK_l, sV_l,
@@ -89,7 +91,7 @@ class FlashBwdDqSm80(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -104,7 +106,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1,
                                dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-                                        rng_offset_hi, rng_seed))
+                                        rng_offset_hi, rng_seed), aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
@@ -244,10 +246,13 @@ class FlashBwdDqSm80(KernelStateMixin):
         acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_S.fill(0.0)
         cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], cpA, cpB, False)
+        acc_raw = None
+        if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
+            acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
             hook = score.for_sparse_block(masked)
-        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
         acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_dP.fill(0.0)
         cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
@@ -255,6 +260,8 @@ class FlashBwdDqSm80(KernelStateMixin):
             score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
         else:
             score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+        if const_expr(self.wants_raw_scores()):
+            score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
         rdS.store(acc_dP.load().to(dt))
         cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt[None, None, None, stage], cpBt)
