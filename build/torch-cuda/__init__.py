@@ -18,6 +18,16 @@ from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_fu
 
 __version__ = "1.0.0"
 
+
+def __getattr__(name):
+    """``mods`` (the score/mask mod library) imports CuTe-DSL, so it loads on first access, not at import."""
+    if name == "mods":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.kernels.mods")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["BlockSparseTensors", "FEATURES", "__version__", "block_sparse_bwd_from_flex", "block_sparse_from_flex",
            "block_sparse_from_mask", "dropout_mask", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache"]

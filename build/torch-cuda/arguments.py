@@ -18,6 +18,8 @@ Kinds:
   i64vec  a 1-D int64 tensor (dropout seed on the device)
   f32vec  a 1-D fp32 tensor (learnable sink)
   i32nd   an int32 tensor of ``rank`` dims, last dim contiguous, int32 strides (block-sparse counts and indices)
+  aux     the mods' aux tensors: a tuple of tensors, dtype and rank from the config's ``mods.aux_sig``, every
+          extent and stride dynamic
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
@@ -100,6 +102,7 @@ FWD_ARGS = ArgRecord("forward", (
     Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
     Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
     Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
+    Arg("aux_tensors", "aux", when="has_aux"),
     Arg("scale_log2", "f32"),
     Arg("softcap_prescale", "f32"),
     Arg("window_left", "i32"),
@@ -145,6 +148,7 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     _act("dv", "head_dim_v", "varlen_k"),
     *_SEQ_META,
     *_SPARSE,
+    Arg("aux_tensors", "aux", when="has_aux"),
     *_BWD_SCALARS,
     Arg("num_n_blocks", "i32"),
     Arg("num_kv_heads", "i32"),
@@ -158,6 +162,7 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     Arg("pdpsum", "rowstat", varlen="varlen_q"),
     *_SEQ_META,
     *_SPARSE,
+    Arg("aux_tensors", "aux", when="has_aux"),
     *_BWD_SCALARS,
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),

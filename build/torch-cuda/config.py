@@ -90,10 +90,17 @@ class FwdKernelConfig:
     # sparse_kv_ratio KV tiles; 0 = off
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
+    # score_mod / mask_mod of the call (modspec.ModSpec: keyed by the mods' identity and source and the aux
+    # tensors' dtype/rank), None when off
+    mods: object = None
 
     @property
     def block_sparse(self) -> bool:
         return self.sparse_q_ratio > 0
+
+    @property
+    def has_aux(self) -> bool:
+        return self.mods is not None and bool(self.mods.aux_sig)
 
     def name(self) -> str:
         flags = [
@@ -112,6 +119,7 @@ class FwdKernelConfig:
                 ("dpack", self.dropout_packed),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
+                (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None),
             )
             if on
         ]
@@ -362,6 +370,16 @@ def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | Non
     if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
         return None
     return tile
+# Score/mask mods on the d=256 cp.async tiles (255 registers without them) spilled on sm_120a with aux tensors and
+# the heaviest feature set (64x64: 12-27 STL/LDL, 64x32: 2-4; document, ALiBi, relative bias; compile gate
+# 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).
+MODS_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 16, 4, 1, False),
+                      FwdTile(64, 32, 4, 1, False): FwdTile(64, 16, 4, 1, False)}
+
+
+def mods_tile(tile: FwdTile) -> FwdTile:
+    """The tile a call with score/mask mods runs for ``tile``."""
+    return MODS_TILE_FALLBACK.get(tile, tile)
 
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
@@ -476,17 +494,28 @@ class BwdKernelConfig:
     # forward's (Q-major) lists.
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
+    # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
+    # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
+    kv_warp_rows: int = 16
+    mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
 
     @property
     def block_sparse(self) -> bool:
         return self.sparse_q_ratio > 0
 
+    @property
+    def has_aux(self) -> bool:
+        return self.mods is not None and bool(self.mods.aux_sig)
+
     def name(self) -> str:
         flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
                                  ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
                                  (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
-                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor)) if on]
+                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor),
+                                 (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None))
+                 if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
+                + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -502,21 +531,37 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     return q + do + k + v + 2 * p
 
 
-# (tile_m, tile_n, num_warps) per max(head_dim, head_dim_v); every (wm, wn) warp split must divide the tiles.
+# (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn)
+# warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/v4.jsonl):
+# 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7%
+# slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10% causal at d256
+# (neutral at d128: kept at 16).
 _BWD_TILES = {
-    32: ((64, 64, 8),), 64: ((64, 64, 8),), 96: ((64, 64, 8),), 128: ((64, 64, 8),),
-    192: ((32, 64, 8), (64, 64, 8), (32, 64, 4)),
-    256: ((32, 32, 4),),
+    32: ((64, 64, 8),), 64: ((64, 128, 8, 32), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
+    192: ((32, 64, 8, 32), (32, 64, 8), (64, 64, 8), (32, 64, 4)),
+    256: ((32, 32, 4, 32), (32, 32, 4)),
+}
+# Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
+# take the next tile of the table.  Block sparsity: 32x32 r32 at d256, 35-60 STL/LDL.  (Dropout on the 128-key tiles
+# spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
+_BWD_SPILLING = {
+    ((32, 32, 4, 32), 256): {"sparse"},
 }
 
 
 def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
+    spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
+    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse)):
+        if on and feature in spilling:
+            problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
-    for rows, ns in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim)), (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v))):
-        wm = min(rows // 16, cfg.num_warps)
+    for rows, ns, per_warp in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim), 16),
+                               (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v), cfg.kv_warp_rows)):
+        wm = min(rows // per_warp, cfg.num_warps)
         wn = cfg.num_warps // wm
         for n in ns:
             if n % (wn * 16) != 0:
@@ -534,8 +579,8 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
     gradients are required, so a training step never fails half-way)."""
     reasons = []
-    for tm, tn, nw in _BWD_TILES[max(head_dim, head_dim_v)]:
-        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
+    for tm, tn, nw, *rows in _BWD_TILES[max(head_dim, head_dim_v)]:
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows[0] if rows else 16, **flags)
         problems = bwd_problems(cfg)
         if not problems:
             return cfg
@@ -543,33 +588,56 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
-# dQ kernel (bwd_dq_kernel.py): Q-stationary, warps stacked along M.
-_DQ_TILES = {32: (128, 64, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8), 192: (64, 64, 4),
-             256: (64, 32, 4)}
+# dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
+# stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
+# proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
+# two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
+_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1),
+             192: (64, 64, 4, 1), 256: (64, 32, 4, 1)}
 
 
 @dataclass(frozen=True)
 class DqKernelConfig(BwdKernelConfig):
-    """Compile key of the dQ kernel (same fields as the dK/dV kernel's)."""
+    """Compile key of the dQ kernel (the dK/dV kernel's fields, plus the number of K/V smem stages)."""
+
+    kv_stages: int = 1
 
     def name(self) -> str:
-        return "dq" + super().name()[3:]
+        return "dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+
+
+def dq_problems(cfg: BwdKernelConfig) -> list[str]:
+    problems = []
+    smem = dq_smem_bytes(cfg)
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"the dQ kernel needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    threads = cfg.num_warps * 32
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        rows_per_pass = threads // copy_threads_per_row(dim, 16)
+        for rows in (cfg.tile_m, cfg.tile_n):
+            if rows % rows_per_pass != 0:
+                problems.append(f"dQ tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
 
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
-    tm, tn, nw = _DQ_TILES[max(head_dim, head_dim_v)]
-    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, **flags)
-    smem = sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * head_dim, tm * head_dim_v, tn * head_dim, tn * head_dim_v))
-    if smem > SMEM_LIMIT_BYTES:
-        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the dQ kernel needs {smem} B "
-                         f"of shared memory > {SMEM_LIMIT_BYTES} B")
+    tm, tn, nw, stages = _DQ_TILES[max(head_dim, head_dim_v)]
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages, **flags)
+    problems = dq_problems(cfg)
+    if problems:
+        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))
     return cfg
 
 
 def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
     tm, tn = cfg.tile_m, cfg.tile_n
-    return sum((n * 2 + 1023) // 1024 * 1024 for n in (tm * cfg.head_dim, tm * cfg.head_dim_v, tn * cfg.head_dim,
-                                                        tn * cfg.head_dim_v))
+    stages = getattr(cfg, "kv_stages", 1)
+
+    def align(n: int) -> int:
+        return (n * 2 + 1023) // 1024 * 1024
+
+    return (align(tm * cfg.head_dim) + align(tm * cfg.head_dim_v)
+            + align(stages * tn * cfg.head_dim) + align(stages * tn * cfg.head_dim_v))
 
 
 _BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
@@ -597,8 +665,9 @@ def dropout_gate_worklist() -> list:
             groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
     for d, dv in supported_head_dim_pairs():
         for sel in (select_bwd_config, select_dq_config):
-            c = sel("bf16", d, dv)
-            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps), []).append((d, dv, None))
+            c = sel("bf16", d, dv, has_dropout=True)  # the tile a dropout call runs
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows,
+                               getattr(c, "kv_stages", 1)), []).append((d, dv, None))
     out = []
     for key, pairs in groups.items():
         big = max(pairs, key=lambda x: (x[0], x[1]))
@@ -633,12 +702,13 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
         if d != dv:
             continue
         for select in (select_bwd_config, select_dq_config):
-            base = select("bf16", d, dv)
-            tile = (type(base), base.tile_m, base.tile_n, base.num_warps)
+            base = select("bf16", d, dv, sparse_q_ratio=1, sparse_kv_ratio=1)  # the tile a sparse call runs
+            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1),
+                    base.kv_warp_rows)
             if tile in seen:
                 continue
             seen.add(tile)
-            out += [replace(base, sparse_q_ratio=1, sparse_kv_ratio=1), replace(base, **heavy)]
+            out += [base, select("bf16", d, dv, **heavy)]
     return out
 
 

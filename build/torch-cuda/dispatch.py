@@ -37,6 +37,7 @@ from .config import (
     split_tile,
     decode_tile,
     DECODE_MAX_ROWS,
+    mods_tile,
     select_sparse_tile,
     table_version,
 )
@@ -77,6 +78,12 @@ class FwdMeta:
     max_k: int
     sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
     dropout: D.DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
+    mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
+
+
+MODS_SPARSE_ERROR = ("score_mod/mask_mod together with block_sparse_tensors is not supported by flash-attn-4-sm120 "
+                     "yet (the block-sparse schedule does not call mods); apply the mask_mod densely (drop "
+                     "block_sparse_tensors) or express the mask as block_sparse_tensors with causal/window")
 
 
 def _rng_args(drop) -> tuple:
@@ -108,15 +115,16 @@ _PLANS: dict[tuple, _Plan] = {}
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
           sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
-          seed_tensor: bool = False, dropout_packed: bool = False) -> _Plan:
+          seed_tensor: bool = False, dropout_packed: bool = False, mods=None) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
     runs the cp.async tiles); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
-    those pairs).  Every argument after ``device_index`` is passed by keyword."""
+    those pairs); ``mods``: modspec.ModSpec or None (the forward kernel keys on its forward part; never with
+    decode, sparse or dropout).  Every argument after ``device_index`` is passed by keyword."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, table_version())
+           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
@@ -126,14 +134,17 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
             tile = split_tile(tile)
         if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
             tile = dropout_fwd_tile(d, dv, tile)
+        if mods is not None:
+            tile = mods_tile(tile)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
                                      sparse_kv_ratio=sparse[1], has_dropout=dropout,
-                                     dropout_seed_tensor=seed_tensor, dropout_packed=dropout_packed))
+                                     dropout_seed_tensor=seed_tensor, dropout_packed=dropout_packed,
+                                     mods=None if mods is None else mods.forward_part()))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
-                         seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor)
+                         seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor, mods=mods)
             plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[2],
                                              sparse_kv_ratio=sparse_bwd[3])  # raises now, not mid-step
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[0],
@@ -266,7 +277,10 @@ def _choose_pack(pack_gqa, ratio: int, max_seqlen_q: int, tile_m: int) -> int:
 
 
 def _log2_scales(meta: FwdMeta) -> tuple[float, float]:
-    """(scale_log2, softcap_prescale) of the score hook."""
+    """(scale_log2, softcap_prescale) of the score hook.  With a score_mod: (log2(e), softmax scale), the mod
+    seeing the scaled scores (upstream's convention)."""
+    if meta.mods is not None and meta.mods.score_mod is not None:
+        return _LOG2_E, meta.scale
     if meta.softcap > 0:
         return meta.softcap * _LOG2_E, meta.scale / meta.softcap
     return meta.scale * _LOG2_E, 1.0
@@ -325,18 +339,19 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
                 page_table=None, num_splits=1, block_sparse_tensors=None, block_sparse_tensors_bwd=None,
-                dropout_p=0.0, dropout_seed=None, dropout_offset=None):
+                dropout_p=0.0, dropout_seed=None, dropout_offset=None, mods=None, aux_tensors=()):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
     only: with ``needs_grad`` or dropout it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 =
     automatic).  ``block_sparse_tensors``: see block_sparse.py (one split); with ``needs_grad`` the block sizes for
     the backward and ``block_sparse_tensors_bwd`` (the KV-major lists, optional) are checked here and kept in the
-    meta.
+    meta.  ``mods``/``aux_tensors``: the checked modspec.ModSpec and aux tuple of a call with score/mask mods
+    (modspec.check_mods).
 
     Dropout (dropout.py states the RNG contract): 0 < p < 1 runs the kernels compiled with dropout; p = 0 the
     kernels without it; p = 1 the kernels without it, then O = 0 (the LSE is that of the undropped scores, and
-    the backward gives only the LSE's gradient).  Dropout with split-KV (num_splits != 1) or block sparsity
-    raises ValueError."""
+    the backward gives only the LSE's gradient).  Dropout with split-KV (num_splits != 1), block sparsity or
+    score/mask mods raises ValueError."""
     p_drop = D.check_p(dropout_p)
     num_splits = SK.check_num_splits(num_splits)
     sparse = block_sparse_tensors is not None
@@ -346,6 +361,11 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         raise ValueError(PAGED_GRAD_ERROR)
     if page_table is not None and p_drop > 0.0:
         raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
+    if block_sparse_tensors is not None and mods is not None:
+        raise ValueError(MODS_SPARSE_ERROR)
+    if p_drop > 0.0 and mods is not None:
+        raise ValueError(f"dropout_p={dropout_p} with score_mod/mask_mod is not supported by flash-attn-4-sm120 "
+                         "yet; use dropout_p=0 or no mods")
     if sparse:
         BS.refuse_combinations(page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
@@ -364,6 +384,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     elif dropout_seed is not None or dropout_offset is not None:
         D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
     in_kernel = drop is not None and drop.p < 1.0
+    if mods is not None:
+        meta = replace(meta, mods=mods)
     ratios, sparse_args = (0, 0), (None, None, None, None)
     if sparse:
         ratios, sparse_args = BS.check_block_sparse(
@@ -377,7 +399,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
-                 seed_tensor=in_kernel and drop.seed_tensor is not None)
+                 seed_tensor=in_kernel and drop.seed_tensor is not None, mods=mods)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -406,7 +428,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
     # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)
     # (not with in-kernel dropout: its tiles are gated on the prefill tiles)
-    decode = (not sparse and not in_kernel and meta.max_q * pack <= DECODE_MAX_ROWS
+    # (not with mods either: the d256 decode tile is not among the tiles gated with mods, config.MODS_TILE_FALLBACK)
+    decode = (not sparse and not in_kernel and mods is None and meta.max_q * pack <= DECODE_MAX_ROWS
               and decode_tile(d, dv) is not None)
     plan_args = (V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
@@ -419,7 +442,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                                    paged=page_table is not None)
     o_dst, lse_dst = out, lse
     if splits > 1:  # fp32 partials with a leading split dim, combined below
-        plan = _plan(*plan_args, False, dev.index, paged=page_table is not None, split=True, decode=decode)
+        plan = _plan(*plan_args, False, dev.index, paged=page_table is not None, split=True, decode=decode,
+                     mods=mods)
         num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
@@ -429,7 +453,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         q=_nograd(q), k=_nograd(k), v=_nograd(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
         mask_block_cnt=sparse_args[0], mask_block_idx=sparse_args[1], full_block_cnt=sparse_args[2],
-        full_block_idx=sparse_args[3], scale_log2=scale_log2,
+        full_block_idx=sparse_args[3], aux_tensors=aux_tensors or None, scale_log2=scale_log2,
         softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
         qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
         num_batch=meta.batch * splits, dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo,
@@ -467,7 +491,7 @@ def _row_valid(lse, cu_q, used_q):
 
 
 def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_q=None, seqused_k=None):
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
     Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
@@ -504,14 +528,14 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
                      sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,
-                     seed_tensor=drop is not None and drop.seed_tensor is not None)
+                     seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods)
         if plan.bwd_fn is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
         thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop)
         common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                      seqused_k=seqused_k, scale_log2=scale_log2, softcap_prescale=prescale,
+                      seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
                       qheads_per_kvhead=hq // hkv, num_batch=meta.batch, dropout_threshold=thr,
                       dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi, rng_offset_lo=off_lo,

@@ -15,6 +15,7 @@ from . import validate as V
 from .combine import run_combine
 from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
 from .dropout import check_p, refuse_combinations
+from .modspec import check_mods
 from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
 from .features import require
 
@@ -53,6 +54,18 @@ def _needs_grad(*tensors) -> bool:
 def _attention(q, k, v, learnable_sink, return_lse, kw):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
     needs_grad = _needs_grad(q, k, v, learnable_sink)
+    mod_args = kw.pop("mod_args", None) or {}
+    mods, aux = check_mods(score_mod=mod_args.get("score_mod"), score_mod_bwd=mod_args.get("score_mod_bwd"),
+                           mask_mod=mod_args.get("mask_mod"), aux_tensors=mod_args.get("aux_tensors"),
+                           softcap=kw["softcap"], device=getattr(q, "device", None), needs_grad=needs_grad)
+    if mods is not None:
+        if kw.get("dropout_p"):
+            raise ValueError(f"dropout_p={kw['dropout_p']} with score_mod/mask_mod is not supported by "
+                             "flash-attn-4-sm120 yet; use dropout_p=0 or no mods")
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("score_mod/mask_mod are not supported under torch.compile yet (the "
+                                      "torch.library op does not take callables); call it eagerly")
+        kw.update(mods=mods, aux_tensors=aux)
     if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
         raise ValueError(PAGED_GRAD_ERROR)
     if kw.get("dropout_p") and kw.get("page_table") is not None:
@@ -154,16 +167,15 @@ def flash_attn_func(
     device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
-    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None):
-        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars)
+    if qv is not None or gather_kv_indices is not None or aux_scalars is not None:
+        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 
 
@@ -225,11 +237,9 @@ def flash_attn_varlen_func(
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
-    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
+    if (qv is not None or gather_kv_indices is not None or aux_scalars is not None
             or min_seqlen_k is not None or scheduler_metadata is not None or seqlen_k_per_split is not None):
-        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                     mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
+        _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
                      scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
@@ -238,6 +248,7 @@ def flash_attn_varlen_func(
         page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
         block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 
 

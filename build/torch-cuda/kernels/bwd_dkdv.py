@@ -35,12 +35,15 @@ from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
 
-def _mma(dtype, tile_rows: int, num_warps: int):
-    """Warps split over M (up to tile_rows/16) and N (16 columns per warp per repetition)."""
-    wm = min(tile_rows // 16, num_warps)
+def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
+    """Warps split over M (up to tile_rows/warp_rows: a warp's m16 atoms repeat every wm*16 rows) and N: each warp
+    owns 16 adjacent columns per repetition (the N permutation puts a warp's two n8 atoms side by side), so every
+    thread's columns come as (c, c+1, c+8, c+9) with c % 16 < 8 — one Philox call's quad of dropout columns."""
+    wm = min(tile_rows // warp_rows, num_warps)
     wn = num_warps // wm
+    perm_n = cute.make_layout((8, wn, 2), stride=(1, 16, 8)) if wn > 1 else 16
     return cute.make_tiled_mma(
-        cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16)
+        cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (wm, wn, 1), permutation_mnk=(wm * 16, perm_n, 16)
     )
 
 
@@ -55,8 +58,11 @@ class FlashBwdSm80(KernelStateMixin):
         self.num_warps = cfg.num_warps
         self.num_threads = cfg.num_warps * 32
         self.smem_bytes = bwd_smem_bytes(cfg)
-        # S is split over warps along N too when tile_m is short: a thread's first column may be >= 8 mod 16
-        self.dropout_quad_ok = cfg.num_warps // min(cfg.tile_m // 16, cfg.num_warps) == 1
+        # every thread's S columns come in quads (c, c+1, c+8, c+9), c % 16 < 8 (_mma's N permutation)
+        self.dropout_quad_ok = True
+        # measured on sm_120a (compile gate): the 64x128 tile (d64) spilled 2 STL/LDL in the fp16 d64/dv32 heaviest
+        # dropout set with the Philox calls of a row unrolled, none with them in a loop
+        self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 128
 
     @cute.jit
     def __call__(
@@ -77,6 +83,7 @@ class FlashBwdSm80(KernelStateMixin):
         mask_block_idx: cute.Tensor | None,
         full_block_cnt: cute.Tensor | None,
         full_block_idx: cute.Tensor | None,
+        aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
         softmax_scale: Float32,
@@ -115,10 +122,11 @@ class FlashBwdSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2, softcap_prescale,
-            softmax_scale, window_left, window_right, qheads_per_kvhead,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
-            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps),
+            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps),
+            _mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
             SharedStorage,
@@ -132,7 +140,7 @@ class FlashBwdSm80(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -147,7 +155,7 @@ class FlashBwdSm80(KernelStateMixin):
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1,
                                dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-                                        rng_offset_hi, rng_seed))
+                                        rng_offset_hi, rng_seed), aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
@@ -275,10 +283,13 @@ class FlashBwdSm80(KernelStateMixin):
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            acc_raw = None
+            if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
+                acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
             hook = score
             if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
                 hook = score.for_sparse_block(masked != 0)
-            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
             # ---- dP, dS
@@ -289,6 +300,8 @@ class FlashBwdSm80(KernelStateMixin):
                 score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             else:
                 score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            if const_expr(self.wants_raw_scores()):
+                score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)

@@ -15,6 +15,8 @@ Layouts as bwd_dkdv.py; dq is written in q's dtype (scaled by the softmax scale)
 left to the host's zero fill.
 """
 
+from functools import partial
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -36,6 +38,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.dtype = DTYPES[cfg.dtype]
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
+        self.kv_stages = cfg.kv_stages
         self.num_threads = cfg.num_warps * 32
         # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
         # ScoreHook.dropout_bits and not when it is unrolled
@@ -50,7 +53,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor, cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
         mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None, scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
+        full_block_idx: cute.Tensor | None,
+        aux_tensors,  # the mods' aux tensors (a tuple) or None
+        scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
         rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
@@ -60,8 +65,8 @@ class FlashBwdDqSm80(KernelStateMixin):
         a = cu.smem_layout_atom
         sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d), (0, 1))
         sdO_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_m, self.dv), (0, 1))
-        sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d), (0, 1))
-        sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv), (0, 1))
+        sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d, self.kv_stages), (0, 1, 2))
+        sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv, self.kv_stages), (0, 1, 2))
 
         @cute.struct
         class SharedStorage:
@@ -73,7 +78,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), scale_log2,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
             softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_l, sdO_l, sK_l, sV_l,
@@ -86,7 +91,7 @@ class FlashBwdDqSm80(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -101,7 +106,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1,
                                dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-                                        rng_offset_hi, rng_seed))
+                                        rng_offset_hi, rng_seed), aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
@@ -117,7 +122,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)
         sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
-        sKt = cu.transpose_view(sK)
+        sKt = cu.transpose_view(sK)  # (d, tile_n, stage)
         kv_head = head // qheads_per_kvhead
         first_q = m_block * self.tile_m
         load_rows(lambda pos: seq.q_row(mQ, pos, head), sQ, copy_d, tidx, first_q, seq.seqlen_q,
@@ -131,9 +136,10 @@ class FlashBwdDqSm80(KernelStateMixin):
         cpA = cute.make_tiled_copy_A(ld(dt, False), tiled_mma).get_slice(tidx)
         cpB = cute.make_tiled_copy_B(ld(dt, False), tiled_mma).get_slice(tidx)
         cpBt = cute.make_tiled_copy_B(ld(dt, True), tiled_mma).get_slice(tidx)
-        tSrQ, tSrK = thr.make_fragment_A(thr.partition_A(sQ)), thr.make_fragment_B(thr.partition_B(sK))
-        tPrdO, tPrV = thr.make_fragment_A(thr.partition_A(sdO)), thr.make_fragment_B(thr.partition_B(sV))
-        tQrKt = thr.make_fragment_B(thr.partition_B(sKt))
+        tSrQ, tSrK = thr.make_fragment_A(thr.partition_A(sQ)), thr.make_fragment_B(thr.partition_B(sK[None, None, 0]))
+        tPrdO = thr.make_fragment_A(thr.partition_A(sdO))
+        tPrV = thr.make_fragment_B(thr.partition_B(sV[None, None, 0]))
+        tQrKt = thr.make_fragment_B(thr.partition_B(sKt[None, None, 0]))
         tSsQ, tSsK, tPsdO, tPsV = cpA.partition_S(sQ), cpB.partition_S(sK), cpA.partition_S(sdO), cpB.partition_S(sV)
         tQsKt = cpBt.partition_S(sKt)
         acc_shape_s = thr.partition_shape_C((self.tile_m, self.tile_n))
@@ -159,22 +165,43 @@ class FlashBwdDqSm80(KernelStateMixin):
                 lse_log2[r] = score.lse_log2(mLSE[idx])
                 dpsum[r] = mDpsum[idx]
 
+        # the KV tiles to visit, tile ``t`` given by ``where(t)`` -> (n_block, masked): the visible range in
+        # ascending order, or (block sparsity) the listed KV blocks of this query block (kernels/block_sparse.py):
+        # virtual tiles [0, F) full, [F, F + M) mask.  A fixed order either way: dQ stays bitwise reproducible.
         if const_expr(cfg.block_sparse):
-            # the listed KV blocks of this query block (kernels/block_sparse.py): virtual tiles [0, F) full,
-            # [F, F + M) mask, visited in ascending order (a fixed order: dQ stays bitwise reproducible)
             sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, *sparse, seq.batch, head,
                                             m_block)
             _, total, _, n_full, _ = sp.kv_plan(m_block)
-            for t in cutlass.range(total, unroll=1):
-                self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, sp.tile_of(t), t >= n_full,
-                          tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt,
-                          tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head)
+            where = partial(self.sparse_entry, sp, n_full)
         else:
             n_min, n_max = block.kv_range(m_block)
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
-                self.step(seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, True, tiled_mma,
-                          acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA,
-                          cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head)
+            total = cutlass.max(n_max - n_min, 0)
+            where = partial(self.dense_entry, n_min)
+        load_kv = partial(self.load_kv, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head)
+        if const_expr(self.kv_stages > 1):
+            # K/V of tile t + 1 stream into the other stage while tile t is computed: one barrier per tile (it
+            # also orders every warp's reads of tile t - 1, whose stage the prefetch overwrites)
+            if total > 0:
+                load_kv(where(Int32(0))[0], Int32(0))
+            for t in cutlass.range(total, unroll=1):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                if t + 1 < total:
+                    load_kv(where(t + 1)[0], (t + 1) % 2)
+                n_block, masked = where(t)
+                self.step(seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO,
+                          tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head,
+                          n_block, masked, t % 2)
+        else:
+            for t in cutlass.range(total, unroll=1):
+                n_block, masked = where(t)
+                load_kv(n_block, Int32(0))
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                self.step(seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO,
+                          tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head,
+                          n_block, masked, Int32(0))
+                cute.arch.barrier()  # every warp is done with K/V before the next tile overwrites them
 
         # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
         for r in cutlass.range_constexpr(num_rows):
@@ -187,39 +214,54 @@ class FlashBwdDqSm80(KernelStateMixin):
                             (self.tile_m, self.d), dt)
 
     @cute.jit
-    def step(self, seq, score, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, masked, tiled_mma,
-             acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt,
-             tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head):
-        """One KV tile: S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with causal/window): whether this
-        tile gets the causal/window masks (a mask block) or only the sequence end (a full block)."""
+    def dense_entry(self, n_min, t):
+        return n_min + t, True
+
+    @cute.jit
+    def sparse_entry(self, sp, n_full, t):
+        return sp.tile_of(t), t >= n_full
+
+    @cute.jit
+    def load_kv(self, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, stage):
+        """cp.async K and V of key tile ``n_block`` into ``stage`` (rows past the sequence zero-filled)."""
+        first_key = n_block * self.tile_n
+        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK[None, None, stage], copy_d, tidx, first_key,
+                  seq.seqlen_k, (self.tile_n, self.d), True)
+        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV[None, None, stage], copy_dv, tidx, first_key,
+                  seq.seqlen_k, (self.tile_n, self.dv), True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def step(self, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV,
+             tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head, n_block, masked,
+             stage):
+        """One KV tile (K/V in smem ``stage``): S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with
+        causal/window): whether this tile gets the causal/window masks (a mask block) or only the sequence end (a
+        full block)."""
         cfg = self.cfg
         dt = self.dtype
-        first_key = n_block * self.tile_n
-        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
-                  (self.tile_n, self.d), True)
-        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
-                  (self.tile_n, self.dv), True)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
         drop_bits = None
         if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
             drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
         acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_S.fill(0.0)
-        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA, cpB, False)
+        cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], cpA, cpB, False)
+        acc_raw = None
+        if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
+            acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
             hook = score.for_sparse_block(masked)
-        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed)
+        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
         acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_dP.fill(0.0)
-        cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA, cpB, False)
+        cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
         if const_expr(cfg.has_dropout):
             score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
         else:
             score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+        if const_expr(self.wants_raw_scores()):
+            score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
         rdS.store(acc_dP.load().to(dt))
-        cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt, cpBt)
-        cute.arch.barrier()  # every warp is done with K/V before the next block overwrites them
+        cu.mma_rs(tiled_mma, acc_dQ, cu.acc_as_operand_a(rdS), tQrKt, tQsKt[None, None, None, stage], cpBt)

@@ -7,7 +7,7 @@ Variants override the class attributes: ``block_info_cls`` (the KV-block schedul
 K/V rows live).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -94,10 +94,13 @@ class FwdKernelBase(KernelStateMixin):
 
     def tile_state(self, batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                    mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK=None,
-                   mPageTable=None, split=None, dropout=None) -> TileState:
+                   mPageTable=None, split=None, dropout=None, aux=None) -> TileState:
         st = self.kernel_state(batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
-                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, split, dropout)
-        return TileState(st.seq, st.block, st.score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
+                               softcap_prescale, window_left, window_right, pack, mK, mPageTable, split, dropout, aux)
+        score = st.score
+        if const_expr(getattr(self.cfg, "mods", None) is not None):  # mods see (position, head) of packed rows
+            score = replace(score, head_rows=(m_block * self.tile_m, head_group * pack, pack))
+        return TileState(st.seq, st.block, score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
     def load_q(self, mQ, sQ, copy_q, tidx, ts: TileState):

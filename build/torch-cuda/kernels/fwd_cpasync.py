@@ -59,6 +59,7 @@ class FlashFwdSm80(FwdKernelBase):
         mask_block_idx: cute.Tensor | None,
         full_block_cnt: cute.Tensor | None,
         full_block_idx: cute.Tensor | None,
+        aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -98,7 +99,7 @@ class FlashFwdSm80(FwdKernelBase):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink,
-            mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, scale_log2, softcap_prescale,
+            mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, aux_tensors, scale_log2, softcap_prescale,
             window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
@@ -131,6 +132,7 @@ class FlashFwdSm80(FwdKernelBase):
         mMaskIdx: cute.Tensor | None,
         mFullCnt: cute.Tensor | None,
         mFullIdx: cute.Tensor | None,
+        mAux,
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -162,7 +164,8 @@ class FlashFwdSm80(FwdKernelBase):
         sparse = (mMaskCnt, mMaskIdx, mFullCnt, mFullIdx)
         tile = partial(
             self.run_tile, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
-            sparse, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
+            sparse, mAux, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead,
+            num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
             rows_q, rows_k,
             (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
@@ -171,7 +174,7 @@ class FlashFwdSm80(FwdKernelBase):
 
     @cute.jit
     def run_tile(
-        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse,
+        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse, mAux,
         scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, sQ_layout,
         sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage: cutlass.Constexpr, rows_q, rows_k,
         dropout,
@@ -187,7 +190,7 @@ class FlashFwdSm80(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack, mK,
-                             mPageTable, split, dropout)
+                             mPageTable, split, dropout, mAux)
         if m_block * self.tile_m < ts.num_rows:
             self.process_tile(ts, mQ, mK, mV, mO, mLSE, mSink, sparse, qheads_per_kvhead, sQ_layout, sK_layout,
                               sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage, tidx)

@@ -68,6 +68,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         mask_block_idx: cute.Tensor | None,
         full_block_cnt: cute.Tensor | None,
         full_block_idx: cute.Tensor | None,
+        aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -120,7 +121,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
-            mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink,
+            mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink, aux_tensors,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             rows_q, rows_k, dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
             rng_offset_hi, rng_seed,
@@ -135,7 +136,7 @@ class FlashFwdWsSm120(FwdKernelBase):
 
     @cute.kernel
     def kernel(
-        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink,
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux,
         scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
         qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -149,7 +150,8 @@ class FlashFwdWsSm120(FwdKernelBase):
         # around the producer's setmaxnreg
         bx, _, _ = cute.arch.block_idx()
         tile = partial(
-            self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
+            self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux,
+            scale_log2,
             softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
             (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
@@ -158,7 +160,7 @@ class FlashFwdWsSm120(FwdKernelBase):
 
     @cute.jit
     def run_tile(
-        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, scale_log2,
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux, scale_log2,
         softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
         tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o,
         SharedStorage: cutlass.Constexpr, dropout,
@@ -174,7 +176,7 @@ class FlashFwdWsSm120(FwdKernelBase):
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack,
-                             split=split, dropout=dropout)
+                             split=split, dropout=dropout, aux=mAux)
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)

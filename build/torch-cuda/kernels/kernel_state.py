@@ -52,6 +52,11 @@ class KernelStateMixin:
             rows_k = mPageTable.shape[1] * mK.shape[1]
         return rows_q, rows_k
 
+    def wants_raw_scores(self) -> bool:
+        """A backward kernel keeps the scaled scores before the score_mod (its score_mod_bwd reads them)."""
+        mods = getattr(self.cfg, "mods", None)
+        return mods is not None and mods.score_mod is not None
+
     def is_paged(self) -> bool:
         return getattr(self.cfg, "paged", False)  # backward configs have no paged flag
 
@@ -64,12 +69,12 @@ class KernelStateMixin:
 
     def kernel_state(self, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, scale_log2,
                      softcap_prescale, window_left, window_right, pack, mK=None, mPageTable=None,
-                     split=None, dropout=None) -> KernelState:
+                     split=None, dropout=None, aux=None) -> KernelState:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
         ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
         a split-KV forward (its KV range comes from SplitBlockInfo), else None.  ``dropout``: the kernel's dropout
         arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor), all None when the config has no
-        dropout."""
+        dropout.  ``aux``: the mods' aux tensors (a tuple) when the config has mods."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if const_expr(split is not None):
@@ -82,5 +87,5 @@ class KernelStateMixin:
         if const_expr(cfg.has_dropout):
             rng = DropoutRng.create(*dropout)
         score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
-                                 rng, self.dropout_quad_ok, self.dropout_row_loop, self.dropout_group_loop)
+                                 rng, self.dropout_quad_ok, self.dropout_row_loop, self.dropout_group_loop, aux)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

@@ -65,14 +65,24 @@ class ScoreHook:
     row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
     dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
     group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
+    # user mods (modspec.ModSpec, compile-time; None when off) and their aux tensors (a tuple of cute tensors)
+    mods: object = None
+    aux: object = None
+    # forward only: (first tile row, first head of the group, pack) to map packed tile rows to query heads
+    head_rows: object = None
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
-               rng=None, quad_ok: bool = True, row_loop: bool = True, group_loop: bool = False):
+               rng=None, quad_ok: bool = True, row_loop: bool = True, group_loop: bool = False, aux=None):
+        """With ``cfg.mods`` carrying a score_mod, ``softcap_prescale`` is the softmax scale applied to the raw
+        scores before the mod and ``scale_log2`` is log2(e) (the host passes them so: upstream's convention)."""
         has_dropout = getattr(cfg, "has_dropout", False)
+        mods = getattr(cfg, "mods", None)
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
-                         window_right, seq.seqlen_k - seq.seqlen_q, has_dropout, quad_ok,
-                         rng if has_dropout else None, row_loop, getattr(cfg, "dropout_packed", False), group_loop)
+                         window_right, seq.seqlen_k - seq.seqlen_q, has_dropout=has_dropout, quad_ok=quad_ok,
+                         rng=rng if has_dropout else None, row_loop=row_loop,
+                         dropout_packed=getattr(cfg, "dropout_packed", False), group_loop=group_loop, mods=mods,
+                         aux=aux if mods is not None else None)
 
     @cute.jit
     def for_sparse_block(self, masked) -> "ScoreHook":
@@ -90,14 +100,80 @@ class ScoreHook:
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
               n_block: Int32, mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-              mask_left: cutlass.Constexpr[bool]):
-        """Raw S tile -> transformed scores (softcap), masked entries -inf.  ``row_qpos``: query position of each
-        of this thread's rows; ``tScS_mn``/``t0ScS_mn``: (row, col) coordinates of this thread's / thread 0's
-        accumulator elements."""
-        if const_expr(self.has_softcap):
+              mask_left: cutlass.Constexpr[bool], row_head=None, raw_out=None):
+        """Raw S tile -> transformed scores (softcap or score_mod), masked entries -inf.  ``row_qpos``: query
+        position of each of this thread's rows; ``tScS_mn``/``t0ScS_mn``: (row, col) coordinates of this thread's
+        / thread 0's accumulator elements.  With mods: ``row_head`` is the query head of each row (a tensor like
+        ``row_qpos``) or of all rows (a scalar); ``raw_out`` (backward with score_mod_bwd) receives the scaled
+        scores before the score_mod.  A mask_mod applies to every block it is called on."""
+        if const_expr(self.has_softcap):  # never with a score_mod (the host refuses the pair)
             acc_S.store(cute.math.tanh(acc_S.load() * self.softcap_prescale, fastmath=True))
+        if const_expr(self.mods is not None):
+            self.apply_mods(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out)
         if const_expr(mask_seqlen or mask_right or mask_left):
             self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
+
+    @cute.jit
+    def apply_mods(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out):
+        """score_mod then mask_mod, element by element, with upstream flash-attn-4's call convention:
+        ``score_mod(scores, b, h, q_idx=, kv_idx=, seqlen_info=, aux_tensors=)`` on TensorSSA vectors of
+        ``score_vec`` consecutive keys of one row (scores already times the softmax scale), and
+        ``mask_mod(b, h, q_idx, kv_idx, seqlen_info, aux_tensors)`` on size-1 vectors, True = keep.  Indices are
+        logical: batch entry, query head, position in the query sequence, position in the key sequence.  With aux
+        tensors, indices past the sequence ends (entries masked anyway) are clamped to the last position, so a
+        mod that indexes an aux tensor by position never reads outside it."""
+        mods = self.mods
+        s_mn = acc_mn_view(acc_S)
+        nrow = const_expr(cute.size(s_mn, mode=[0]))
+        ncol = const_expr(cute.size(s_mn, mode=[1]))
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        clamp = const_expr(self.aux is not None)
+        q_last = cutlass.max(self.seq.seqlen_q - 1, 0)
+        k_last = cutlass.max(self.seq.seqlen_k - 1, 0)
+        aux = self.aux if const_expr(self.aux is not None) else ()
+        b_ssa = _ssa(self.seq.batch)
+        for r in cutlass.range_constexpr(nrow):
+            q = row_qpos[r]
+            if const_expr(clamp):
+                q = cutlass.min(q, q_last)
+            h = self.row_head(tScS_mn, r, row_head)
+            if const_expr(mods.score_mod is not None):
+                vec = const_expr(mods.score_vec)
+                for c0 in cutlass.range_constexpr(0, ncol, vec):
+                    sv = cute.make_rmem_tensor(vec, Float32)
+                    kv = cute.make_rmem_tensor(vec, Int32)
+                    for j in cutlass.range_constexpr(vec):
+                        x = s_mn[r, c0 + j] * self.softcap_prescale
+                        if const_expr(raw_out is not None):
+                            acc_mn_view(raw_out)[r, c0 + j] = x
+                        sv[j] = x
+                        k = col_base + t0ScS_mn[0, c0 + j][1]
+                        if const_expr(clamp):
+                            k = cutlass.min(k, k_last)
+                        kv[j] = k
+                    out = mods.score_mod(sv.load(), _ssa(self.seq.batch, vec), _ssa(h, vec), q_idx=_ssa(q, vec),
+                                         kv_idx=kv.load(), seqlen_info=self.seq, aux_tensors=aux)
+                    sv.store(out.to(Float32))
+                    for j in cutlass.range_constexpr(vec):
+                        s_mn[r, c0 + j] = sv[j]
+            if const_expr(mods.mask_mod is not None):
+                for c in cutlass.range_constexpr(ncol):
+                    k = col_base + t0ScS_mn[0, c][1]
+                    if const_expr(clamp):
+                        k = cutlass.min(k, k_last)
+                    keep = mods.mask_mod(b_ssa, _ssa(h), _ssa(q), _ssa(k), self.seq, aux)
+                    if not cutlass.Boolean(keep[0]):
+                        s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def row_head(self, tScS_mn, r: cutlass.Constexpr[int], row_head):
+        """Query head of this thread's row ``r``: ``row_head`` when given (the backward's one head), else from the
+        forward tile's (first row, first head, pack): a packed row is (position, head-in-group)."""
+        if const_expr(row_head is not None):
+            return row_head
+        row0, head0, pack = self.head_rows
+        row = row0 + tScS_mn[r, 0][0]
+        return head0 + row - (row // pack) * pack
 
     @cute.jit
     def mask(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen: cutlass.Constexpr[bool],
@@ -384,7 +460,8 @@ class ScoreHook:
 
     @cute.jit
     def backward_ds(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor):
-        """dS = P (dP - D) * d(apply)/dS, in place of dP (P from ``backward_p``)."""
+        """dS = P (dP - D) * d(apply)/dS, in place of dP (P from ``backward_p``).  With a score_mod the chain
+        rule through it is ``backward_mods`` (the caller runs it after this)."""
         s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             if const_expr(self.has_softcap):
@@ -416,3 +493,55 @@ class ScoreHook:
                 if const_expr(want_p):
                     p_mn[r, c] = p
                 dp_mn[r, c] = ds
+
+    @cute.jit
+    def backward_mods(self, acc_dS: cute.Tensor, acc_raw: cute.Tensor, tScS_mn, t0ScS_mn, row_qpos, row_head,
+                      n_block):
+        """Chain rule through the score_mod, in place of dS: ``score_mod_bwd(grad, score, b, h, q_idx=, kv_idx=,
+        seqlen_info=, aux_tensors=)`` gets the gradient w.r.t. the modded score and the scaled score before the
+        mod (``raw_out`` of ``apply``) and returns the gradient w.r.t. that scaled score (upstream's convention;
+        the kernels apply the softmax scale to dQ/dK as without mods).  Masked entries have P = 0, so their grad
+        is 0 and stays 0 for any finite derivative; NaN from a mod evaluated at a masked entry is zeroed."""
+        mods = self.mods
+        if const_expr(mods is not None and mods.score_mod is not None):
+            ds_mn, raw_mn = acc_mn_view(acc_dS), acc_mn_view(acc_raw)
+            nrow = const_expr(cute.size(ds_mn, mode=[0]))
+            ncol = const_expr(cute.size(ds_mn, mode=[1]))
+            col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+            clamp = const_expr(self.aux is not None)
+            q_last = cutlass.max(self.seq.seqlen_q - 1, 0)
+            k_last = cutlass.max(self.seq.seqlen_k - 1, 0)
+            aux = self.aux if const_expr(self.aux is not None) else ()
+            vec = const_expr(mods.score_vec)
+            for r in cutlass.range_constexpr(nrow):
+                q = row_qpos[r]
+                if const_expr(clamp):
+                    q = cutlass.min(q, q_last)
+                h = self.row_head(tScS_mn, r, row_head)
+                for c0 in cutlass.range_constexpr(0, ncol, vec):
+                    gv = cute.make_rmem_tensor(vec, Float32)
+                    sv = cute.make_rmem_tensor(vec, Float32)
+                    kv = cute.make_rmem_tensor(vec, Int32)
+                    for j in cutlass.range_constexpr(vec):
+                        gv[j] = ds_mn[r, c0 + j]
+                        sv[j] = raw_mn[r, c0 + j]
+                        k = col_base + t0ScS_mn[0, c0 + j][1]
+                        if const_expr(clamp):
+                            k = cutlass.min(k, k_last)
+                        kv[j] = k
+                    out = mods.score_mod_bwd(gv.load(), sv.load(), _ssa(self.seq.batch, vec), _ssa(h, vec),
+                                             q_idx=_ssa(q, vec), kv_idx=kv.load(), seqlen_info=self.seq,
+                                             aux_tensors=aux)
+                    sv.store(out.to(Float32))
+                    for j in cutlass.range_constexpr(vec):
+                        g = sv[j]
+                        ds_mn[r, c0 + j] = g if gv[j] != 0.0 else Float32(0.0)
+
+
+@cute.jit
+def _ssa(x, n: cutlass.Constexpr[int] = 1):
+    """A scalar as a TensorSSA of ``n`` equal Int32 values (the index arguments of a mod)."""
+    t = cute.make_rmem_tensor(n, Int32)
+    for i in cutlass.range_constexpr(n):
+        t[i] = x
+    return t.load()
