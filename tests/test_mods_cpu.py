@@ -220,7 +220,7 @@ def _gate(pattern: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pattern", ["fwd_bf16_d64v64_256x64w8s2t_mods-relative_bias",
-                                     "bwd_bf16_d128v128_64x64w8_win_vq_vk_uq_uk_mods-document",
+                                     "bwd_bf16_d128v128_32x128w8_win_vq_vk_uq_uk_mods-document",
                                      "dq_bf16_d256v256_64x32w4_win_vq_vk_uq_uk_mods-alibi"])
 def test_library_mods_compile_for_sm120_without_spills(pattern):
     res = _gate(pattern)
