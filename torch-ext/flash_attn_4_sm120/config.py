@@ -542,10 +542,14 @@ _BWD_TILES = {
     256: ((32, 32, 4, 32), (32, 32, 4)),
 }
 # Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
-# take the next tile of the table.  Block sparsity: 32x32 r32 at d256, 35-60 STL/LDL.  (Dropout on the 128-key tiles
+# take the next tile of the table (none left: the call raises before launch).  Block sparsity: 32x32 r32 at d256,
+# 35-60 STL/LDL; block sparsity with a mask_mod: 32x128 at d128 (64x64 instead), 32x32 at d256 (a grad-requiring
+# call raises there).  (Dropout on the 128-key tiles
 # spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
 _BWD_SPILLING = {
     ((32, 32, 4, 32), 256): {"sparse"},
+    ((32, 32, 4, 16), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    ((32, 128, 8, 16), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
 }
 
 
@@ -553,7 +557,9 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
     tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
-    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse)):
+    mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
+    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
+                        ("sparse_mask_mod", cfg.block_sparse and mask_mod)):
         if on and feature in spilling:
             problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)

@@ -81,11 +81,6 @@ class FwdMeta:
     mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
 
 
-MODS_SPARSE_ERROR = ("score_mod/mask_mod together with block_sparse_tensors is not supported by flash-attn-4-sm120 "
-                     "yet (the block-sparse schedule does not call mods); apply the mask_mod densely (drop "
-                     "block_sparse_tensors) or express the mask as block_sparse_tensors with causal/window")
-
-
 def _rng_args(drop) -> tuple:
     """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor): all None
     without dropout (the p = 0 kernel takes none of them)."""
@@ -361,8 +356,6 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         raise ValueError(PAGED_GRAD_ERROR)
     if page_table is not None and p_drop > 0.0:
         raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
-    if block_sparse_tensors is not None and mods is not None:
-        raise ValueError(MODS_SPARSE_ERROR)
     if p_drop > 0.0 and mods is not None:
         raise ValueError(f"dropout_p={dropout_p} with score_mod/mask_mod is not supported by flash-attn-4-sm120 "
                          "yet; use dropout_p=0 or no mods")
@@ -395,7 +388,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
             meta = replace(meta, sparse=BS.prepare_backward(
                 block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=meta.batch, heads=hq,
                 max_q=meta.max_q, max_k=meta.max_k, head_dim=d, head_dim_v=dv, windowed=meta.windowed, device=dev,
-                debug=debug_checks_enabled(debug_checks)))
+                debug=debug_checks_enabled(debug_checks), mods=mods))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
