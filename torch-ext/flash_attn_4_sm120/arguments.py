@@ -179,3 +179,14 @@ COMBINE_ARGS = ArgRecord("combine", (
     Arg("lse", "strided", rank=3, when="has_lse"),
     Arg("num_rows", "i32"),
 ))
+
+# Backward preprocess: dout, out (B, S, H, Dv) -> dpsum (B, H, S) = rowsum(dout * out) - dlse; varlen calls are
+# viewed with B = 1 on the host ((1, total, H, Dv) and (1, H, total)).  dlse may have any strides (0 included: an
+# expanded gradient is read in place).
+BWD_PRE_ARGS = ArgRecord("backward preprocess", (
+    Arg("dout", "act", dim="head_dim_v"),
+    Arg("out", "act", dim="head_dim_v"),
+    Arg("dpsum", "rowstat"),
+    Arg("dlse", "strided", rank=3, when="has_dlse"),
+    Arg("num_rows", "i32"),
+))
