@@ -527,8 +527,11 @@ def bwd_dpsum(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, 
     fn = _PRE_KERNELS.get((cfg, dev.index))
     if fn is None:
         fn = _PRE_KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)
-    b, s, h = out4.shape[:3]
-    bstep = max(1, PRE_MAX_ROWS // (s * h))  # one launch unless B * H * S rows exceed int32
+    if dpsum.numel() <= PRE_MAX_ROWS:
+        _launch(fn, BWD_PRE_ARGS, dev, dict(dout=dout4, out=out4, dpsum=d3, dlse=dlse3, num_rows=dpsum.numel()))
+        return dpsum
+    b, s, h = out4.shape[:3]  # more rows than int32 indexes: launches over batch / sequence chunks
+    bstep = max(1, PRE_MAX_ROWS // (s * h))
     sstep = s if s * h <= PRE_MAX_ROWS else PRE_MAX_ROWS // h
     for b0 in range(0, b, bstep):
         for s0 in range(0, s, sstep):
