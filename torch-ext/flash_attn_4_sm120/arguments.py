@@ -23,7 +23,8 @@ Kinds:
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
-  strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views)
+  strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views, the
+          preprocess kernel's dLSE)
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
 """
 
