@@ -7,12 +7,13 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
-combine kernel has no matmul and must have none), none of the instructions SM120 lacks
+combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
 lightest and heaviest feature set (config.gate_configs, config.dropout_gate_worklist, config.paged_gate_worklist,
 config.sparse_gate_worklist, config.decode_gate_worklist, config.bwd_gate_configs, config.sparse_bwd_gate_worklist),
-plus the combine kernel's (config.combine_gate_configs) and the library mods' (modspec.gate_worklist).
+plus the combine kernel's (config.combine_gate_configs), the backward preprocess kernel's
+(config.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _worklist(pattern: str | None):
             items += config.bwd_gate_configs(dtype, d, dv)
     items += config.dropout_gate_worklist()
     items += config.combine_gate_configs()
+    items += config.bwd_pre_gate_configs()
     from flash_attn_4_sm120 import modspec
 
     items += modspec.gate_worklist()
@@ -81,8 +83,8 @@ def _check_one(cfg, arch: str) -> dict:
     row = {"config": cfg.name(), "arch": arch}
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
-        is_combine = isinstance(cfg, config.CombineKernelConfig)
-        if is_combine:
+        no_mma = isinstance(cfg, (config.CombineKernelConfig, config.BwdPreKernelConfig))  # elementwise/reductions
+        if no_mma:
             expected_smem = 0
         elif isinstance(cfg, config.DqKernelConfig):
             expected_smem = config.dq_smem_bytes(cfg)
@@ -100,10 +102,10 @@ def _check_one(cfg, arch: str) -> dict:
             cubin_arch=rep.arch, forbidden=rep.forbidden,
         )
         problems = []
-        if rep.counts["HMMA"] == 0 and not is_combine:
+        if rep.counts["HMMA"] == 0 and not no_mma:
             problems.append("no HMMA")
-        if rep.counts["HMMA"] and is_combine:
-            problems.append("HMMA in the combine kernel")
+        if rep.counts["HMMA"] and no_mma:
+            problems.append("HMMA in a kernel without matmul")
         if rep.forbidden:
             problems.append("forbidden: " + ",".join(rep.forbidden))
         if rep.spills or rep.frame_bytes:

@@ -140,3 +140,17 @@ def split_partials(q, k, v, num_splits, **kw):
         outs.append(o.float())
         lses.append(l_.transpose(1, 2).float())
     return torch.stack(outs), torch.stack(lses)
+
+
+def dpsum_ref(dout, out, dlse=None, varlen_q=False, dtype=torch.float32):
+    """The backward's D = rowsum(dO * O) - dLSE in ``dtype`` (the expression the preprocess kernel replaced), in
+    the LSE layout: dout/out (B, S, H, D) -> (B, H, S); varlen (total, H, D) -> (H, total).  Also returns
+    sum |dO * O| + |dLSE|, the scale of the fp32 rounding error a kernel summing in another order may make."""
+    prod = dout.to(dtype) * out.to(dtype)
+    d, mag = prod.sum(-1), prod.abs().sum(-1)
+    d, mag = (d.transpose(0, 1), mag.transpose(0, 1)) if varlen_q else (d.transpose(1, 2), mag.transpose(1, 2))
+    d, mag = d.contiguous(), mag.contiguous()
+    if dlse is not None:
+        d = d - dlse.to(dtype)
+        mag = mag + dlse.to(dtype).abs()
+    return d, mag

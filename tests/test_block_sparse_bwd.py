@@ -317,8 +317,10 @@ def test_autograd_passes_the_right_lists_to_each_kernel(recorded_launches, given
     (fwd_cfg, rec, fwd_vals), = recorded_launches
     assert rec is arguments.FWD_ARGS and fwd_cfg.block_sparse
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    (_, _, _), (dkdv_cfg, rec1, dkdv_vals), (dq_cfg, rec2, dq_vals) = recorded_launches
-    assert rec1 is arguments.BWD_DKDV_ARGS and rec2 is arguments.BWD_DQ_ARGS
+    (_, _, _), (_, rec0, pre_vals), (dkdv_cfg, rec1, dkdv_vals), (dq_cfg, rec2, dq_vals) = recorded_launches
+    assert rec0 is arguments.BWD_PRE_ARGS and rec1 is arguments.BWD_DKDV_ARGS and rec2 is arguments.BWD_DQ_ARGS
+    assert pre_vals["dpsum"] is dkdv_vals["dpsum"] is dq_vals["dpsum"]  # the preprocess kernel writes D first
+    assert pre_vals["out"].data_ptr() == out.data_ptr() and pre_vals["dlse"] is None
     tiles = _tiles(d)
     # ratios: the block size over each kernel's tile
     assert (dkdv_cfg.sparse_q_ratio, dkdv_cfg.sparse_kv_ratio) == (128 // tiles[1].tile_m, 128 // tiles[1].tile_n)
@@ -343,7 +345,11 @@ def test_dense_backward_launches_carry_no_lists(recorded_launches):
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     out, _ = fa.flash_attn_func(q, q, q, return_lse=True)
     torch.autograd.grad(out, (q,), torch.ones_like(out))
-    for cfg, _, vals in recorded_launches:
+    assert [rec for _, rec, _ in recorded_launches] == [arguments.FWD_ARGS, arguments.BWD_PRE_ARGS,
+                                                        arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS]
+    for cfg, rec, vals in recorded_launches:
+        if rec is arguments.BWD_PRE_ARGS:  # no block lists
+            continue
         assert not cfg.block_sparse
         assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
 
