@@ -23,7 +23,8 @@ Kinds:
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
-  strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views)
+  strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views, the
+          preprocess kernel's dLSE)
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
 """
 
@@ -177,5 +178,16 @@ COMBINE_ARGS = ArgRecord("combine", (
     Arg("lse_partial", "strided", rank=4),
     Arg("out", "rows", dim="head_dim", rank=4, dtype="out_dtype"),
     Arg("lse", "strided", rank=3, when="has_lse"),
+    Arg("num_rows", "i32"),
+))
+
+# Backward preprocess: dout, out (B, S, H, Dv) -> dpsum (B, H, S) = rowsum(dout * out) - dlse; varlen calls are
+# viewed with B = 1 on the host ((1, total, H, Dv) and (1, H, total)).  dlse may have any strides (0 included: an
+# expanded gradient is read in place).
+BWD_PRE_ARGS = ArgRecord("backward preprocess", (
+    Arg("dout", "act", dim="head_dim_v"),
+    Arg("out", "act", dim="head_dim_v"),
+    Arg("dpsum", "rowstat"),
+    Arg("dlse", "strided", rank=3, when="has_dlse"),
     Arg("num_rows", "i32"),
 ))

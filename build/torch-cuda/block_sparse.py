@@ -179,14 +179,21 @@ def _lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
 
-def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool) -> dict[str, tuple[int, int]]:
+def _bwd_tiles(head_dim: int, head_dim_v: int, mods=None):
+    """(dK/dV config, dQ config) a block-sparse backward runs: the tiles depend on the head dims and on whether a
+    mask_mod is present (config._BWD_SPILLING), not on the other flags."""
+    extra = dict(sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
+    return select_bwd_config("bf16", head_dim, head_dim_v, **extra), select_dq_config("bf16", head_dim, head_dim_v,
+                                                                                       **extra)
+
+
+def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool, mods=None) -> dict[str, tuple[int, int]]:
     """The (q_block, kv_block) multiples a call that needs grad accepts: "forward" for ``block_sparse_tensors``
     (the forward tile and the dQ kernel's tile, which walks these lists; and the dK/dV kernel's tile when the
     transposed lists are built from them), "backward" for ``block_sparse_tensors_bwd`` (the dK/dV kernel's tile),
     "auto" for the forward's lists when ``block_sparse_tensors_bwd`` is not given."""
     fwd = select_sparse_tile(head_dim, head_dim_v, windowed)
-    dkdv = select_bwd_config("bf16", head_dim, head_dim_v)  # the tile depends on the head dims only
-    dq = select_dq_config("bf16", head_dim, head_dim_v)
+    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods)
     f = (_lcm(fwd.tile_m, dq.tile_m), _lcm(fwd.tile_n, dq.tile_n))
     return {"forward": f, "backward": (dkdv.tile_m, dkdv.tile_n),
             "auto": (_lcm(f[0], dkdv.tile_m), _lcm(f[1], dkdv.tile_n))}
@@ -222,12 +229,12 @@ class SparseGrad:
 
 
 def prepare_backward(bst, bst_bwd, fwd_tensors, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int,
-                     head_dim_v: int, windowed: bool, device, debug: bool = False) -> SparseGrad:
+                     head_dim_v: int, windowed: bool, device, debug: bool = False, mods=None) -> SparseGrad:
     """Check the block sizes (and ``bst_bwd`` when given) of a block-sparse call that needs grad, before any
-    launch.  ``fwd_tensors``: the forward's checked tensors (``check_block_sparse``)."""
-    mult = grad_block_multiples(head_dim, head_dim_v, windowed)
-    dkdv = select_bwd_config("bf16", head_dim, head_dim_v)
-    dq = select_dq_config("bf16", head_dim, head_dim_v)
+    launch.  ``fwd_tensors``: the forward's checked tensors (``check_block_sparse``); ``mods``: the call's
+    modspec.ModSpec (a mask_mod may change the backward tiles)."""
+    mult = grad_block_multiples(head_dim, head_dim_v, windowed, mods)
+    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods)
     block_size = tuple(getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE)
     num_kv_blocks = -(-max_k // block_size[1])
     if bst_bwd is None:

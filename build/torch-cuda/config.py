@@ -542,10 +542,14 @@ _BWD_TILES = {
     256: ((32, 32, 4, 32), (32, 32, 4)),
 }
 # Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
-# take the next tile of the table.  Block sparsity: 32x32 r32 at d256, 35-60 STL/LDL.  (Dropout on the 128-key tiles
+# take the next tile of the table (none left: the call raises before launch).  Block sparsity: 32x32 r32 at d256,
+# 35-60 STL/LDL; block sparsity with a mask_mod: 32x128 at d128 (64x64 instead), 32x32 at d256 (a grad-requiring
+# call raises there).  (Dropout on the 128-key tiles
 # spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
 _BWD_SPILLING = {
     ((32, 32, 4, 32), 256): {"sparse"},
+    ((32, 32, 4, 16), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    ((32, 128, 8, 16), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
 }
 
 
@@ -553,7 +557,9 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
     tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
-    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse)):
+    mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
+    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
+                        ("sparse_mask_mod", cfg.block_sparse and mask_mod)):
         if on and feature in spilling:
             problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)
@@ -758,3 +764,49 @@ def combine_gate_configs() -> list[CombineKernelConfig]:
     items += [CombineKernelConfig("fp32", "fp32", 128, False), CombineKernelConfig("fp32", "fp16", 256, True),
               CombineKernelConfig("bf16", "bf16", 128, True)]
     return items
+
+
+# ---- backward preprocess: D = rowsum(dO * O) -------------------------------------------------------------------
+BWD_PRE_VEC = 8  # 16-bit elements per 16-byte vector load
+BWD_PRE_THREADS = 128
+BWD_PRE_ROWS_PER_GROUP = 4  # rows each group of threads owns (their loads are issued together)
+
+
+@dataclass(frozen=True)
+class BwdPreKernelConfig:
+    """Compile key of the backward preprocess kernel (kernels/bwd_preprocess.py): D = rowsum(dO * O) (- dLSE) in
+    fp32.  Batch, sequence length, heads and every stride are runtime values (a varlen call is viewed as batch 1),
+    so only the dtype, the head dim of V and the optional dLSE make a new kernel."""
+
+    dtype: str  # of dO and O: "bf16" | "fp16"
+    head_dim_v: int
+    has_dlse: bool = False  # subtract the gradient of the returned LSE
+
+    def name(self) -> str:
+        return f"dpsum_{self.dtype}_dv{self.head_dim_v}" + ("_dlse" if self.has_dlse else "")
+
+
+def bwd_pre_threads_per_row(head_dim_v: int) -> int:
+    """Threads sharing one row: the smallest power of two (<= 32) covering the row's 16-byte vectors, so each
+    thread loads at most ceil(vectors / 32) vectors of each tensor (one for head_dim_v <= 256); when the vectors
+    are not a power of two the row's last lanes idle (e.g. head_dim_v=96: 12 vectors on 16 lanes)."""
+    vectors = head_dim_v // BWD_PRE_VEC
+    tpr = 1
+    while tpr < 32 and tpr < vectors:
+        tpr *= 2
+    return tpr
+
+
+def bwd_pre_head_dim_problem(head_dim_v: int) -> str | None:
+    """Why the preprocess kernel cannot take this head dim (None: it can)."""
+    if head_dim_v <= 0 or head_dim_v % BWD_PRE_VEC or head_dim_v > 512:
+        return f"head_dim_v={head_dim_v} must be a positive multiple of {BWD_PRE_VEC} and at most 512"
+    return None
+
+
+def bwd_pre_gate_configs() -> list[BwdPreKernelConfig]:
+    """Preprocess variants the compile gate builds: the lightest (one vector per row, no dLSE), the largest head
+    dim of the package with dLSE in both dtypes, and one head dim whose vectors do not fill a power of two."""
+    return [BwdPreKernelConfig("bf16", 8, False), BwdPreKernelConfig("bf16", 128, False),
+            BwdPreKernelConfig("bf16", 96, True), BwdPreKernelConfig("bf16", max(HEAD_DIMS), True),
+            BwdPreKernelConfig("fp16", max(HEAD_DIMS), True)]

@@ -25,9 +25,10 @@ from . import block_sparse as BS
 from . import dropout as D
 from . import splitkv as SK
 from . import validate as V
-from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, FWD_ARGS
+from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, FWD_ARGS
 from .launch import compiled_kernel as _kernel, launch as _launch
 from .config import (
+    BwdPreKernelConfig,
     FwdKernelConfig,
     MAX_SEQLEN,
     dropout_fwd_tile,
@@ -79,11 +80,6 @@ class FwdMeta:
     sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
     dropout: D.DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
     mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
-
-
-MODS_SPARSE_ERROR = ("score_mod/mask_mod together with block_sparse_tensors is not supported by flash-attn-4-sm120 "
-                     "yet (the block-sparse schedule does not call mods); apply the mask_mod densely (drop "
-                     "block_sparse_tensors) or express the mask as block_sparse_tensors with causal/window")
 
 
 def _rng_args(drop) -> tuple:
@@ -361,8 +357,6 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         raise ValueError(PAGED_GRAD_ERROR)
     if page_table is not None and p_drop > 0.0:
         raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
-    if block_sparse_tensors is not None and mods is not None:
-        raise ValueError(MODS_SPARSE_ERROR)
     if p_drop > 0.0 and mods is not None:
         raise ValueError(f"dropout_p={dropout_p} with score_mod/mask_mod is not supported by flash-attn-4-sm120 "
                          "yet; use dropout_p=0 or no mods")
@@ -395,7 +389,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
             meta = replace(meta, sparse=BS.prepare_backward(
                 block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=meta.batch, heads=hq,
                 max_q=meta.max_q, max_k=meta.max_k, head_dim=d, head_dim_v=dv, windowed=meta.windowed, device=dev,
-                debug=debug_checks_enabled(debug_checks)))
+                debug=debug_checks_enabled(debug_checks), mods=mods))
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
@@ -490,20 +484,78 @@ def _row_valid(lse, cu_q, used_q):
     return inside.unsqueeze(0).expand_as(lse)
 
 
+_PRE_KERNELS: dict[tuple, object] = {}
+# rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
+# last CTA's rows past the end
+PRE_MAX_ROWS = (1 << 31) - (1 << 16)
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its last dim is contiguous and its rows are 16-byte aligned (what the kernels' vector loads
+    need), else a contiguous copy."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
+        return t.contiguous()
+    return t
+
+
+def bwd_dpsum(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, varlen_q: bool) -> torch.Tensor:
+    """D = rowsum(dO * O) - dLSE in fp32 (kernels/bwd_preprocess.py), in the LSE layout: (B, Hq, Sq), or
+    (Hq, total_q) when ``varlen_q``; contiguous.  dout/out: the output's layout, last dim contiguous, rows 16-byte
+    aligned; dlse: anything that broadcasts to the LSE's shape (read in place, strides 0 included).  Every row
+    present in the tensors is computed; no device->host sync; no launch when there are no rows."""
+    if varlen_q:
+        dpsum = torch.empty((out.shape[1], out.shape[0]), dtype=torch.float32, device=out.device)
+        out4, dout4, d3 = out.unsqueeze(0), dout.unsqueeze(0), dpsum.unsqueeze(0)  # batch 1
+    else:
+        dpsum = torch.empty((out.shape[0], out.shape[2], out.shape[1]), dtype=torch.float32, device=out.device)
+        out4, dout4, d3 = out, dout, dpsum
+    if dpsum.numel() == 0:
+        return dpsum
+    dlse3 = None
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).expand_as(dpsum)
+        dlse3 = dlse.unsqueeze(0) if varlen_q else dlse
+    cfg = BwdPreKernelConfig(V.DTYPE_NAMES[out.dtype], out.shape[-1], dlse is not None)
+    dev = out.device
+    fn = _PRE_KERNELS.get((cfg, dev.index))
+    if fn is None:
+        fn = _PRE_KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)
+    if dpsum.numel() <= PRE_MAX_ROWS:
+        _launch(fn, BWD_PRE_ARGS, dev, dict(dout=dout4, out=out4, dpsum=d3, dlse=dlse3, num_rows=dpsum.numel()))
+        return dpsum
+    b, s, h = out4.shape[:3]  # more rows than int32 indexes: launches over batch / sequence chunks
+    bstep = max(1, PRE_MAX_ROWS // (s * h))
+    sstep = s if s * h <= PRE_MAX_ROWS else PRE_MAX_ROWS // h
+    for b0 in range(0, b, bstep):
+        for s0 in range(0, s, sstep):
+            bs, ss = slice(b0, b0 + bstep), slice(s0, s0 + sstep)
+            d_chunk = d3[bs, :, ss]
+            _launch(fn, BWD_PRE_ARGS, dev, dict(
+                dout=dout4[bs, ss], out=out4[bs, ss], dpsum=d_chunk,
+                dlse=None if dlse3 is None else dlse3[bs, :, ss], num_rows=d_chunk.numel()))
+    return dpsum
+
+
 def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
     Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
-    reproducible (block-sparse calls too: ``meta.sparse`` holds their lists).  Host-side pieces, O(tokens): D = rowsum(dO * O) (minus dLSE when the caller differentiates
-    through the returned LSE); the learnable-sink gradient, closed-form: d sink_h = -sum_i exp(sink_h - lse_i) D_i
-    over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ kernel."""
+    reproducible (block-sparse calls too: ``meta.sparse`` holds their lists), after the preprocess kernel
+    (kernels/bwd_preprocess.py): D = rowsum(dO * O) in fp32 (minus dLSE when the caller differentiates through the
+    returned LSE).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
+    d sink_h = -sum_i exp(sink_h - lse_i) D_i over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ
+    kernel."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     if dout.stride(-1) != 1 or dout.data_ptr() % 16:
         dout = dout.contiguous()
     V.check_tensor("dout", dout, out.dim(), q.device)
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
+    out = _rows16(out)  # read by the preprocess kernel with 16-byte vectors
+    V.check_tensor("out", out, dout.dim(), q.device)
+    if dout.dtype != out.dtype:
+        raise ValueError(f"dout has dtype {dout.dtype}, the output {out.dtype}; pass dout in the output's dtype")
     drop = meta.dropout
     if drop is not None and drop.p >= 1.0:  # O = 0 whatever P is: only the LSE's gradient flows (dP = 0, D = -dLSE)
         dout = torch.zeros_like(dout)
@@ -511,10 +563,7 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv_dim = k.shape[-2], v.shape[-1]
     # D in the LSE layout, (Hq, total_q) or (B, Hq, Sq), in fp32 (dO and O rounded to 16 bits would bias dS)
-    dpsum = (dout.float() * out.float()).sum(-1)
-    dpsum = (dpsum.transpose(0, 1) if varlen_q else dpsum.transpose(1, 2)).contiguous()
-    if dlse is not None:
-        dpsum.sub_(dlse)
+    dpsum = bwd_dpsum(dout, out, dlse, varlen_q)
     # rows outside every sequence are written by no kernel: zero them first (dense inputs cover every row)
     partial = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
     alloc = torch.zeros_like if partial else torch.empty_like

@@ -78,7 +78,8 @@ FEATURES: dict[str, Feature] = {
                 "upstream flash-attn-4's @cute.jit convention (logical b, h, q_idx, kv_idx under varlen, GQA "
                 "packing, paged K/V and split-KV), forward and backward; compiled once per mod (identity + "
                 "source); library in flash_attn_4_sm120.mods (causal, sliding window, document, prefix-LM, ALiBi, "
-                "relative bias); softcap with score_mod, block_sparse_tensors, dropout_p and torch.compile raise"),
+                "relative bias); with block_sparse_tensors the mask_mod runs on mask blocks only (d256 with "
+                "grad refused); softcap with score_mod, dropout_p and torch.compile raise"),
         Feature("dropout", SUPPORTED, "dropout_p=p (dropout_seed=, dropout_offset=)",
                 "Philox4x32-7, mask a function of (seed, offset, b, h, i, j) only; seed/offset from torch's CUDA "
                 "generator unless given; a CUDA int64 seed tensor under graph capture; dropout_mask() "

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .arguments import ArgRecord
-from .config import COMBINE_VEC, BwdKernelConfig, CombineKernelConfig, DqKernelConfig
+from .config import COMBINE_VEC, BwdKernelConfig, BwdPreKernelConfig, CombineKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -208,6 +208,10 @@ def kernel_class(cfg):
         from .kernels.combine import FlashCombine
 
         return FlashCombine
+    if isinstance(cfg, BwdPreKernelConfig):
+        from .kernels.bwd_preprocess import FlashBwdPreprocess
+
+        return FlashBwdPreprocess
     if isinstance(cfg, DqKernelConfig):
         from .kernels.bwd_dq import FlashBwdDqSm80
 
@@ -279,7 +283,7 @@ def _disk_path(key: tuple) -> Path | None:
 
 
 def get_kernel(cfg):
-    """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ or combine config) on the current target: memory, then disk
+    """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ, preprocess or combine config) on the current target: memory, then disk
     cache, then compile."""
     return _get_kernel((kernel_class(cfg).__name__, cfg, target_arch()), cfg, compile_kernel)
 

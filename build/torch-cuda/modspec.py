@@ -93,6 +93,13 @@ class ModSpec:
                                                                ("mask_mod", self.mask_mod)) if fn is not None)
 
     @property
+    def has_mask_mod(self) -> bool:
+        """Whether a mask_mod is among the mods (also for a compile-gate placeholder, by its recipe)."""
+        if self.recipe is not None and self.mask_mod is None:
+            return self.recipe[0] in _MASK_FACTORIES
+        return self.mask_mod is not None
+
+    @property
     def disk_cacheable(self) -> bool:
         """Only mods defined in this package (their source is in the package fingerprint)."""
         pkg = __name__.rsplit(".", 1)[0]
@@ -236,6 +243,7 @@ def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, softcap, devi
 
 # ---- compile gate -----------------------------------------------------------------------------------------------
 # (factory, args, aux signature, has a score_mod) of each library mod the gate builds
+_MASK_FACTORIES = frozenset({"causal", "sliding_window", "document", "prefix_lm"})  # the library's mask_mods
 _GATE_MODS = (
     ("causal", (), (), False),
     ("sliding_window", (128, 0), (), False),
@@ -276,4 +284,20 @@ def gate_worklist() -> list:
         for d in ((128, 256) if score else (128,)):
             out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+    # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
+    # mod on the sparse forward tile and both sparse backward kernels at the widest head dim, 2x2 blocks
+    sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)
+    for factory, args, aux_sig, score in (_GATE_MODS[2], _GATE_MODS[5]):
+        fwd = _recipe_placeholder(factory, args, aux_sig, False)
+        full = _recipe_placeholder(factory, args, aux_sig, score)
+        tile = config.mods_tile(config.select_sparse_tile(256, 256, True))
+        out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd, **sparse), **heavy))
+        for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config._BWD_SPILLING)
+            try:
+                out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))
+                break
+            except ValueError:
+                continue
+        out.append(config.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
+        out.append(config.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
     return out

@@ -6,6 +6,7 @@ Kernels:
     fwd_cpasync.py  forward, all warps load (cp.async) and compute (d = 256, paged K/V, and the fallback)
     bwd_dkdv.py     backward dK/dV, KV-stationary
     bwd_dq.py       backward dQ, Q-stationary (no atomics)
+    bwd_preprocess.py  backward D = rowsum(dO * O) - dLSE in fp32 (no matmul)
     combine.py      split-KV combine of fp32 partial outputs/LSEs (no matmul)
 Shared per-tile device state, one implementation used by all four:
     seqlen_info.py  SeqInfo: sequence bounds of a batch entry, clamped to the tensors

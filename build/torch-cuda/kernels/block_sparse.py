@@ -94,8 +94,9 @@ class SparseBlockInfo(BlockInfo):
 
     @cute.jit
     def run_kv_schedule(self, step, state, plan):
-        """Mask tiles (sequence end + causal/window masks when windowed), then full tiles (sequence end only).
-        No step is ``is_first``: the softmax state starts at (-inf, 0, O = 0), which a non-first step handles."""
+        """Mask tiles (sequence end + causal/window masks when windowed, and the mask_mod), then full tiles
+        (sequence end only; no mask_mod).  No step is ``is_first``: the softmax state starts at (-inf, 0, O = 0),
+        which a non-first step handles."""
         _, total, n_mask, n_full, _ = plan
         windowed = self.windowed
         for i in cutlass.range(n_mask, unroll=1):
@@ -103,7 +104,7 @@ class SparseBlockInfo(BlockInfo):
                          mask_left=windowed)
         for i in cutlass.range(n_full, unroll=1):
             state = step(n_full - 1 - i, state, is_first=False, mask_seqlen=True, mask_right=False,
-                         mask_left=False)
+                         mask_left=False, mask_mod_on=False)
         return state
 
 

@@ -250,7 +250,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
             acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
-        if const_expr(cfg.block_sparse and cfg.windowed):  # causal / window on mask blocks only
+        if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
             hook = score.for_sparse_block(masked)
         hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
         acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)

@@ -147,11 +147,13 @@ class FwdKernelBase(KernelStateMixin):
     def scores_to_p(
         self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits, n_block,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-        mask_left: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool], mask_mod_on: cutlass.Constexpr[bool] = True,
     ):
-        """S tile -> score hook (softcap, masks) -> online softmax (rescales acc_O) -> dropout (after the row sums
-        took the undropped P) -> P in the input dtype, returned as the A operand of the P V mma."""
-        score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
+        """S tile -> score hook (softcap, mods, masks) -> online softmax (rescales acc_O) -> dropout (after the row
+        sums took the undropped P) -> P in the input dtype, returned as the A operand of the P V mma.
+        ``mask_mod_on=False``: a block-sparse "full" tile, which skips the mask_mod."""
+        score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left,
+                    mask_mod_on=mask_mod_on)
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))

@@ -333,6 +333,7 @@ class FlashFwdSm80(FwdKernelBase):
         mask_seqlen: cutlass.Constexpr[bool],
         mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
+        mask_mod_on: cutlass.Constexpr[bool] = True,
     ):
         """One KV block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight.  ``kv_tile``:
         None, or (block sparsity) the map from the schedule's virtual index ``n_block`` to the real KV tile."""
@@ -372,7 +373,7 @@ class FlashFwdSm80(FwdKernelBase):
         if const_expr(kv_tile is not None):
             n_real = kv_tile(n_block)
         tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
-                                n_real, is_first, mask_seqlen, mask_right, mask_left)
+                                n_real, is_first, mask_seqlen, mask_right, mask_left, mask_mod_on)
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed

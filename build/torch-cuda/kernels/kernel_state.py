@@ -57,6 +57,10 @@ class KernelStateMixin:
         mods = getattr(self.cfg, "mods", None)
         return mods is not None and mods.score_mod is not None
 
+    def has_mask_mod(self) -> bool:
+        mods = getattr(self.cfg, "mods", None)
+        return mods is not None and mods.mask_mod is not None
+
     def is_paged(self) -> bool:
         return getattr(self.cfg, "paged", False)  # backward configs have no paged flag
 

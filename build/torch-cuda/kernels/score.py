@@ -18,7 +18,7 @@ Mask conventions: see block_info.py.  Only boundary blocks are masked (the calle
 needs, as compile-time flags); the inner loop is one integer compare + select per element.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -70,6 +70,9 @@ class ScoreHook:
     aux: object = None
     # forward only: (first tile row, first head of the group, pack) to map packed tile rows to query heads
     head_rows: object = None
+    # block sparsity: whether the mask_mod runs on this block (a runtime value: True on "mask" blocks, False on
+    # "full" ones, which skip it as upstream's do; ``for_sparse_block``), None = always
+    mask_gate: object = None
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
@@ -86,35 +89,40 @@ class ScoreHook:
 
     @cute.jit
     def for_sparse_block(self, masked) -> "ScoreHook":
-        """The hook of one block-sparse tile of a windowed call: the call's window on a mask block, an unbounded one
-        on a full block (only the sequence end is masked then).  A runtime choice of bounds, so the kernel keeps one
+        """The hook of one block-sparse tile: the call's window on a mask block, an unbounded one on a full block
+        (only the sequence end is masked then); the mask_mod on mask blocks only.  A runtime choice of bounds, so the kernel keeps one
         masking code path (two compiled variants behind a branch cost the d=256 dK/dV tile its registers)."""
         left = Int32(WINDOW_UNBOUNDED)
         right = Int32(WINDOW_UNBOUNDED)
         if masked:
             left = self.window_left
             right = self.window_right
-        return ScoreHook(self.has_softcap, self.windowed, self.tile_n, self.seq, self.scale_log2,
-                         self.softcap_prescale, left, right, self.diag)
+        gate = None
+        if const_expr(self.mods is not None and self.mods.mask_mod is not None):
+            gate = cutlass.Boolean(masked)
+        return replace(self, window_left=left, window_right=right, mask_gate=gate)
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
               n_block: Int32, mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-              mask_left: cutlass.Constexpr[bool], row_head=None, raw_out=None):
+              mask_left: cutlass.Constexpr[bool], row_head=None, raw_out=None,
+              mask_mod_on: cutlass.Constexpr[bool] = True):
         """Raw S tile -> transformed scores (softcap or score_mod), masked entries -inf.  ``row_qpos``: query
         position of each of this thread's rows; ``tScS_mn``/``t0ScS_mn``: (row, col) coordinates of this thread's
         / thread 0's accumulator elements.  With mods: ``row_head`` is the query head of each row (a tensor like
         ``row_qpos``) or of all rows (a scalar); ``raw_out`` (backward with score_mod_bwd) receives the scaled
-        scores before the score_mod.  A mask_mod applies to every block it is called on."""
+        scores before the score_mod.  A mask_mod applies to every block it is called on, except with
+        ``mask_mod_on=False`` (the forward's block-sparse "full" tiles) or a false ``mask_gate`` (the backward's)."""
         if const_expr(self.has_softcap):  # never with a score_mod (the host refuses the pair)
             acc_S.store(cute.math.tanh(acc_S.load() * self.softcap_prescale, fastmath=True))
         if const_expr(self.mods is not None):
-            self.apply_mods(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out)
+            self.apply_mods(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out, mask_mod_on)
         if const_expr(mask_seqlen or mask_right or mask_left):
             self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
 
     @cute.jit
-    def apply_mods(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out):
+    def apply_mods(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out,
+                   mask_mod_on: cutlass.Constexpr[bool] = True):
         """score_mod then mask_mod, element by element, with upstream flash-attn-4's call convention:
         ``score_mod(scores, b, h, q_idx=, kv_idx=, seqlen_info=, aux_tensors=)`` on TensorSSA vectors of
         ``score_vec`` consecutive keys of one row (scores already times the softmax scale), and
@@ -156,14 +164,24 @@ class ScoreHook:
                     sv.store(out.to(Float32))
                     for j in cutlass.range_constexpr(vec):
                         s_mn[r, c0 + j] = sv[j]
-            if const_expr(mods.mask_mod is not None):
-                for c in cutlass.range_constexpr(ncol):
-                    k = col_base + t0ScS_mn[0, c][1]
-                    if const_expr(clamp):
-                        k = cutlass.min(k, k_last)
-                    keep = mods.mask_mod(b_ssa, _ssa(h), _ssa(q), _ssa(k), self.seq, aux)
-                    if not cutlass.Boolean(keep[0]):
-                        s_mn[r, c] = -Float32.inf
+            if const_expr(mods.mask_mod is not None and mask_mod_on):
+                if const_expr(self.mask_gate is None):
+                    self._mask_mod_row(s_mn, r, ncol, col_base, t0ScS_mn, clamp, k_last, b_ssa, h, q, aux)
+                else:
+                    if self.mask_gate:
+                        self._mask_mod_row(s_mn, r, ncol, col_base, t0ScS_mn, clamp, k_last, b_ssa, h, q, aux)
+
+    @cute.jit
+    def _mask_mod_row(self, s_mn, r: cutlass.Constexpr[int], ncol: cutlass.Constexpr[int], col_base, t0ScS_mn,
+                      clamp: cutlass.Constexpr[bool], k_last, b_ssa, h, q, aux):
+        """The mask_mod on row ``r`` of this thread's scores: masked entries become -inf."""
+        for c in cutlass.range_constexpr(ncol):
+            k = col_base + t0ScS_mn[0, c][1]
+            if const_expr(clamp):
+                k = cutlass.min(k, k_last)
+            keep = self.mods.mask_mod(b_ssa, _ssa(h), _ssa(q), _ssa(k), self.seq, aux)
+            if not cutlass.Boolean(keep[0]):
+                s_mn[r, c] = -Float32.inf
 
     @cute.jit
     def row_head(self, tScS_mn, r: cutlass.Constexpr[int], row_head):
