@@ -55,9 +55,6 @@ CASES = {
                          "aux_tensors"),
     "aux on cpu": (lambda: qkv(), lambda: {"mask_mod": lambda *a: a[2], "aux_tensors": [torch.zeros(3)]},
                    ValueError, "aux_tensors[0] is on cpu"),
-    "mods with block sparsity": (lambda: qkv(s=128), lambda: {
-        "mask_mod": lambda *a: a[2], "block_sparse_tensors": fa.block_sparse_from_mask(
-            torch.ones(1, 1, 1, 1, dtype=torch.bool, device="cuda"), (128, 128))}, ValueError, "block_sparse"),
     "aux_scalars": (lambda: qkv(), {"aux_scalars": (1,)}, NotImplementedError, "aux_scalars"),
     "pack_gqa type": (lambda: qkv(hq=8, hkv=2), {"pack_gqa": "yes"}, ValueError, "pack_gqa"),
 }
