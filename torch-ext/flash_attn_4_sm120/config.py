@@ -382,6 +382,31 @@ def mods_tile(tile: FwdTile) -> FwdTile:
     return MODS_TILE_FALLBACK.get(tile, tile)
 
 
+# Score/mask mods and dropout together: the forward tiles of either feature alone spilled on sm_120a with both in
+# the heaviest set (relative-bias score_mod reading a 2-D aux table, every flag, seed tensor; compile gate
+# 2026-11-22): d64 256x64 TMA 2 STL/LDL, d64 windowed 128x128 TMA 222, d192 128x64 TMA 6 (cp.async 128x64: 13,
+# 64x64: 16, 64x32: 6; d192/dv96 64x32: 8), d256 64x16 2 (its row loop unrolled: 2).  These compile with 0
+# spills: the d128 TMA tile for d <= 128, the 64x16 cp.async tile at d192, and where 16 key rows do not divide the
+# copy (dv 32 / 96) the d192 TMA tile (0 spills at dv96, which has fewer O registers than dv192).  d = 256 has no
+# such tile (64x16 is the narrowest), so dropout with mods is refused there.
+MODS_DROPOUT_TILES: dict[int, tuple[FwdTile, ...]] = {
+    32: (FwdTile(128, 64, 8, 2, True, True),), 64: (FwdTile(128, 64, 8, 2, True, True),),
+    96: (FwdTile(128, 64, 8, 2, True, True),), 128: (FwdTile(128, 64, 8, 2, True, True),),
+    192: (FwdTile(64, 16, 4, 1, False), FwdTile(128, 64, 8, 1, False, True)),
+}
+MODS_DROPOUT_MAX_HEAD_DIM = max(MODS_DROPOUT_TILES)
+
+
+def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int) -> FwdTile:
+    """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists."""
+    for tile in MODS_DROPOUT_TILES.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
+                     f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "
+                     "forward tile spills registers with both); use dropout_p=0 or no mods at this head dim")
+
+
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
     """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
     heaviest split-KV variant (dropout variants: ``dropout_gate_configs``).  Feature flags only add code on boundary
