@@ -46,6 +46,8 @@ CASES = {
     "block sparse type": (lambda: qkv(), {"block_sparse_tensors": object()}, ValueError, "BlockSparseTensors"),
     "dropout out of range": (lambda: qkv(), {"dropout_p": 1.5}, ValueError, "dropout_p"),
     "dropout with split kv": (lambda: qkv(), {"dropout_p": 0.1, "num_splits": 2}, ValueError, "num_splits"),
+    "dropout with a mask_mod at d256": (lambda: qkv(d=256, dv=256), {"dropout_p": 0.1, "mask_mod": lambda *a: a[2]},
+                                        ValueError, "<= 192"),
     "score_mod with softcap": (lambda: qkv(), {"score_mod": lambda *a, **kw: a[0], "softcap": 5.0}, ValueError,
                                "softcap"),
     "score_mod_bwd alone": (lambda: qkv(), {"score_mod_bwd": lambda *a, **kw: a[0]}, ValueError, "score_mod_bwd"),

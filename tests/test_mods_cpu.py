@@ -247,7 +247,28 @@ def test_config_names_and_records():
     assert "mods-alibi" in cfg.name() and cfg.has_aux
     bwd = config.select_bwd_config("bf16", 64, 64, mods=spec)
     assert "mods-alibi" in bwd.name() and bwd.has_aux
-    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False)) == config.FwdTile(64, 16, 4, 1, False)
+    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 256) == config.FwdTile(64, 16, 4, 1, False)
+
+
+def test_mods_tile_fits_every_head_dim_pair_or_raises():
+    """The d = 256 fallback tile must fit the copies of the pair: 64x16 where 16 key rows divide the V copy, 64x32
+    at dv = 32 (gated), and a ValueError at dv = 96 (64x32 and 64x64 spill there with mods)."""
+    for d, dv in config.supported_head_dim_pairs():
+        for windowed in (False, True):
+            for paged in (False, True):
+                base = config.select_fwd_tile(d, dv, windowed, paged)
+                if (d, dv) == (256, 96):
+                    with pytest.raises(ValueError, match="head_dim=256, head_dim_v=96"):
+                        config.mods_tile(base, d, dv)
+                    continue
+                tile = config.mods_tile(base, d, dv)
+                assert not config.fwd_tile_problems(d, dv, tile), (d, dv, tile)
+                split = config.mods_tile(config.split_tile(base), d, dv)
+                assert not config.fwd_tile_problems(d, dv, split), (d, dv, split)
+    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 32) == config.FwdTile(64, 32, 4, 1, False)
+    gated = {(c.head_dim, c.head_dim_v, c.tile) for c in modspec.gate_worklist()
+             if isinstance(c, config.FwdKernelConfig) and not c.has_dropout}
+    assert (256, 32, config.FwdTile(64, 32, 4, 1, False)) in gated
 
 
 def test_library_specs_pickle_by_recipe():

@@ -136,7 +136,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
         if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
             tile = dropout_fwd_tile(d, dv, tile)
         if mods is not None:
-            tile = mods_dropout_fwd_tile(d, dv) if dropout else mods_tile(tile)
+            tile = mods_dropout_fwd_tile(d, dv) if dropout else mods_tile(tile, d, dv)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],

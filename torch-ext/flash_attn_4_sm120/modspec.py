@@ -256,7 +256,8 @@ def _recipe_placeholder(factory: str, args: tuple, aux_sig: tuple, with_bwd: boo
 
 def gate_worklist() -> list:
     """The mod configurations the compile gate builds (bf16): every library mod's forward on the heaviest tile
-    (d = 256, cp.async, with every flag mods combine with) and its backward (dK/dV and dQ) at d = 128; the score
+    (d = 256, cp.async, with every flag mods combine with; relative bias also at d256/dv32, whose 64x32 fallback
+    tile differs) and its backward (dK/dV and dQ) at d = 128; the score
     mods (whose backward also keeps the raw scores) forward on the lightest tile too (d = 64 TMA) and backward at
     d = 256; then the mods x dropout set (``dropout_gate_worklist``)."""
     from dataclasses import replace
@@ -269,8 +270,11 @@ def gate_worklist() -> list:
     for factory, args, aux_sig, score in _GATE_MODS:
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_fwd_tile(256, 256, True))
+        tile = config.mods_tile(config.select_fwd_tile(256, 256, True), 256, 256)
         out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd), **heavy))
+        if factory == "relative_bias":  # the 64x32 fallback where 64x16 does not fit the V copy (dv = 32)
+            tile32 = config.mods_tile(config.select_fwd_tile(256, 32, True), 256, 32)
+            out.append(replace(config.FwdKernelConfig("bf16", 256, 32, tile32, mods=fwd), **heavy))
         if score:
             out.append(config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=fwd))
         for d in ((128, 256) if score else (128,)):
