@@ -79,7 +79,7 @@ FEATURES: dict[str, Feature] = {
                 "packing, paged K/V and split-KV), forward and backward; compiled once per mod (identity + "
                 "source); library in flash_attn_4_sm120.mods (causal, sliding window, document, prefix-LM, ALiBi, "
                 "relative bias); with dropout_p up to head dim 192 (mods on the scores, dropout on P); softcap with "
-                "score_mod, block_sparse_tensors, dropout_p at head dim 256 and torch.compile raise"),
+                "score_mod, block_sparse_tensors, dropout_p at head dim 256, head dims (256, 96) and torch.compile raise"),
         Feature("dropout", SUPPORTED, "dropout_p=p (dropout_seed=, dropout_offset=)",
                 "Philox4x32-7, mask a function of (seed, offset, b, h, i, j) only; seed/offset from torch's CUDA "
                 "generator unless given; a CUDA int64 seed tensor under graph capture; dropout_mask() "
