@@ -74,6 +74,56 @@ def test_softcap_with_score_mod_raises_before_launch_through_the_api():
         fa.flash_attn_func(q, q, q, softcap=3.0, score_mod=score_a)
 
 
+def test_dropout_with_mods_plans_the_gated_kernels():
+    """dropout_p with a score_mod runs kernels compiled with both (forward, packed forward, dK/dV, dQ), on the
+    forward tile config.mods_dropout_fwd_tile gives, and those tiles are the ones the compile gate builds for
+    mods x dropout (modspec.dropout_gate_worklist)."""
+    from flash_attn_4_sm120 import dispatch
+
+    gate = modspec.dropout_gate_worklist()
+    fwd_tiles = {(max(c.head_dim, c.head_dim_v), c.tile) for c in gate if isinstance(c, config.FwdKernelConfig)}
+    bwd_tiles = {(type(c).__name__, c.head_dim, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows)
+                 for c in gate if not isinstance(c, config.FwdKernelConfig)}
+    assert all(c.has_dropout and c.mods is not None for c in gate)
+    spec, _ = _check(score_mod=score_a, score_mod_bwd=score_a_bwd, aux_tensors=[torch.zeros(3, 4)],
+                     needs_grad=True)
+    for d, dv in config.supported_head_dim_pairs():
+        if max(d, dv) > config.MODS_DROPOUT_MAX_HEAD_DIM:
+            continue
+        for windowed in (False, True):
+            for packed in (False, True):
+                plan = dispatch._plan("bf16", d, dv, windowed, False, False, False, False, False, False, True, None,
+                                      dropout=True, seed_tensor=True, dropout_packed=packed, mods=spec)
+                f = plan.fwd_cfg
+                assert f.has_dropout and f.dropout_packed == packed and f.mods == spec.forward_part()
+                assert f.tile == config.mods_dropout_fwd_tile(d, dv)
+                assert not config.fwd_tile_problems(d, dv, f.tile)
+                # gated at the largest head dim that runs it (the most registers)
+                assert any(t == f.tile and gd >= max(d, dv) for gd, t in fwd_tiles), (d, dv, f.tile)
+                for c in (plan.bwd_cfg, plan.dq_cfg):
+                    assert c.has_dropout and c.mods == spec
+                    if d == dv and d in (64, 128, 192):
+                        key = (type(c).__name__, d, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows)
+                        assert key in bwd_tiles, c.name()
+
+
+@pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
+def test_dropout_with_mods_at_d256_raises_before_launch_through_the_api(which):
+    """No d = 256 forward tile carries mods and dropout without spills: ValueError naming both and the head dims
+    (p = 0 and p = 1 run the kernels without dropout, so they are not refused)."""
+    q = torch.zeros(1, 4, 2, 256, dtype=torch.bfloat16)
+    mods = dict(score_mod=score_a) if which == "score_mod" else dict(mask_mod=mask_a)
+    with pytest.raises(ValueError, match="score_mod/mask_mod needs max.head_dim, head_dim_v. <= 192") as info:
+        fa.flash_attn_func(q, q, q, dropout_p=0.1, **mods)
+    assert "head_dim=256" in str(info.value) and "dropout_p" in str(info.value)
+    with pytest.raises(ValueError, match="<= 192"):
+        config.mods_dropout_fwd_tile(256, 32)
+    for p in (0.0, 1.0):  # passes the mods x dropout check; stops later at the device check (CPU tensors)
+        with pytest.raises(ValueError) as info:
+            fa.flash_attn_func(q, q, q, dropout_p=p, **mods)
+        assert "<= 192" not in str(info.value)
+
+
 def test_mask_mod_alone_takes_no_bwd_and_softcap_is_fine():
     spec, aux = _check(mask_mod=mask_a, softcap=5.0, needs_grad=True)
     assert spec.mask_mod is mask_a and spec.score_mod is None and aux == ()
@@ -180,7 +230,28 @@ def test_config_names_and_records():
     assert "mods-alibi" in cfg.name() and cfg.has_aux
     bwd = config.select_bwd_config("bf16", 64, 64, mods=spec)
     assert "mods-alibi" in bwd.name() and bwd.has_aux
-    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False)) == config.FwdTile(64, 16, 4, 1, False)
+    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 256) == config.FwdTile(64, 16, 4, 1, False)
+
+
+def test_mods_tile_fits_every_head_dim_pair_or_raises():
+    """The d = 256 fallback tile must fit the copies of the pair: 64x16 where 16 key rows divide the V copy, 64x32
+    at dv = 32 (gated), and a ValueError at dv = 96 (64x32 and 64x64 spill there with mods)."""
+    for d, dv in config.supported_head_dim_pairs():
+        for windowed in (False, True):
+            for paged in (False, True):
+                base = config.select_fwd_tile(d, dv, windowed, paged)
+                if (d, dv) == (256, 96):
+                    with pytest.raises(ValueError, match="head_dim=256, head_dim_v=96"):
+                        config.mods_tile(base, d, dv)
+                    continue
+                tile = config.mods_tile(base, d, dv)
+                assert not config.fwd_tile_problems(d, dv, tile), (d, dv, tile)
+                split = config.mods_tile(config.split_tile(base), d, dv)
+                assert not config.fwd_tile_problems(d, dv, split), (d, dv, split)
+    assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 32) == config.FwdTile(64, 32, 4, 1, False)
+    gated = {(c.head_dim, c.head_dim_v, c.tile) for c in modspec.gate_worklist()
+             if isinstance(c, config.FwdKernelConfig) and not c.has_dropout}
+    assert (256, 32, config.FwdTile(64, 32, 4, 1, False)) in gated
 
 
 def test_library_specs_pickle_by_recipe():

@@ -273,6 +273,69 @@ def test_split_kv_and_paged_with_mods():
     _tol("paged out", out, ref_o, pt_o)
 
 
+# ---- mods x dropout: the mods act on the scores, dropout on P after the softmax (reference: the mods' mask/bias,
+# then the materialised keep mask of dropout_mask)
+def _check_dropout(q, k, v, mods, aux, mask, bias, p, seed=0x5EED1234, offset=24, **kw):
+    b, sq, hq = q.shape[:3]
+    keep = fa.dropout_mask(seed, offset, p, b, hq, sq, k.shape[1], device="cuda")
+    inputs = (q, k, v)
+    out, lse = fa.flash_attn_func(q, k, v, return_lse=True, aux_tensors=aux or None, dropout_p=p, dropout_seed=seed,
+                                  dropout_offset=offset, **mods, **kw)
+    kw = {key: val for key, val in kw.items() if key != "pack_gqa"}
+    ref_in = tuple(t.detach().float().requires_grad_() for t in inputs)
+    pt_in = tuple(t.detach().clone().requires_grad_() for t in inputs)
+    ref_o, ref_lse = attention_ref(*ref_in, mask=mask, bias=bias, keep=keep, dropout_p=p, **kw)
+    pt_o, _ = attention_ref(*pt_in, mask=mask, bias=bias, keep=keep, dropout_p=p, upcast=False, **kw)
+    _tol("out", out, ref_o, pt_o)
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live), "rows with no keys differ (LSE -inf)"
+    torch.testing.assert_close(lse[live], ref_lse.detach()[live], atol=2e-2, rtol=0)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, inputs, g)
+    # the backward takes D = rowsum(dO * O) from the rounded output (as every FlashAttention); its difference to
+    # the fp32 reference's enters dS like a gradient on the LSE (test_dropout_gpu._d_slack): added to the bound
+    dd = (g.float() * (out.detach().float() - ref_o.detach().float())).sum(-1)
+    slack = torch.autograd.grad(ref_lse, ref_in, dd.transpose(1, 2), retain_graph=True, allow_unused=True)
+    ref = torch.autograd.grad(ref_o, ref_in, g.float())
+    pt = torch.autograd.grad(pt_o, pt_in, g)
+    for name, a, r, c, sl in zip(("dq", "dk", "dv"), ours, ref, pt, slack):
+        extra = 0.0 if sl is None else torch.nan_to_num(sl.float(), nan=0.0).abs().max().item()
+        _tol(name, a, r, c, atol=1e-3 + extra)
+
+
+@pytest.mark.parametrize("name", ["relative_bias", "document"])  # a score_mod (aux table), a mask_mod (aux ids)
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 192), (192, 96)])  # each config.MODS_DROPOUT_TILES
+@pytest.mark.parametrize("causal", [False, True])
+def test_library_mod_with_dropout_forward_and_grads(name, d, dv, causal):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, s, h = 2, 150, 3
+    q, k = (_rand(b, s, h, d, gen=gen, grad=True) for _ in range(2))
+    v = _rand(b, s, h, dv, gen=gen, grad=True)
+    mods, aux, mask, bias = _case(name, b, s, s, h, gen)
+    _check_dropout(q, k, v, mods, aux, mask, bias, 0.17, causal=causal)
+
+
+def test_library_mod_with_dropout_at_d256_raises():
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (_rand(1, 64, 2, 256, gen=gen, grad=True) for _ in range(3))
+    mods, aux, _, _ = _case("alibi", 1, 64, 64, 2, gen)
+    with pytest.raises(ValueError, match="<= 192"):
+        fa.flash_attn_func(q, k, v, dropout_p=0.1, aux_tensors=aux, **mods)
+
+
+@pytest.mark.parametrize("name", ["alibi", "document"])
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_library_mod_with_dropout_gqa(name, pack_gqa):
+    """Packed GQA rows with dropout make the keep bits row by row (dropout_packed) while the mods see the
+    logical (position, head) of each row."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    b, s, hq, hkv = 2, 40, 8, 2
+    q = _rand(b, s, hq, 64, gen=gen, grad=True)
+    k, v = (_rand(b, s, hkv, 64, gen=gen, grad=True) for _ in range(2))
+    mods, aux, mask, bias = _case(name, b, s, s, hq, gen)
+    _check_dropout(q, k, v, mods, aux, mask, bias, 0.3, pack_gqa=pack_gqa)
+
+
 # ---- flex_attention on the equivalent mods
 def _flex():
     fx = pytest.importorskip("torch.nn.attention.flex_attention")

@@ -370,16 +370,55 @@ def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | Non
     if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
         return None
     return tile
+
+
 # Score/mask mods on the d=256 cp.async tiles (255 registers without them) spilled on sm_120a with aux tensors and
 # the heaviest feature set (64x64: 12-27 STL/LDL, 64x32: 2-4; document, ALiBi, relative bias; compile gate
-# 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).
-MODS_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 16, 4, 1, False),
-                      FwdTile(64, 32, 4, 1, False): FwdTile(64, 16, 4, 1, False)}
+# 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).  16 key rows do not divide
+# the V copy at dv = 32 / 96 (fwd_tile_problems): those take 64x32, which compiles with 0 spills at d256/dv32 but
+# spilled 4 STL/LDL at d256/dv96 (64x64 there: 29), so mods are refused at d256/dv96 (``_MODS_SPILLING``).
+MODS_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): (FwdTile(64, 16, 4, 1, False), FwdTile(64, 32, 4, 1, False)),
+                      FwdTile(64, 32, 4, 1, False): (FwdTile(64, 16, 4, 1, False), FwdTile(64, 32, 4, 1, False))}
+_MODS_SPILLING = {(256, 96, FwdTile(64, 32, 4, 1, False))}
 
 
-def mods_tile(tile: FwdTile) -> FwdTile:
-    """The tile a call with score/mask mods runs for ``tile``."""
-    return MODS_TILE_FALLBACK.get(tile, tile)
+def mods_tile(tile: FwdTile, head_dim: int, head_dim_v: int) -> FwdTile:
+    """The tile a call with score/mask mods runs for ``tile`` (the tile of the same call without mods);
+    ValueError where no fallback tile fits and compiles without spills."""
+    cands = MODS_TILE_FALLBACK.get(tile)
+    if cands is None:
+        return tile
+    for cand in cands:
+        if not fwd_tile_problems(head_dim, head_dim_v, cand) and (head_dim, head_dim_v, cand) not in _MODS_SPILLING:
+            return cand
+    raise ValueError(f"score_mod/mask_mod at head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile "
+                     "compiles without register spills on SM120 with mods (64x16 does not fit the V copy, 64x32 "
+                     "and 64x64 spill); use another head_dim_v or no mods")
+
+
+# Score/mask mods and dropout together: the forward tiles of either feature alone spilled on sm_120a with both in
+# the heaviest set (relative-bias score_mod reading a 2-D aux table, every flag, seed tensor; compile gate
+# 2026-11-22): d64 256x64 TMA 2 STL/LDL, d64 windowed 128x128 TMA 222, d192 128x64 TMA 6 (cp.async 128x64: 13,
+# 64x64: 16, 64x32: 6; d192/dv96 64x32: 8), d256 64x16 2 (its row loop unrolled: 2).  These compile with 0
+# spills: the d128 TMA tile for d <= 128, the 64x16 cp.async tile at d192, and where 16 key rows do not divide the
+# copy (dv 32 / 96) the d192 TMA tile (0 spills at dv96, which has fewer O registers than dv192).  d = 256 has no
+# such tile (64x16 is the narrowest), so dropout with mods is refused there.
+MODS_DROPOUT_TILES: dict[int, tuple[FwdTile, ...]] = {
+    32: (FwdTile(128, 64, 8, 2, True, True),), 64: (FwdTile(128, 64, 8, 2, True, True),),
+    96: (FwdTile(128, 64, 8, 2, True, True),), 128: (FwdTile(128, 64, 8, 2, True, True),),
+    192: (FwdTile(64, 16, 4, 1, False), FwdTile(128, 64, 8, 1, False, True)),
+}
+MODS_DROPOUT_MAX_HEAD_DIM = max(MODS_DROPOUT_TILES)
+
+
+def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int) -> FwdTile:
+    """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists."""
+    for tile in MODS_DROPOUT_TILES.get(max(head_dim, head_dim_v), ()):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+            return tile
+    raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
+                     f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "
+                     "forward tile spills registers with both); use dropout_p=0 or no mods at this head dim")
 
 
 def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
