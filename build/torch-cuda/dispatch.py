@@ -38,6 +38,7 @@ from .config import (
     split_tile,
     decode_tile,
     DECODE_MAX_ROWS,
+    mods_dropout_fwd_tile,
     mods_tile,
     select_sparse_tile,
     table_version,
@@ -118,7 +119,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
     those pairs); ``mods``: modspec.ModSpec or None (the forward kernel keys on its forward part; never with
-    decode, sparse or dropout).  Every argument after ``device_index`` is passed by keyword."""
+    decode or sparse; with dropout, packed or not).  Every argument after ``device_index`` is passed by keyword."""
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
            decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, table_version())
     plan = _PLANS.get(key)
@@ -131,7 +132,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
         if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
             tile = dropout_fwd_tile(d, dv, tile)
         if mods is not None:
-            tile = mods_tile(tile)
+            tile = mods_dropout_fwd_tile(d, dv) if dropout else mods_tile(tile, d, dv)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
@@ -346,8 +347,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
 
     Dropout (dropout.py states the RNG contract): 0 < p < 1 runs the kernels compiled with dropout; p = 0 the
     kernels without it; p = 1 the kernels without it, then O = 0 (the LSE is that of the undropped scores, and
-    the backward gives only the LSE's gradient).  Dropout with split-KV (num_splits != 1), block sparsity or
-    score/mask mods raises ValueError."""
+    the backward gives only the LSE's gradient).  Dropout with split-KV (num_splits != 1) or block sparsity raises
+    ValueError; with score/mask mods the mods act on the scores, dropout on P after the softmax."""
     p_drop = D.check_p(dropout_p)
     num_splits = SK.check_num_splits(num_splits)
     sparse = block_sparse_tensors is not None
@@ -357,9 +358,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         raise ValueError(PAGED_GRAD_ERROR)
     if page_table is not None and p_drop > 0.0:
         raise ValueError(PAGED_DROPOUT_ERROR.format(p=dropout_p))
-    if p_drop > 0.0 and mods is not None:
-        raise ValueError(f"dropout_p={dropout_p} with score_mod/mask_mod is not supported by flash-attn-4-sm120 "
-                         "yet; use dropout_p=0 or no mods")
+
     if sparse:
         BS.refuse_combinations(page_table, pack_gqa)
     varlen_q = cu_seqlens_q is not None
@@ -378,6 +377,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     elif dropout_seed is not None or dropout_offset is not None:
         D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
     in_kernel = drop is not None and drop.p < 1.0
+    if in_kernel and mods is not None:
+        mods_dropout_fwd_tile(d, dv)  # ValueError (naming both, and the head dims) where no tile carries both
     if mods is not None:
         meta = replace(meta, mods=mods)
     ratios, sparse_args = (0, 0), (None, None, None, None)
@@ -417,7 +418,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                      paged=page_table is not None, sparse=ratios, dropout=True,
-                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True)
+                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True, mods=mods)
     scale_log2, prescale = _log2_scales(meta)
     # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
     # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)

@@ -78,13 +78,14 @@ FEATURES: dict[str, Feature] = {
                 "upstream flash-attn-4's @cute.jit convention (logical b, h, q_idx, kv_idx under varlen, GQA "
                 "packing, paged K/V and split-KV), forward and backward; compiled once per mod (identity + "
                 "source); library in flash_attn_4_sm120.mods (causal, sliding window, document, prefix-LM, ALiBi, "
-                "relative bias); with block_sparse_tensors the mask_mod runs on mask blocks only (d256 with "
-                "grad refused); softcap with score_mod, dropout_p and torch.compile raise"),
+                "relative bias); with block_sparse_tensors the mask_mod runs on mask blocks only (d256 with grad "
+                "refused); with dropout_p up to head dim 192 (mods on the scores, dropout on P); softcap with "
+                "score_mod, dropout_p at head dim 256, head dims (256, 96) and torch.compile raise"),
         Feature("dropout", SUPPORTED, "dropout_p=p (dropout_seed=, dropout_offset=)",
                 "Philox4x32-7, mask a function of (seed, offset, b, h, i, j) only; seed/offset from torch's CUDA "
                 "generator unless given; a CUDA int64 seed tensor under graph capture; dropout_mask() "
-                "materialises it; not with split-KV (num_splits != 1), block sparsity, paged KV or score/mask "
-                "mods (ValueError)"),
+                "materialises it; with score/mask mods up to head dim 192; not with split-KV (num_splits != 1), "
+                "block sparsity, paged KV or mods at head dim 256 (ValueError)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",
                 "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192); cp.async otherwise"),

@@ -13,7 +13,7 @@ from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
-from .dispatch import MODS_SPARSE_ERROR, PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
+from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
 from .config import mods_dropout_fwd_tile
 from .dropout import check_p, refuse_combinations
 from .modspec import check_mods
@@ -60,8 +60,6 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
                            mask_mod=mod_args.get("mask_mod"), aux_tensors=mod_args.get("aux_tensors"),
                            softcap=kw["softcap"], device=getattr(q, "device", None), needs_grad=needs_grad)
     if mods is not None:
-        if kw.get("block_sparse_tensors") is not None or kw.get("block_sparse_tensors_bwd") is not None:
-            raise ValueError(MODS_SPARSE_ERROR)  # forward and backward lists alike (dispatch refuses it too)
         if 0.0 < check_p(kw.get("dropout_p", 0.0)) < 1.0 and hasattr(q, "shape") and hasattr(v, "shape"):
             mods_dropout_fwd_tile(q.shape[-1], v.shape[-1])  # ValueError where no forward tile carries both
         if torch.compiler.is_compiling():

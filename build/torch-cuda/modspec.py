@@ -264,9 +264,10 @@ def _recipe_placeholder(factory: str, args: tuple, aux_sig: tuple, with_bwd: boo
 
 def gate_worklist() -> list:
     """The mod configurations the compile gate builds (bf16): every library mod's forward on the heaviest tile
-    (d = 256, cp.async, with every flag mods combine with) and its backward (dK/dV and dQ) at d = 128; the score
+    (d = 256, cp.async, with every flag mods combine with; relative bias also at d256/dv32, whose 64x32 fallback
+    tile differs) and its backward (dK/dV and dQ) at d = 128; the score
     mods (whose backward also keeps the raw scores) forward on the lightest tile too (d = 64 TMA) and backward at
-    d = 256."""
+    d = 256; then the mods x dropout set (``dropout_gate_worklist``)."""
     from dataclasses import replace
 
     from . import config
@@ -277,8 +278,11 @@ def gate_worklist() -> list:
     for factory, args, aux_sig, score in _GATE_MODS:
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_fwd_tile(256, 256, True))
+        tile = config.mods_tile(config.select_fwd_tile(256, 256, True), 256, 256)
         out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd), **heavy))
+        if factory == "relative_bias":  # the 64x32 fallback where 64x16 does not fit the V copy (dv = 32)
+            tile32 = config.mods_tile(config.select_fwd_tile(256, 32, True), 256, 32)
+            out.append(replace(config.FwdKernelConfig("bf16", 256, 32, tile32, mods=fwd), **heavy))
         if score:
             out.append(config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=fwd))
         for d in ((128, 256) if score else (128,)):
@@ -290,7 +294,7 @@ def gate_worklist() -> list:
     for factory, args, aux_sig, score in (_GATE_MODS[2], _GATE_MODS[5]):
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_sparse_tile(256, 256, True))
+        tile = config.mods_tile(config.select_sparse_tile(256, 256, True), 256, 256)
         out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd, **sparse), **heavy))
         for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config._BWD_SPILLING)
             try:
@@ -300,4 +304,38 @@ def gate_worklist() -> list:
                 continue
         out.append(config.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
         out.append(config.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
+    return out + dropout_gate_worklist()
+
+
+def dropout_gate_worklist() -> list:
+    """The mods x dropout configurations the compile gate builds (bf16, every flag both combine with, seed from a
+    tensor), on the tiles ``config.mods_dropout_fwd_tile`` gives: the heaviest library score mod (relative bias: a
+    2-D aux table; its backward keeps the raw scores) forward at d = 64 and 128 (the TMA tile, unpacked and with
+    packed GQA rows) and d = 192 (64x16 cp.async, and the 128x64 TMA tile at dv = 96), backward (dK/dV and dQ) at d = 64, 128,
+    192; the heaviest mask mod (document: an aux lookup per element) forward at d = 192 and backward at d = 128.
+    d = 256 refuses the pair (no forward tile without spills)."""
+    from dataclasses import replace
+
+    from . import config
+
+    heavy = dict(windowed=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
+                 has_dropout=True, dropout_seed_tensor=True)
+    bwd_heavy = {k: v for k, v in heavy.items() if k != "has_sink"}
+    score = ("relative_bias", (64,), (("fp32", 2),))
+    mask = ("document", (True,), (("i32", 1),))
+    out = []
+    for (factory, args, aux_sig), fwd_pairs, packed, bwd_dims in (
+            (score, ((64, 64), (128, 128), (192, 192), (192, 96)), ((64, 64), (192, 192)), (64, 128, 192)),
+            (mask, ((192, 192),), (), (128,))):
+        fwd = _recipe_placeholder(factory, args, aux_sig, False)
+        full = _recipe_placeholder(factory, args, aux_sig, factory == score[0])
+        for d, dv in fwd_pairs:
+            cfg = replace(config.FwdKernelConfig("bf16", d, dv, config.mods_dropout_fwd_tile(d, dv), mods=fwd),
+                          **heavy)
+            out.append(cfg)
+            if (d, dv) in packed:
+                out.append(replace(cfg, dropout_packed=True))
+        for d in bwd_dims:
+            out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
     return out
