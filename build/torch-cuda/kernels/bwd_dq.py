@@ -178,6 +178,9 @@ class FlashBwdDqSm80(KernelStateMixin):
             total = cutlass.max(n_max - n_min, 0)
             where = partial(self.dense_entry, n_min)
         load_kv = partial(self.load_kv, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head)
+        step = partial(self.step, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV,
+                       tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp,
+                       head)  # step(n_block, masked, stage)
         if const_expr(self.kv_stages > 1):
             # K/V of tile t + 1 stream into the other stage while tile t is computed: one barrier per tile (it
             # also orders every warp's reads of tile t - 1, whose stage the prefetch overwrites)
@@ -189,18 +192,14 @@ class FlashBwdDqSm80(KernelStateMixin):
                 if t + 1 < total:
                     load_kv(where(t + 1)[0], (t + 1) % 2)
                 n_block, masked = where(t)
-                self.step(seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO,
-                          tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head,
-                          n_block, masked, t % 2)
+                step(n_block, masked, t % 2)
         else:
             for t in cutlass.range(total, unroll=1):
                 n_block, masked = where(t)
                 load_kv(n_block, Int32(0))
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-                self.step(seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO,
-                          tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head,
-                          n_block, masked, Int32(0))
+                step(n_block, masked, Int32(0))
                 cute.arch.barrier()  # every warp is done with K/V before the next tile overwrites them
 
         # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
