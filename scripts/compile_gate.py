@@ -116,6 +116,17 @@ def _check_one(cfg, arch: str) -> dict:
             problems.append(f"smem {kernel.launch_smem_bytes} > {config.SMEM_LIMIT_BYTES}")
         if kernel.launch_smem_bytes != expected_smem:
             problems.append(f"smem {kernel.launch_smem_bytes} differs from the config's {expected_smem}")
+        if isinstance(cfg, config.FwdKernelConfig) and cfg.tile.tma:
+            # setmaxnreg only moves registers inside the pool the CTA was launched with: an increase the pool
+            # cannot cover waits forever (mma warps + the 4-warp producer group)
+            mma = cfg.tile.num_threads
+            if not (rep.maxreg_alloc and rep.maxreg_dealloc):
+                problems.append("no setmaxnreg in the TMA kernel")
+            else:
+                need = mma * max(rep.maxreg_alloc) + 128 * max(rep.maxreg_dealloc)
+                pool = rep.registers * (mma + 128)
+                if need > pool:
+                    problems.append(f"setmaxnreg needs {need} registers, the CTA's pool has {pool} (deadlock)")
         if not rep.arch.startswith(arch.rstrip("af")):
             problems.append(f"cubin is {rep.arch}, expected {arch}")
         row["problems"] = problems

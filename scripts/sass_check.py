@@ -86,6 +86,9 @@ class CubinReport:
     frame_bytes: int
     counts: dict[str, int] = field(default_factory=dict)
     forbidden: list[str] = field(default_factory=list)
+    # register counts requested by setmaxnreg (USETMAXREG): the decreases and the increases
+    maxreg_dealloc: list[int] = field(default_factory=list)
+    maxreg_alloc: list[int] = field(default_factory=list)
 
     @property
     def spills(self) -> int:
@@ -122,7 +125,9 @@ def inspect_cubin(cubin: bytes) -> CubinReport:
     counts = {k: len(re.findall(p, sass)) for k, p in _CENSUS.items()}
     opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
     forbidden = sorted({op for op in opcodes for tok in FORBIDDEN_SASS if op.startswith(tok) or tok in op})
-    return CubinReport(arch, regs, frame, counts, forbidden)
+    dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", sass)]
+    alloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.(?:TRY_)?ALLOC\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", sass)]
+    return CubinReport(arch, regs, frame, counts, forbidden, dealloc, alloc)
 
 
 def disassemble(cubin: bytes) -> str:

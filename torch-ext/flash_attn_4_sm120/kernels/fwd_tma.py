@@ -41,8 +41,11 @@ from .fwd_base import FwdKernelBase
 # once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# with dropout the three idle warps make the keep bits (Philox): 8 x 240 + 4 x 32 = 65536
+# with the keep-bit ring the three idle warps make the dropout bits (Philox) on 32 registers; the CTA's pool is
+# what it was launched with (168 x 384 = 64512; setmaxnreg.inc waits forever for registers the pool does not
+# have), so the mma warps get 232: 8 x 232 + 4 x 32 = 63488
 PRODUCER_REGS_DROPOUT = 32
+CONSUMER_REGS_DROPOUT = 232
 DROPOUT_WARPS = 3
 _COMPUTE_BARRIER_ID = 1
 
@@ -252,7 +255,7 @@ class FlashFwdWsSm120(FwdKernelBase):
                     if const_expr(self.bits_ring):
                         self.produce_bits(ts, tiled_mma, sBits, pipe_bits, plan[0], plan[1])
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(CONSUMER_REGS_DROPOUT if self.bits_ring else CONSUMER_REGS)
                 self.consume(ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q,
                              copy_o, tidx, pipe_bits, sBits)
 
