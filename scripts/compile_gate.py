@@ -91,9 +91,7 @@ def _check_one(cfg, arch: str) -> dict:
         elif isinstance(cfg, config.BwdKernelConfig):
             expected_smem = config.bwd_smem_bytes(cfg)
         else:
-            expected_smem = config.fwd_smem_bytes(
-                cfg.head_dim, cfg.head_dim_v, cfg.tile,
-                ring=cfg.has_dropout and config.dropout_ring(cfg.tile, cfg.dropout_packed))
+            expected_smem = config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile)
         cubin = fn.__cubin__
         if isinstance(cubin, str):
             cubin = Path(cubin).read_bytes()

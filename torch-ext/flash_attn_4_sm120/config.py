@@ -128,26 +128,9 @@ class FwdKernelConfig:
         )
 
 
-def dropout_bits_words(tile: FwdTile) -> int:
-    """Keep-bit words (32 bits) of one mma thread's share of an S tile."""
-    return -(-(tile.tile_m * tile.tile_n // tile.num_threads) // 32)
-
-
-def dropout_ring(tile: FwdTile, dropout_packed: bool) -> bool:
-    """Whether a forward with dropout on ``tile`` has its keep bits made by the TMA kernel's dropout warps (a
-    shared-memory ring, kernels/fwd_tma.py) instead of by its mma warps.  Measured in the sm_120a compile gate
-    (2026-11-24): the ring spills nothing on the 128-row tiles with one keep-bit word per mma thread (d96-d192
-    128x64); with packed GQA rows (d192: 289 STL/LDL in the mma warps) and on the 256x64 tile (d<=64, 6 STL/LDL)
-    it spilled, so those keep the bits in the mma warps."""
-    return tile.tma and not dropout_packed and tile.tile_m * tile.tile_n // tile.num_threads <= 32
-
-
-def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: int = 2,
-                   ring: bool = False) -> int:
+def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: int = 2) -> int:
     """Shared memory of the forward kernel: Q tile + K and V stages, each region 1024-byte aligned.
-    The O staging buffer of the epilogue aliases this space (it needs tile_m*head_dim_v elements).
-    ``ring``: the TMA kernel's keep-bit ring of a dropout call (``dropout_ring``: one ring stage per K/V stage,
-    written by the producer warpgroup's dropout warps, kernels/fwd_tma.py) and its full/empty barriers."""
+    The O staging buffer of the epilogue aliases this space (it needs tile_m*head_dim_v elements)."""
 
     def align(n: int) -> int:
         return (n + 1023) // 1024 * 1024
@@ -155,11 +138,8 @@ def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: in
     q = align(tile.tile_m * head_dim * elem_bytes)
     k = align(tile.num_stages * tile.tile_n * head_dim * elem_bytes)
     v = align(tile.num_stages * tile.tile_n * head_dim_v * elem_bytes)
-    bits = ring and tile.tma
-    # full+empty for K and V (and for the keep bits)
-    mbarriers = align((3 if bits else 2) * 2 * tile.num_stages * 8) if tile.tma else 0
-    ring = tile.num_stages * tile.num_threads * dropout_bits_words(tile) * 4 if bits else 0
-    return mbarriers + q + k + v + ring
+    mbarriers = align(2 * 2 * tile.num_stages * 8) if tile.tma else 0  # full+empty for K and V
+    return mbarriers + q + k + v
 
 
 def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
@@ -261,14 +241,10 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
     """The forward tile of a dropout call whose path without dropout uses ``tile``."""
     bad = _DROPOUT_SPILLING_TILES.get((head_dim, head_dim_v), ())
-
-    def fits(t: FwdTile) -> bool:
-        return fwd_smem_bytes(head_dim, head_dim_v, t, ring=dropout_ring(t, False)) <= SMEM_LIMIT_BYTES
-
-    if tile not in bad and fits(tile):
+    if tile not in bad:
         return tile
     for cand in _TILE_PREFERENCE[max(head_dim, head_dim_v)]:
-        if cand not in bad and fits(cand) and not fwd_tile_problems(head_dim, head_dim_v, cand):
+        if cand not in bad and not fwd_tile_problems(head_dim, head_dim_v, cand):
             return cand
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile without register spills "
                      "for dropout")
@@ -438,8 +414,7 @@ MODS_DROPOUT_MAX_HEAD_DIM = max(MODS_DROPOUT_TILES)
 def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int) -> FwdTile:
     """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists."""
     for tile in MODS_DROPOUT_TILES.get(max(head_dim, head_dim_v), ()):
-        if (not fwd_tile_problems(head_dim, head_dim_v, tile)
-                and fwd_smem_bytes(head_dim, head_dim_v, tile, ring=dropout_ring(tile, False)) <= SMEM_LIMIT_BYTES):
+        if not fwd_tile_problems(head_dim, head_dim_v, tile):
             return tile
     raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
                      f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import FWD_ARGS
-from ..config import FwdKernelConfig, dropout_ring, fwd_smem_bytes
+from ..config import FwdKernelConfig, fwd_smem_bytes
 from . import cute_utils as cu
 from .kernel_state import KernelState, KernelStateMixin
 from .rows import load_rows, store_row_pairs_from_acc, store_rows_from_smem
@@ -56,9 +56,7 @@ class FwdKernelBase(KernelStateMixin):
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
         self.num_mma_threads = t.num_warps * 32
-        # dropout on the TMA tiles that carry it: keep bits from the dropout warps through a shared-memory ring
-        self.bits_ring = cfg.has_dropout and dropout_ring(t, cfg.dropout_packed)
-        self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t, ring=self.bits_ring)
+        self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
         # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
         # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
         self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)

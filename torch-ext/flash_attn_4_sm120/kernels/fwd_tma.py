@@ -9,14 +9,6 @@ guarded by mbarriers (full: TMA transaction bytes landed; empty: every consumer 
 the consumer warps only wait on the stage they need, so they drift apart and overlap each other's
 softmax with mma.  Registers move from the producer to the consumers with setmaxnreg.
 
-Dropout: the keep bits of every K/V block are made by the producer warpgroup's three otherwise idle warps (the
-Philox work then fills issue slots the mma warps leave empty instead of lengthening their critical path) into a
-ring of keep-bit words in shared memory, one word ring per K/V stage, guarded by its own full/empty mbarriers;
-each mma thread reads its word(s) of the block after its S mma.  The bits are those ``ScoreHook.dropout_bits``
-makes for that mma thread (the producer replays the thread's accumulator coordinates), so the mask is the same
-function of (seed, offset, b, h, i, j) as everywhere else.  Where the ring spilled registers (config.dropout_ring:
-packed GQA rows, the 256x64 tile) the mma warps make their bits themselves, before their S mma.
-
 Q is loaded by the consumers with cp.async (rows are gathered per (position, head) under packed GQA), and kept in
 registers when ``q_in_regs``.  TMA zero-fills rows past the end of K/V; rows past seqlen_k inside the tensor
 (varlen) are real, finite data and are masked like any boundary block.  O is staged in the Q buffer.
@@ -24,16 +16,14 @@ registers when ``q_in_regs``.  TMA zero-fills rows past the end of K/V; rows pas
 Profile:  ncu --set full -k regex:kernel_cutlass python benchmarks/bench_fwd.py --only llama3-8b --seqlens 4096
 """
 
-from dataclasses import replace
 from functools import partial
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..config import dropout_bits_words
 from . import cute_utils as cu
 from .fwd_base import FwdKernelBase
 
@@ -41,12 +31,6 @@ from .fwd_base import FwdKernelBase
 # once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# with the keep-bit ring the three idle warps make the dropout bits (Philox) on 32 registers; the CTA's pool is
-# what it was launched with (168 x 384 = 64512; setmaxnreg.inc waits forever for registers the pool does not
-# have), so the mma warps get 232: 8 x 232 + 4 x 32 = 63488
-PRODUCER_REGS_DROPOUT = 32
-CONSUMER_REGS_DROPOUT = 232
-DROPOUT_WARPS = 3
 _COMPUTE_BARRIER_ID = 1
 
 
@@ -62,35 +46,6 @@ def tma_smem_atom(dtype, k_dim: int):
 
 
 class FlashFwdWsSm120(FwdKernelBase):
-    def shared_storage(self, sQ_layout, sK_layout, sV_layout):
-        """The kernel's shared memory (plain Python, trace time): K/V barriers, Q, K and V stages, and with
-        dropout the keep-bit ring and its barriers (config.fwd_smem_bytes mirrors this)."""
-        dt, stages = self.dtype, self.num_stages
-        if self.bits_ring:
-            ring = stages * self.num_mma_threads * dropout_bits_words(self.cfg.tile)
-
-            @cute.struct
-            class SharedStorageDropout:
-                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                mbar_bits: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-                sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, ring], 16]
-
-            return SharedStorageDropout
-
-        @cute.struct
-        class SharedStorage:
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-
-        return SharedStorage
-
     def compute_sync(self):
         cute.arch.barrier(barrier_id=_COMPUTE_BARRIER_ID, number_of_threads=self.num_mma_threads)
 
@@ -150,7 +105,15 @@ class FlashFwdWsSm120(FwdKernelBase):
                                                 (self.tile_n, self.d))
         tma_v, tV = cpasync.make_tiled_tma_atom(op, mV_t, cute.slice_(sV_layout, (None, None, 0)),
                                                 (self.tile_n, self.dv))
-        SharedStorage = self.shared_storage(sQ_layout, sK_layout, sV_layout)
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
         rows_q, rows_k = self.seq_rows(mQ, mK)
         tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
@@ -222,16 +185,6 @@ class FlashFwdWsSm120(FwdKernelBase):
             producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_warps)
             elem_bytes = self.dtype.width // 8
-            pipe_bits, sBits = None, None
-            if const_expr(self.bits_ring):
-                pipe_bits = pipeline.PipelineAsync.create(
-                    num_stages=self.num_stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, DROPOUT_WARPS * 32),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_warps),
-                    barrier_storage=storage.mbar_bits.data_ptr(), defer_sync=True,
-                )
-                sBits = storage.sBits.get_tensor(cute.make_layout(
-                    (self.num_mma_threads * dropout_bits_words(cfg.tile), self.num_stages)))
             pipe_k = pipeline.PipelineTmaAsync.create(
                 num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
                 tx_count=self.tile_n * self.d * elem_bytes, barrier_storage=storage.mbar_k.data_ptr(),
@@ -248,16 +201,13 @@ class FlashFwdWsSm120(FwdKernelBase):
             kv_head = (head_group * pack) // qheads_per_kvhead
             plan = ts.block.kv_plan(m_block)
             if warp_idx >= self.num_warps:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS_DROPOUT if self.bits_ring else PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == self.num_warps:
                     self.produce(ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, plan[0], plan[1])
-                else:
-                    if const_expr(self.bits_ring):
-                        self.produce_bits(ts, tiled_mma, sBits, pipe_bits, plan[0], plan[1])
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS_DROPOUT if self.bits_ring else CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 self.consume(ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q,
-                             copy_o, tidx, pipe_bits, sBits)
+                             copy_o, tidx)
 
     @cute.jit
     def produce(self, ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, n_min, n_max):
@@ -279,63 +229,8 @@ class FlashFwdWsSm120(FwdKernelBase):
             state.advance()
 
     @cute.jit
-    def produce_bits(self, ts, tiled_mma, sBits, pipe_bits, n_min, n_max):
-        """Dropout warps: for each K/V block, in the consumers' order, the keep bits of every mma thread (the words
-        ``ScoreHook.dropout_bits`` gives that thread) into the ring stage of that block.  The work is cut into
-        units of one row pair (or one row, packed GQA) of one mma thread, whose 16 or 32 bits are stored on their
-        own, and every loop is rolled (one Philox call in flight): these warps run on PRODUCER_REGS_DROPOUT
-        registers."""
-        tidx, _, _ = cute.arch.thread_idx()
-        score = replace(ts.score, group_loop=True, rng=replace(ts.score.rng, opaque_key=True))
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
-        paired, units, ncols = score.dropout_units(t0ScS_mn)
-        if const_expr(ncols not in (16, 32)):
-            raise ValueError(f"dropout warps: {ncols} accumulator columns per thread (16 or 32 supported)")
-        rows_per_unit = 2 if paired else 1
-        # a row's bits: one 16-bit half (ncols 16) or one 32-bit word (ncols 32) of the thread's words
-        per_row = ncols // 16
-        words = dropout_bits_words(self.cfg.tile)
-        s16 = cute.make_tensor(cute.recast_ptr(sBits.iterator, dtype=cutlass.Uint16),
-                               cute.make_layout((2 * self.num_mma_threads * words, self.num_stages)))
-        for i in cutlass.range(n_max - n_min, unroll=1):
-            n_block = n_max - 1 - i
-            stage = i % self.num_stages
-            pipe_bits.sync_object_empty.wait(stage, ((i // self.num_stages) & 1) ^ 1)
-            for work in cutlass.range(tidx - (self.num_mma_threads + 32), self.num_mma_threads * units,
-                                      DROPOUT_WARPS * 32, unroll=1):
-                c = work // units
-                u = work - c * units
-                tScS_mn = cu.acc_mn_view(tiled_mma.get_slice(c).partition_C(cS))
-                r = u * rows_per_unit
-                row = ts.m_block * self.tile_m + tScS_mn[r, 0][0]
-                _, head = ts.q_head(row)
-                lo, hi = score.dropout_unit_bits(t0ScS_mn, paired, n_block * self.tile_n + tScS_mn[0, 0][1],
-                                                 row // ts.pack, (ts.seq.batch << 16) | head)
-                base = (c * words * 2 + r * per_row)
-                for h in cutlass.range_constexpr(per_row):
-                    s16[base + h, stage] = cutlass.Uint16(lo >> Uint32(16 * h))
-                if const_expr(paired):
-                    for h in cutlass.range_constexpr(per_row):
-                        s16[base + per_row + h, stage] = cutlass.Uint16(hi >> Uint32(16 * h))
-            pipe_bits.sync_object_full.arrive(stage, None)
-
-    @cute.jit
-    def read_bits(self, pipe_bits, sBits, state, tidx):
-        """This mma thread's keep bits of the block whose K/V stage ``state`` points at (dropout)."""
-        words = dropout_bits_words(self.cfg.tile)
-        bits = cute.make_rmem_tensor(words, Uint32)
-        pipe_bits.consumer_wait(state)
-        for w in cutlass.range_constexpr(words):
-            bits[w] = sBits[tidx * words + w, state.index]
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            pipe_bits.consumer_release(state)
-        return bits
-
-    @cute.jit
     def consume(self, ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q, copy_o,
-                tidx, pipe_bits, sBits):
+                tidx):
         sVt = cu.transpose_view(sV)
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -349,9 +244,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         tSsQ, tSsK, tOsVt = ldsm_q.partition_S(sQ), ldsm_k.partition_S(sK), ldsm_v.partition_S(sVt)
 
         tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
-        row_bh = None  # no dropout, or its keep bits come from the dropout warps (produce_bits)
-        if const_expr(not self.bits_ring):
-            row_bh = self.row_bh(ts, tScS_mn)
+        row_bh = self.row_bh(ts, tScS_mn)
         state_max = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_sum = cute.make_rmem_tensor(cute.size(row_qpos), Float32)
         state_max.fill(-Float32.inf)
@@ -369,7 +262,7 @@ class FlashFwdWsSm120(FwdKernelBase):
                 pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma=tiled_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
                 tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
-                row_qpos=row_qpos, row_bh=row_bh, sV=sV, tidx=tidx, pipe_bits=pipe_bits, sBits=sBits,
+                row_qpos=row_qpos, row_bh=row_bh, sV=sV, tidx=tidx,
             )
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             ts.block.run_kv_schedule(step, state, plan)
@@ -379,19 +272,14 @@ class FlashFwdWsSm120(FwdKernelBase):
     def kv_step(
         self, n_block: Int32, state,
         pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
-        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, sV, tidx, pipe_bits, sBits,
+        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, sV, tidx,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool],
     ):
-        """One KV block: wait K, S = Q K^T, release K, (dropout: read the keep bits), mask + online softmax,
-        wait V, O += P V, release V."""
-        drop_bits = None
-        if const_expr(not self.bits_ring):  # dropout without the ring: the mma warps make the bits (or None)
-            drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
+        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        if const_expr(self.bits_ring):
-            drop_bits = self.read_bits(pipe_bits, sBits, state.clone(), tidx)
         tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
                                 n_block, is_first, mask_seqlen, mask_right, mask_left)
         if const_expr(mask_seqlen):

@@ -43,10 +43,6 @@ class DropoutRng:
     offset_lo: Int32
     offset_hi: Int32
     mSeed: cute.Tensor | None  # optional (1,) int64 device tensor replacing the scalar seed (CUDA-graph replays)
-    # XOR the key with a value ptxas cannot prove zero (the column's sign bit, 0 at run time) in ``words``: the
-    # Philox round keys are then made next to each call instead of all twelve being hoisted into registers for
-    # a whole loop (the forward's 32-register dropout warps spilled that way; same bits)
-    opaque_key: bool = False
 
     @staticmethod
     def create(threshold: Int32, scale: Float32, seed_lo: Int32, seed_hi: Int32, offset_lo: Int32,
@@ -71,10 +67,6 @@ class DropoutRng:
         16 (qpos // 16) + qpos % 8 and the high 16 bits for i0 + 8 (dropout.py)."""
         group = (col0 >> 4) * 4 + ((col0 & 7) >> 1)
         pair = (qpos >> 4) * 8 + (qpos & 7)
-        if const_expr(self.opaque_key):
-            zero = Uint32(col0) >> Uint32(31)
-            k0 = k0 ^ zero
-            k1 = k1 ^ zero
         return philox4x32(Uint32(group), Uint32(pair), Uint32(bh), Uint32(self.offset_lo), k0, k1)
 
 

@@ -407,34 +407,6 @@ class ScoreHook:
             self._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         return bits
 
-    def dropout_units(self, t0ScS_mn):
-        """Trace time: how ``dropout_unit_bits`` splits a thread's keep bits: (paired, units, ncols) with
-        ``units`` row pairs (paired: rows 2u, 2u + 1 of the mn view, one Philox call serving both) or single rows,
-        each row's bits being the ``ncols`` consecutive bits from ``row * ncols`` of the packed words."""
-        nrows = cute.size(t0ScS_mn, mode=[0])
-        ncols = cute.size(t0ScS_mn, mode=[1])
-        pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
-        paired = pairs is not None and not self.dropout_packed
-        if paired and pairs != [(2 * u, 2 * u + 1) for u in range(len(pairs))]:
-            raise ValueError(f"dropout: row pairs {pairs} are not consecutive mn rows")
-        return paired, (len(pairs) if paired else nrows), ncols
-
-    @cute.jit
-    def dropout_unit_bits(self, t0ScS_mn: cute.Tensor, paired: cutlass.Constexpr[bool], col_base: Int32,
-                          qpos: Int32, bh: Int32):
-        """The keep bits of one unit of ``dropout_units`` (the rows of the packed words of ``dropout_bits``):
-        (bits of row 2u, bits of row 2u + 1) for a row pair whose first row is query position ``qpos`` (% 16 < 8),
-        else (bits of the row, None).  ``col_base``: the thread's first key column of the block."""
-        groups = self._dropout_groups(t0ScS_mn)
-        k0, k1 = self.rng.key()
-        t = Uint32(self.rng.threshold)
-        lo, hi = None, None
-        if const_expr(paired):
-            lo, hi = self._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
-        else:
-            lo = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
-        return lo, hi
-
     @staticmethod
     def _kept(bits: cute.Tensor, idx: int):
         """Element ``idx``'s keep bit (``idx`` is trace-time)."""
