@@ -167,13 +167,115 @@ def test_paged_config_runs_the_cpasync_kernel():
     assert cfg != config.FwdKernelConfig("bf16", 128, 128, cfg.tile)  # part of the compile key
 
 
-def test_paged_tma_config_is_refused():
+def test_paged_tma_config_runs_the_tma_kernel():
     from flash_attn_4_sm120 import jit
+    from flash_attn_4_sm120.kernels.fwd_cpasync import FlashFwdSm80
+    from flash_attn_4_sm120.kernels.fwd_tma import FlashFwdWsSm120
 
     tma = config.select_fwd_tile(128, 128, False)
     assert tma.tma
-    with pytest.raises(ValueError, match="cp.async"):
-        jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True))
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True)) is FlashFwdWsSm120
+    cp = config.select_fwd_tile(128, 128, False, paged=True)
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, cp, paged=True)) is FlashFwdSm80
+
+
+def _bf16_pool(num_pages=8, page_size=64, hkv=2, d=128):
+    return (torch.zeros(num_pages, page_size, hkv, d, dtype=torch.bfloat16),
+            torch.zeros(num_pages, page_size, hkv, d, dtype=torch.bfloat16))
+
+
+def _paged_plan(k, v, d, windowed, **kw):
+    """The forward plan run_forward builds for a paged call (the same arguments, device 0, no grad)."""
+    from flash_attn_4_sm120 import dispatch
+
+    tma = dispatch.paged_eligible_for_tma(k, v, d, d, windowed)
+    return dispatch._plan("bf16", d, d, windowed, False, False, False, False, False, True, False, 0, paged=True,
+                          paged_tma=tma, **kw)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("page_size,tma", [(64, True), (128, True), (256, True), (192, True), (16, False),
+                                           (1, False), (3, False), (32, False), (96, False), (65, False)])
+def test_paged_dispatch_picks_tma_when_pages_hold_whole_tiles(page_size, tma, windowed):
+    """d128: the TMA tile (tile_n 64) when page_size % 64 == 0, else the cp.async tile (any page size)."""
+    k, v = _bf16_pool(page_size=page_size)
+    plan = _paged_plan(k, v, 128, windowed)
+    cfg = plan.fwd_cfg
+    assert cfg.paged and cfg.tile.tma == tma, cfg.name()
+    assert cfg.tile == (config.select_fwd_tile(128, 128, windowed) if tma
+                        else config.select_fwd_tile(128, 128, windowed, paged=True))
+    assert (config.paged_tma_tile(128, 128, windowed, page_size) is not None) == tma
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_paged_split_and_decode_keep_their_cpasync_tiles(page_size):
+    k, v = _bf16_pool(page_size=page_size)
+    assert _paged_plan(k, v, 128, False).fwd_cfg.tile.tma
+    split = _paged_plan(k, v, 128, False, split=True).fwd_cfg
+    decode = _paged_plan(k, v, 128, False, decode=True).fwd_cfg
+    assert split.paged and split.split_kv and not split.tile.tma
+    assert split.tile == config.split_tile(config.select_fwd_tile(128, 128, False, paged=True))
+    assert decode.paged and not decode.tile.tma and decode.tile == config.decode_tile(128, 128)
+
+
+def test_paged_tma_tile_per_head_dim():
+    # d64: 256x64 TMA tile (page 64 qualifies), windowed 128x128 (page 64 does not, 128 does); d192 128x64 one
+    # stage; d256 has no TMA tile
+    assert config.paged_tma_tile(64, 64, False, 64).tile_n == 64
+    assert config.paged_tma_tile(64, 64, True, 64) is None
+    assert config.paged_tma_tile(64, 64, True, 128).tile_n == 128
+    assert config.paged_tma_tile(192, 192, False, 64).tma
+    assert config.paged_tma_tile(256, 256, False, 64) is None
+    assert config.paged_tma_tile(256, 256, False) is None
+    assert config.paged_tma_tile(128, 128, False, 0) is None
+    for d, dv in config.supported_head_dim_pairs():
+        for w in (False, True):
+            t = config.paged_tma_tile(d, dv, w)
+            assert t is None or (t.tma and t == config.select_fwd_tile(d, dv, w))
+
+
+def test_paged_mods_keep_the_cpasync_kernel():
+    from flash_attn_4_sm120 import dispatch
+
+    k, v = _bf16_pool()
+    assert dispatch.paged_eligible_for_tma(k, v, 128, 128, False)
+    assert not dispatch.paged_eligible_for_tma(k, v, 128, 128, False, mods=object())
+
+
+def test_fused_cache_views_qualify_for_tma_and_misaligned_views_do_not():
+    from flash_attn_4_sm120 import dispatch
+
+    P, ps, h, d = 6, 64, 2, 128
+    for cache, split in ((torch.zeros(2, P, ps, h, d, dtype=torch.bfloat16), lambda c: (c[0], c[1])),
+                         (torch.zeros(P, 2, ps, h, d, dtype=torch.bfloat16), lambda c: (c[:, 0], c[:, 1]))):
+        k, v = split(cache)
+        assert dispatch.tma_views_ok(k, v)
+        assert _paged_plan(k, v, 128, True).fwd_cfg.tile.tma
+    # a fused cache whose base is 8 bytes off a 16-byte boundary
+    n = 2 * P * ps * h * d
+    buf = torch.zeros(n + 4, dtype=torch.bfloat16)
+    cache = buf[4:].view(2, P, ps, h, d)
+    assert cache.data_ptr() % 16 == 8
+    assert not dispatch.tma_views_ok(cache[0], cache[1])
+    assert not _paged_plan(cache[0], cache[1], 128, False).fwd_cfg.tile.tma
+    # k|v fused along the last dim with 4 elements of padding: v's base and every row stride are 8 bytes off
+    kv = torch.zeros(P, ps, h, 2 * d + 4, dtype=torch.bfloat16)
+    k, v = kv[..., :d], kv[..., d + 4:]
+    assert dispatch.tma_views_ok(k) is False and not dispatch.tma_views_ok(k, v)
+    assert not _paged_plan(k, v, 128, False).fwd_cfg.tile.tma
+    # an expanded pool (stride 0)
+    k0 = torch.zeros(1, ps, h, d, dtype=torch.bfloat16).expand(P, ps, h, d)
+    assert not dispatch.tma_views_ok(k0, k0)
+    # aligned but the last dim strided
+    kt = torch.zeros(P, ps, h, 2 * d, dtype=torch.bfloat16)[..., ::2]
+    assert not dispatch.tma_views_ok(kt)
+
+
+def test_run_forward_passes_the_paged_tma_decision():
+    from flash_attn_4_sm120 import dispatch
+
+    src = inspect.getsource(dispatch.run_forward)
+    assert "paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods)" in src
 
 
 def test_page_table_argument_in_the_forward_record():
@@ -190,6 +292,17 @@ def test_paged_gate_worklist_covers_each_paged_tile():
                 assert config.select_fwd_tile(d, dv, w, True) in tiles
     assert all(c.paged and not c.varlen_k for c in work)
     assert any(c.windowed and c.has_sink and c.varlen_q for c in work)
+    # the TMA-paged tiles: lightest and heaviest set each, never split
+    tma = [c for c in work if c.tile.tma]
+    for d, dv in config.supported_head_dim_pairs():
+        if d == dv:
+            for w in (False, True):
+                t = config.paged_tma_tile(d, dv, w)
+                if t is not None:
+                    assert any(c.tile == t and not c.windowed and c.head_dim == d for c in tma)
+                    assert any(c.tile == t and c.windowed and c.has_softcap and c.has_sink and c.varlen_q
+                               and c.seqused_k and c.head_dim == d for c in tma)
+    assert tma and not any(c.split_kv for c in tma)
 
 
 def test_kvcache_signature_is_fa2_fa3_compatible():

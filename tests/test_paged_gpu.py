@@ -268,6 +268,114 @@ def test_paged_bad_inputs_raise_before_launch(name):
         fa.flash_attn_varlen_func(q, k, v, **kw)
 
 
+# ---- paged K/V on the TMA kernel (page_size % tile_n == 0) ----------------------------------------------------
+def _expect_tma(pg: Paged, d, dv, windowed, expected=None):
+    """The call below runs the TMA kernel exactly when the prefill tile's tile_n divides the page size."""
+    from flash_attn_4_sm120 import config, dispatch
+
+    if expected is None:
+        expected = pg.page_size % config.select_fwd_tile(d, dv, windowed).tile_n == 0
+    assert dispatch.paged_eligible_for_tma(pg.kp, pg.vp, d, dv, windowed) == expected
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("varlen_q", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_paged_tma_prefill(d, page_size, causal, varlen_q, hq, hkv):
+    """Random page permutation, NaN in the unused tail of each last page and in the spare pages, a zero-length
+    sequence, full pages, short and long sequences; dense or varlen q; GQA or not."""
+    lens = [3 * page_size + 17, 0, 2 * page_size, 700, 5]
+    pg = Paged(lens, page_size, hkv, d, d, seed=d + page_size + 7 * causal + 3 * varlen_q + hkv)
+    last = int(pg.table[0, 3])
+    assert torch.isnan(pg.kp[last, 17:]).all() and torch.isnan(pg.vp[last, 17:]).all()
+    _expect_tma(pg, d, d, causal)
+    g = torch.Generator(device="cuda").manual_seed(d + page_size)
+    if varlen_q:
+        qlens = [300, 0, 128, 512, 1]
+        q = _rand(sum(qlens), hq, d, dtype=torch.bfloat16, gen=g)
+        cu_q = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        out, lse = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, cu_seqlens_q=cu_q, max_seqlen_q=max(qlens),
+                                             seqused_k=pg.seqused, page_table=pg.table, causal=causal,
+                                             return_lse=True)
+        check_varlen_q(out, lse, q, cu_q, pg, causal=causal)
+    else:
+        q = _rand(len(lens), 200, hq, d, dtype=torch.bfloat16, gen=g)
+        out, lse = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, seqused_k=pg.seqused, page_table=pg.table,
+                                             causal=causal, return_lse=True)
+        check_dense_q(out, lse, q, pg, causal=causal)
+
+
+@pytest.mark.parametrize("mask", ["causal", "win_64_0", "win_100_none", "win_none_48"])
+@pytest.mark.parametrize("softcap,sink", [(0.0, False), (30.0, True)])
+@pytest.mark.parametrize("pack_gqa", [None, False, True])
+def test_paged_tma_masks_softcap_sink(mask, softcap, sink, pack_gqa):
+    """The chunked-prefill shape of the benchmark, smaller: Hq 32 / Hkv 8, d128, page 64, q chunks over a longer
+    paged context (bottom-right causal), with windows, softcap and a sink."""
+    causal = mask == "causal"
+    window = {"causal": (None, None), "win_64_0": (64, 0), "win_100_none": (100, None),
+              "win_none_48": (None, 48)}[mask]
+    lens = [1000, 333, 64]
+    qlens = [256, 100, 64]
+    pg = Paged(lens, 64, 8, 128, 128, seed=201)
+    _expect_tma(pg, 128, 128, True, expected=True)
+    g = torch.Generator(device="cuda").manual_seed(202)
+    q = _rand(sum(qlens), 32, 128, dtype=torch.bfloat16, gen=g) * (3 if softcap else 1)
+    cu_q = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    s = torch.randn(32, device="cuda", generator=g) * 2 if sink else None
+    out, lse = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, cu_seqlens_q=cu_q, max_seqlen_q=max(qlens),
+                                         seqused_k=pg.seqused, page_table=pg.table, causal=causal,
+                                         window_size=window, softcap=softcap, learnable_sink=s, pack_gqa=pack_gqa,
+                                         return_lse=True)
+    check_varlen_q(out, lse, q, cu_q, pg, causal=causal, window=window, softcap=softcap, sink=s)
+
+
+@pytest.mark.parametrize("layout", ["2nb", "nb2"])
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_paged_tma_fused_cache_views(layout, page_size):
+    """k and v as two views of one fused cache: both qualify for TMA (16-byte aligned bases and strides)."""
+    lens = [400, 129]
+    pg = Paged(lens, page_size, 2, 128, 128, seed=211, fused=layout)
+    _expect_tma(pg, 128, 128, True, expected=True)
+    g = torch.Generator(device="cuda").manual_seed(212)
+    q = _rand(2, 150, 8, 128, dtype=torch.bfloat16, gen=g)
+    out, lse = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, seqused_k=pg.seqused, page_table=pg.table, causal=True,
+                                         return_lse=True)
+    check_dense_q(out, lse, q, pg, causal=True)
+
+
+def test_paged_tma_matches_cpasync_and_contiguous():
+    """The same keys through the TMA kernel (page 64), the cp.async kernel (page 16) and contiguous K/V."""
+    lens = [777, 64, 1]
+    g = torch.Generator(device="cuda").manual_seed(221)
+    q = _rand(3, 256, 8, 128, dtype=torch.bfloat16, gen=g)
+    outs = []
+    for ps in (64, 16):
+        pg = Paged(lens, ps, 2, 128, 128, seed=222)
+        _expect_tma(pg, 128, 128, True, expected=ps == 64)
+        outs.append(fa.flash_attn_varlen_func(q, pg.kp, pg.vp, seqused_k=pg.seqused, page_table=pg.table,
+                                              causal=True, return_lse=True))
+    dense = fa.flash_attn_varlen_func(q, pg.k, pg.v, seqused_k=pg.seqused, causal=True, return_lse=True)
+    for o, l_ in outs:
+        torch.testing.assert_close(o, dense[0], atol=2e-2, rtol=0)
+        torch.testing.assert_close(l_, dense[1], atol=1e-3, rtol=0)
+    check_dense_q(outs[0][0], outs[0][1], q, pg, causal=True)
+
+
+def test_paged_tma_out_of_range_pages_are_clamped():
+    pg = Paged([300, 100], 64, 2, 128, 128, seed=231)
+    _expect_tma(pg, 128, 128, False, expected=True)
+    bad = pg.table.clone()
+    bad[0, 1] = 10_000  # used by sequence 0: clamped to the last page of the pool
+    bad[1, 0] = -7  # clamped to page 0
+    g = torch.Generator(device="cuda").manual_seed(232)
+    q = _rand(2, 128, 8, 128, dtype=torch.bfloat16, gen=g)
+    out, _ = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, seqused_k=pg.seqused, page_table=bad)
+    torch.cuda.synchronize()  # no fault
+    assert out.shape == q.shape
+
+
 # ---- flash_attn_with_kvcache ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [16, 5, 1])
 @pytest.mark.parametrize("new", [1, 5])

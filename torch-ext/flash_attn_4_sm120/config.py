@@ -79,7 +79,9 @@ class FwdKernelConfig:
     varlen_k: bool = False  # k/v are (total_k, H, D) with cu_seqlens_k
     seqused_q: bool = False
     seqused_k: bool = False
-    paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
+    # k/v are (num_pages, page_size, Hkv, D) addressed through a page table: the cp.async kernel (rows gathered one
+    # by one), or on a TMA tile (``paged_tma_tile``: page_size % tile_n == 0, one TMA box per K/V tile)
+    paged: bool = False
     has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
     dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
     # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
@@ -216,9 +218,9 @@ _TILE_PREFERENCE_WINDOWED: dict[int, tuple[FwdTile, ...]] = {
 
 def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, paged: bool = False
                     ) -> tuple[FwdTile, ...]:
-    """Tiles in preference order.  Paged K/V runs the cp.async kernel only: a page may be smaller than a K/V tile
-    (any page size from 1 up), so rows are gathered one by one with per-row addresses, which TMA tile loads
-    cannot do."""
+    """Tiles in preference order.  ``paged``: the cp.async tiles only, which gather rows one by one with per-row
+    addresses and so serve any page size from 1 up; a page size that is a multiple of the TMA tile's tile_n runs
+    the TMA tile instead (``paged_tma_tile``, picked by the dispatcher, which knows the page size)."""
     key = max(head_dim, head_dim_v)
     if windowed and key in _TILE_PREFERENCE_WINDOWED:
         tiles = _TILE_PREFERENCE_WINDOWED[key]
@@ -265,6 +267,18 @@ def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTil
         if not fwd_tile_problems(head_dim, head_dim_v, tile):
             return tile
     return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+
+
+def paged_tma_tile(head_dim: int, head_dim_v: int, windowed: bool, page_size: int | None = None) -> FwdTile | None:
+    """The TMA tile a paged prefill call runs (kernels/fwd_tma.py, one TMA box of tile_n rows per K/V tile, from
+    the page the table names), or None (the cp.async tile of ``select_fwd_tile(..., paged=True)``): the tile of
+    the same call on contiguous K/V when it is a TMA tile and every K/V tile lies inside one page
+    (``page_size % tile_n == 0``; ``page_size=None``: whatever the page size, for the compile gate).  The page
+    size stays a runtime value: it is not part of the compile key."""
+    tile = select_fwd_tile(head_dim, head_dim_v, windowed)
+    if not tile.tma or (page_size is not None and (page_size < 1 or page_size % tile.tile_n != 0)):
+        return None
+    return tile
 
 
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
@@ -472,7 +486,9 @@ def decode_gate_worklist() -> list[FwdKernelConfig]:
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
     """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
     lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one."""
+    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one; for each distinct TMA-paged
+    tile (``paged_tma_tile``), the lightest and the heaviest (never split: split and decode calls keep the
+    cp.async tiles)."""
     out = []
     for windowed in (False, True):
         tile = select_fwd_tile(d, dv, windowed, paged=True)
@@ -480,6 +496,13 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
         out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
+    for windowed in (False, True):
+        tile = paged_tma_tile(d, dv, windowed)
+        if tile is not None:
+            base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
+                            seqused_k=True)
+            out += [c for c in (base, heavy) if c not in out]
     return out
 
 

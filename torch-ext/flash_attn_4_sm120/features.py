@@ -51,7 +51,9 @@ FEATURES: dict[str, Feature] = {
                 "always on: no atomics anywhere, gradients are bitwise reproducible at no cost"),
         Feature("paged_kv", SUPPORTED, "flash_attn_varlen_func(page_table=, seqused_k=)",
                 "k/v (num_pages, page_size, Hkv, D), any page size >= 1, every forward feature; fused (2, ...) "
-                "cache views; cp.async kernel; inference only (a grad-requiring call raises)"),
+                "cache views; prefill calls whose page size is a multiple of the TMA tile's tile_n (e.g. 64 at "
+                "d128) run the TMA kernel, one box per K/V tile, other page sizes and split/decode calls the "
+                "cp.async kernel; inference only (a grad-requiring call raises)"),
         Feature("kvcache", SUPPORTED, "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=, ...)",
                 "FA2/FA3 keywords; appends k/v (paged or contiguous, cache_batch_idx); no host sync, "
                 "CUDA-graph capturable; rotary raises NotImplementedError"),
