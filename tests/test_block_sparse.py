@@ -200,16 +200,36 @@ def test_from_mask_rejects_bad_masks():
 def test_sparse_compile_key_and_records():
     cfg = config.FwdKernelConfig("bf16", 128, 128, config.select_sparse_tile(128, 128, False),
                                  sparse_q_ratio=2, sparse_kv_ratio=1)
-    assert cfg.block_sparse and "sparse2x1" in cfg.name() and not cfg.tile.tma
+    assert cfg.block_sparse and "sparse2x1" in cfg.name() and cfg.tile.tma
     assert not config.FwdKernelConfig("bf16", 128, 128, cfg.tile).block_sparse
     names = arguments.FWD_ARGS.names
     for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
         assert n in names
-    for c in config.sparse_gate_worklist():
-        assert c.block_sparse and not c.tile.tma
-    # the plan of a sparse call runs the cp.async tile and carries the ratios in its compile key
+    gated = config.sparse_gate_worklist()
+    for c in gated:
+        assert c.block_sparse and c.tile == config.select_sparse_tile(c.head_dim, c.head_dim_v, c.windowed)
+    # the TMA kernel at d <= 128, the cp.async kernel on narrow KV tiles at d >= 192: both gated
+    assert {c.tile.tma for c in gated} == {True, False}
+    # the plan of a sparse call runs the sparse tile and carries the ratios in its compile key
     plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, False, 0, False, sparse=(2, 1))
-    assert plan.fwd_cfg.sparse_q_ratio == 2 and not plan.fwd_cfg.tile.tma
+    assert plan.fwd_cfg.sparse_q_ratio == 2 and plan.fwd_cfg.tile == config.select_sparse_tile(128, 128, False)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+def test_sparse_tile_shape_keeps_block_sizes(d):
+    """The sparse forward runs the TMA kernel where it fits (d <= 128); its tiles have the shapes of the cp.async
+    tiles sparse calls ran before (128 query rows; 128 keys at d <= 64, 64 at d96/d128), so the block sizes that
+    were valid stay valid, with or without causal and with or without mods."""
+    before = {32: (128, 128), 64: (128, 128), 96: (128, 64), 128: (128, 64), 192: (128, 32), 256: (64, 32)}[d]
+    for windowed in (False, True):
+        for mods in (False, True):
+            tile = config.select_sparse_tile(d, d, windowed, mods)
+            assert (tile.tile_m, tile.tile_n) == before
+            assert tile.tma == (d <= 128)
+            assert not config.fwd_tile_problems(d, d, tile)
+        assert BS.block_size_ratios(before, d, d, windowed) == (1, 1)
+    # the DEFAULT_BLOCK_SIZE is a multiple of every sparse tile
+    assert BS.block_size_ratios(None, d, d, False) == (128 // before[0], 128 // before[1])
 
 
 def test_public_api_refuses_before_any_launch():

@@ -24,9 +24,11 @@ It must describe the same pairs as the forward's lists (the caller's contract, a
 given, ``transpose_block_sparse`` builds it on the device from the forward's (no host sync).  Block sizes of a
 call that needs grad must also be multiples of the backward kernels' tiles (``grad_block_multiples``).
 
-Limits of this release: the cp.async forward kernel runs it (never the TMA kernel); GQA packing is off
-(``pack_gqa=True`` raises); paged K/V, split-KV and torch.compile are refused; mask_mod/score_mod are not
-supported.
+The forward runs the tile ``config.select_sparse_tile`` gives: the warp-specialised TMA kernel (128x128 at head
+dims <= 64, 128x64 at 96/128), the cp.async kernel on narrow KV tiles at 192/256; block sizes are multiples of it.
+
+Limits of this release: GQA packing is off (``pack_gqa=True`` raises); paged K/V, split-KV and torch.compile are
+refused; mask_mod/score_mod are not supported.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from .config import select_bwd_config, select_dq_config, select_sparse_tile
 
-DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every cp.async tile
+DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every sparse forward tile
 
 
 
@@ -72,14 +74,14 @@ def _positive_int(x) -> bool:
 
 
 def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool) -> tuple[int, int]:
-    """(q_block // tile_m, kv_block // tile_n) for the cp.async tile this call runs; ValueError naming the tile
-    when a block size is not a multiple of it."""
+    """(q_block // tile_m, kv_block // tile_n) for the forward tile this call runs (``select_sparse_tile``, whose
+    shape does not depend on mods); ValueError naming the tile when a block size is not a multiple of it."""
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
             or not all(_positive_int(b) for b in block_size)):
         _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {block_size!r}")
-    tile = select_sparse_tile(head_dim, head_dim_v, windowed)  # cp.async tiles
+    tile = select_sparse_tile(head_dim, head_dim_v, windowed)
     q_block, kv_block = block_size
     if q_block % tile.tile_m or kv_block % tile.tile_n:
         _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "

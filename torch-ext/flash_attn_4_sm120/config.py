@@ -86,8 +86,8 @@ class FwdKernelConfig:
     # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
     dropout_packed: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
-    # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
-    # sparse_kv_ratio KV tiles; 0 = off
+    # block sparsity (kernels/block_sparse.py; the tile from select_sparse_tile): a user block is sparse_q_ratio
+    # query tiles by sparse_kv_ratio KV tiles; 0 = off
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
     # score_mod / mask_mod of the call (modspec.ModSpec: keyed by the mods' identity and source and the aux
@@ -250,20 +250,34 @@ def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
                      "for dropout")
 
 
-# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
-# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
-# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+# Block sparsity, causal/window or not: the warp-specialised TMA kernel (its producer loads the listed KV tiles) on
+# the 128-query-row tiles, whose shapes are those of the cp.async tiles sparse calls ran before (so the same block
+# sizes stay valid: 128x128 at d <= 64, 128x64 at d96/d128); then the cp.async tile of the same shape.  The widest
+# head dims keep the cp.async kernel on narrower KV tiles: its per-block index lookups cost registers (the sm_120a
+# compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one stage still spilled 4 registers at
+# d=256 under the heaviest feature set, with two stages it uses 226).
 _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
+    32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    96: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
+    128: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
     192: (FwdTile(128, 32, 8, 2),),
     256: (FwdTile(64, 32, 4, 2),),
 }
+# Score/mask mods with block sparsity: the d <= 64 TMA tile with Q in registers spilled on sm_120a with the
+# relative-bias score_mod (a 2-D aux table) and the heaviest feature set (2 STL/LDL at 1x1 and 2x2 blocks; compile
+# gate 2026-11-24); reading Q from shared memory it compiles with 0.  Same shape: the same block sizes are valid.
+_SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True)}
 
 
-def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
-    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool, mods: bool = False) -> FwdTile:
+    """The tile of a block-sparse call (the same with or without causal/window): the first of the sparse
+    preference list that fits, else the cp.async tile; ``mods``: the call has a score/mask mod (the tile's shape
+    never depends on it, so block sizes are checked against the tile without).  Block sizes must be multiples of
+    the tile returned."""
     for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
         if not fwd_tile_problems(head_dim, head_dim_v, tile):
-            return tile
+            return _SPARSE_MODS_TILES.get(tile, tile) if mods else tile
     return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
 
 
@@ -484,8 +498,9 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
 
 
 def sparse_gate_worklist() -> list[FwdKernelConfig]:
-    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct cp.async tile the
-    lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity combines with)."""
+    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct sparse tile (TMA or
+    cp.async) the lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity
+    combines with)."""
     out = []
     for d, dv in supported_head_dim_pairs():
         if d != dv:

@@ -114,7 +114,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
           sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
           seed_tensor: bool = False, dropout_packed: bool = False, mods=None) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
+    runs config.select_sparse_tile); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
@@ -124,7 +124,8 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
            decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
+        tile = (select_sparse_tile(d, dv, windowed, mods is not None) if sparse[0]
+                else select_fwd_tile(d, dv, windowed, paged))
         if decode:
             tile = decode_tile(d, dv)
         elif split:

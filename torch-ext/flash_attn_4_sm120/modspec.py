@@ -289,13 +289,15 @@ def gate_worklist() -> list:
             out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
     # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
-    # mod on the sparse forward tile and both sparse backward kernels at the widest head dim, 2x2 blocks
+    # mod on the sparse forward tiles (the cp.async one at the widest head dim, the TMA ones at d = 64 and 128)
+    # and both sparse backward kernels at the widest head dim, 2x2 blocks
     sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)
     for factory, args, aux_sig, score in (_GATE_MODS[2], _GATE_MODS[5]):
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_sparse_tile(256, 256, True), 256, 256)
-        out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd, **sparse), **heavy))
+        for d in (256, 128, 64):
+            tile = config.mods_tile(config.select_sparse_tile(d, d, True, mods=True), d, d)
+            out.append(replace(config.FwdKernelConfig("bf16", d, d, tile, mods=fwd, **sparse), **heavy))
         for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config._BWD_SPILLING)
             try:
                 out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))
