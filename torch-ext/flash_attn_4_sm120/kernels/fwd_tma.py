@@ -1,6 +1,8 @@
 """Warp-specialised forward kernel: one TMA producer warp + ``num_warps`` mma.sync consumer warps.
 
-Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap).
+Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap), and block
+sparsity: the producer walks the listed KV tiles (kernels/block_sparse.py ``SparseBlockInfo.tile_of``) in the order
+the consumers' ``run_kv_schedule`` visits them.
 
 Why: in the all-warps cp.async kernel every KV block costs two CTA-wide barriers, which keep all warps in the
 same phase, so their softmax never overlaps another warp's mma.  Here one warp streams K and V blocks with
@@ -306,12 +308,14 @@ class FlashFwdWsSm120(FwdKernelBase):
     @cute.jit
     def zero_rows_past(self, sV_stage, rows_valid, tidx):
         """Zero the rows >= ``rows_valid`` of one landed V stage (the consumer warps split the work, then sync, so
-        no warp's P V reads the stage before every row is clean).  Uniform over the CTA."""
+        no warp's P V reads the stage before every row is clean).  Uniform over the CTA.  The stores are fenced
+        against the async proxy: the producer's next TMA into this stage must land after them."""
         if rows_valid < self.tile_n:
             first = cutlass.max(rows_valid, 0) * self.dv
             for i in cutlass.range(first + tidx, self.tile_n * self.dv, self.num_mma_threads, unroll=1):
                 r = i // self.dv
                 sV_stage[r, i - r * self.dv] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()
             self.compute_sync()
 
     @cute.jit
