@@ -9,7 +9,7 @@ import torch
 
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_flex, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import arguments, config, dispatch
+from flash_attn_4_sm120 import arguments, config, dispatch, modspec
 from reference import attention_ref, sparse_allowed
 
 
@@ -200,16 +200,65 @@ def test_from_mask_rejects_bad_masks():
 def test_sparse_compile_key_and_records():
     cfg = config.FwdKernelConfig("bf16", 128, 128, config.select_sparse_tile(128, 128, False),
                                  sparse_q_ratio=2, sparse_kv_ratio=1)
-    assert cfg.block_sparse and "sparse2x1" in cfg.name() and not cfg.tile.tma
+    assert cfg.block_sparse and "sparse2x1" in cfg.name() and cfg.tile.tma
     assert not config.FwdKernelConfig("bf16", 128, 128, cfg.tile).block_sparse
     names = arguments.FWD_ARGS.names
     for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
         assert n in names
-    for c in config.sparse_gate_worklist():
-        assert c.block_sparse and not c.tile.tma
-    # the plan of a sparse call runs the cp.async tile and carries the ratios in its compile key
+    gated = config.sparse_gate_worklist()
+    for c in gated:
+        assert c.block_sparse and c.tile in config.reachable_sparse_tiles(c.head_dim, c.head_dim_v, c.windowed)
+    # every tile a block size can select is gated (TMA and cp.async), at some head_dim_v
+    for d, dv in config.supported_head_dim_pairs():
+        for windowed in (False, True):
+            for t in config.reachable_sparse_tiles(d, dv, windowed):
+                assert any(c.head_dim == d and c.tile == t for c in gated), (d, dv, t)
+    assert {c.tile.tma for c in gated} == {True, False}
+    # the plan of a sparse call runs the sparse tile and carries the ratios in its compile key
     plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, False, 0, False, sparse=(2, 1))
-    assert plan.fwd_cfg.sparse_q_ratio == 2 and not plan.fwd_cfg.tile.tma
+    assert plan.fwd_cfg.sparse_q_ratio == 2 and plan.fwd_cfg.tile == config.select_sparse_tile(128, 128, False)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+def test_sparse_tile_shape_keeps_block_sizes(d):
+    """The sparse forward runs the TMA kernel where it fits (d <= 192; at d192 for block sizes its 64 keys divide);
+    the block sizes valid before (multiples of the cp.async tiles sparse calls ran: 128 query rows; 128 keys at
+    d <= 64, 64 at d96/d128, 32 at d192) stay valid, with or without causal and with or without mods."""
+    before = {32: (128, 128), 64: (128, 128), 96: (128, 64), 128: (128, 64), 192: (128, 32), 256: (64, 32)}[d]
+    for windowed in (False, True):
+        for mods in (False, True):
+            tile = config.select_sparse_tile(d, d, windowed, mods, block_size=(128, 128))
+            assert tile.tma == (d <= 192)
+            finest = config.select_sparse_tile(d, d, windowed, mods, block_size=before)
+            assert (finest.tile_m, finest.tile_n) == before
+            for t in (tile, finest):
+                assert not config.fwd_tile_problems(d, d, t)
+        for mult in (1, 2, 3):
+            blk = (before[0], before[1] * mult)
+            tile = config.select_sparse_tile(d, d, windowed, block_size=blk)
+            assert BS.block_size_ratios(blk, d, d, windowed) == (blk[0] // tile.tile_m, blk[1] // tile.tile_n)
+        # the finest tile bounds the valid block sizes (and the error names it)
+        with pytest.raises(ValueError, match=rf"\({before[0]}, {before[1]}\)"):
+            BS.block_size_ratios((before[0], before[1] + 16), d, d, windowed)
+    # the DEFAULT_BLOCK_SIZE is a multiple of every sparse tile
+    tile = config.select_sparse_tile(d, d, False)
+    assert BS.block_size_ratios(None, d, d, False) == (128 // tile.tile_m, 128 // tile.tile_n)
+
+
+def test_d192_block_size_picks_the_plan_tile():
+    """d192: kv_block a multiple of 64 runs the TMA tile, an odd multiple of 32 the cp.async 128x32 tile; the plan
+    (keyed by the block size) and the host ratios agree."""
+    for blk, tma, ratios in (((128, 128), True, (1, 2)), ((128, 96), False, (1, 3)), ((256, 64), True, (2, 1))):
+        assert BS.block_size_ratios(blk, 192, 192, True) == ratios
+        plan = dispatch._plan("bf16", 192, 192, True, False, False, False, False, False, False, False, 0, False,
+                              sparse=(*ratios, *blk))
+        tile = plan.fwd_cfg.tile
+        assert tile.tma == tma and (blk[0] // tile.tile_m, blk[1] // tile.tile_n) == ratios
+        assert (plan.fwd_cfg.sparse_q_ratio, plan.fwd_cfg.sparse_kv_ratio) == ratios
+    # with a mod the TMA tile reads Q from shared memory (same shape)
+    plan = dispatch._plan("bf16", 64, 64, True, False, False, False, False, False, False, False, 0, False,
+                          sparse=(1, 1, 128, 128), mods=modspec._recipe_placeholder("causal", (), (), False))
+    assert plan.fwd_cfg.tile.tma and not plan.fwd_cfg.tile.q_in_regs
 
 
 def test_public_api_refuses_before_any_launch():

@@ -66,6 +66,22 @@ def test_random_block_masks(dtype, d, ratios, causal, sq, sk):
     _check(out, lse, q, k, v, bst, causal=causal)
 
 
+@pytest.mark.parametrize("kv_block", [64, 96])
+@pytest.mark.parametrize("causal", [False, True])
+def test_d192_block_size_picks_the_tile(kv_block, causal):
+    """d192: kv_block a multiple of 64 runs the TMA tile (128x64), an odd multiple of 32 the cp.async 128x32 tile
+    (3 tiles per block); both against the reference."""
+    assert config.select_sparse_tile(192, 192, causal, block_size=(128, kv_block)).tma == (kv_block == 64)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 300, 517, 192
+    q = _rand(b, sq, hq, d, dtype=torch.bfloat16, gen=g)
+    k = _rand(b, sk, hkv, d, dtype=torch.bfloat16, gen=g)
+    v = _rand(b, sk, hkv, d, dtype=torch.bfloat16, gen=g)
+    bst = _random_bst(b, hq, sq, sk, (128, kv_block), 0.5, 0.5, seed=12)
+    out, lse = fa.flash_attn_func(q, k, v, causal=causal, block_sparse_tensors=bst, return_lse=True)
+    _check(out, lse, q, k, v, bst, causal=causal)
+
+
 @pytest.mark.parametrize("bh", [(1, 1), (1, 4), (2, 1)])
 def test_broadcast_batch_and_heads(bh):
     g = torch.Generator(device="cuda").manual_seed(2)

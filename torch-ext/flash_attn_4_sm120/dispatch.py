@@ -114,8 +114,9 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
           sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
           seed_tensor: bool = False, dropout_packed: bool = False, mods=None, paged_tma: bool = False) -> _Plan:
-    """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
+    """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio, q_block, kv_block) of block sparsity,
+    (0, 0) when off (it runs config.select_sparse_tile of the block size, the first tile when it is left out);
+    ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
@@ -128,7 +129,8 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
            decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, paged_tma, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
+        tile = (select_sparse_tile(d, dv, windowed, mods is not None, block_size=tuple(sparse[2:4]) or None)
+                if sparse[0] else select_fwd_tile(d, dv, windowed, paged))
         if paged_tma:  # the contiguous call's TMA tile (paged_eligible_for_tma checked its tile_n)
             tile = paged_tma_tile(d, dv, windowed) or tile
         if decode:
@@ -422,6 +424,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         ratios, sparse_args = BS.check_block_sparse(
             block_sparse_tensors, batch=meta.batch, heads=hq, max_q=meta.max_q, max_k=meta.max_k, head_dim=d,
             head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
+        # the plan key carries the block size: it picks the tile (config.select_sparse_tile)
+        ratios = (*ratios, *(getattr(block_sparse_tensors, "block_size", None) or BS.DEFAULT_BLOCK_SIZE))
         if needs_grad:
             meta = replace(meta, sparse=BS.prepare_backward(
                 block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=meta.batch, heads=hq,
@@ -610,8 +614,8 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         sg = meta.sparse
         fwd_ratios = (0, 0)
-        if sg is not None:  # the forward's plan key (its ratios to the forward tile)
-            fwd_ratios = BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed)
+        if sg is not None:  # the forward's plan key (its ratios to the forward tile, and the block size)
+            fwd_ratios = (*BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed), *sg.fwd_block_size)
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
                      sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,

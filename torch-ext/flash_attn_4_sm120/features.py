@@ -68,7 +68,8 @@ FEATURES: dict[str, Feature] = {
                 "num_splits > 1 under torch.compile raises NotImplementedError"),
         Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
                 "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
-                "block sizes multiples of the cp.async tile, B/H broadcast, varlen, GQA (unpacked); "
+                "block sizes multiples of the forward tile (TMA kernel up to head dim 192), B/H broadcast, varlen, "
+                "GQA (unpacked); "
                 "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); no paged K/V, no "
                 "split-KV, no torch.compile yet"),
         Feature("block_sparse_backward", SUPPORTED, "autograd with block_sparse_tensors (+ optional "
