@@ -24,9 +24,12 @@ It must describe the same pairs as the forward's lists (the caller's contract, a
 given, ``transpose_block_sparse`` builds it on the device from the forward's (no host sync).  Block sizes of a
 call that needs grad must also be multiples of the backward kernels' tiles (``grad_block_multiples``).
 
-Limits of this release: the cp.async forward kernel runs it (never the TMA kernel); GQA packing is off
-(``pack_gqa=True`` raises); paged K/V, split-KV and torch.compile are refused; mask_mod/score_mod are not
-supported.
+The forward runs the tile ``config.select_sparse_tile`` gives for the block size: the warp-specialised TMA kernel
+(128x128 at head dims <= 64, 128x64 at 96/128/192), the cp.async kernel on narrower KV tiles (d192 with kv_block an
+odd multiple of 32: 128x32; d256: 64x32).  Block sizes are multiples of the finest tile (``config.sparse_tiles``).
+
+Limits of this release: GQA packing is off (``pack_gqa=True`` raises); paged K/V, split-KV and torch.compile are
+refused; mask_mod/score_mod are not supported.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from typing import NamedTuple
 
 import torch
 
-from .config import select_bwd_config, select_dq_config, select_sparse_tile
+from .config import select_bwd_config, select_dq_config, select_sparse_tile, sparse_tiles
 
-DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every cp.async tile
+DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every sparse forward tile
 
 
 
@@ -72,15 +75,16 @@ def _positive_int(x) -> bool:
 
 
 def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool) -> tuple[int, int]:
-    """(q_block // tile_m, kv_block // tile_n) for the cp.async tile this call runs; ValueError naming the tile
-    when a block size is not a multiple of it."""
+    """(q_block // tile_m, kv_block // tile_n) for the forward tile this call runs (``select_sparse_tile`` of the
+    block size, whose shape does not depend on mods); ValueError naming the finest tile when a block size is not a
+    multiple of any."""
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
             or not all(_positive_int(b) for b in block_size)):
         _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {block_size!r}")
-    tile = select_sparse_tile(head_dim, head_dim_v, windowed)  # cp.async tiles
     q_block, kv_block = block_size
+    tile = select_sparse_tile(head_dim, head_dim_v, windowed, block_size=(q_block, kv_block))
     if q_block % tile.tile_m or kv_block % tile.tile_n:
         _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "
               f"{tile.tile_n}) used for head_dim={head_dim}, head_dim_v={head_dim_v}"
@@ -192,7 +196,7 @@ def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool, mods=No
     (the forward tile and the dQ kernel's tile, which walks these lists; and the dK/dV kernel's tile when the
     transposed lists are built from them), "backward" for ``block_sparse_tensors_bwd`` (the dK/dV kernel's tile),
     "auto" for the forward's lists when ``block_sparse_tensors_bwd`` is not given."""
-    fwd = select_sparse_tile(head_dim, head_dim_v, windowed)
+    fwd = sparse_tiles(head_dim, head_dim_v, windowed)[-1]  # the finest: its multiples are the valid block sizes
     dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods)
     f = (_lcm(fwd.tile_m, dq.tile_m), _lcm(fwd.tile_n, dq.tile_n))
     return {"forward": f, "backward": (dkdv.tile_m, dkdv.tile_n),

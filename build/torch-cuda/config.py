@@ -79,15 +79,17 @@ class FwdKernelConfig:
     varlen_k: bool = False  # k/v are (total_k, H, D) with cu_seqlens_k
     seqused_q: bool = False
     seqused_k: bool = False
-    paged: bool = False  # k/v are (num_pages, page_size, Hkv, D) addressed through a page table (cp.async kernel)
+    # k/v are (num_pages, page_size, Hkv, D) addressed through a page table: the cp.async kernel (rows gathered one
+    # by one), or on a TMA tile (``paged_tma_tile``: page_size % tile_n == 0, one TMA box per K/V tile)
+    paged: bool = False
     has_dropout: bool = False  # Philox dropout (p is a runtime value; p = 0 uses the config without it)
     dropout_seed_tensor: bool = False  # the seed is read from a device int64 tensor (CUDA-graph replays)
     # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
     # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
     dropout_packed: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
-    # block sparsity (cp.async kernel, kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by
-    # sparse_kv_ratio KV tiles; 0 = off
+    # block sparsity (kernels/block_sparse.py; the tile from select_sparse_tile): a user block is sparse_q_ratio
+    # query tiles by sparse_kv_ratio KV tiles; 0 = off
     sparse_q_ratio: int = 0
     sparse_kv_ratio: int = 0
     # score_mod / mask_mod of the call (modspec.ModSpec: keyed by the mods' identity and source and the aux
@@ -216,9 +218,9 @@ _TILE_PREFERENCE_WINDOWED: dict[int, tuple[FwdTile, ...]] = {
 
 def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, paged: bool = False
                     ) -> tuple[FwdTile, ...]:
-    """Tiles in preference order.  Paged K/V runs the cp.async kernel only: a page may be smaller than a K/V tile
-    (any page size from 1 up), so rows are gathered one by one with per-row addresses, which TMA tile loads
-    cannot do."""
+    """Tiles in preference order.  ``paged``: the cp.async tiles only, which gather rows one by one with per-row
+    addresses and so serve any page size from 1 up; a page size that is a multiple of the TMA tile's tile_n runs
+    the TMA tile instead (``paged_tma_tile``, picked by the dispatcher, which knows the page size)."""
     key = max(head_dim, head_dim_v)
     if windowed and key in _TILE_PREFERENCE_WINDOWED:
         tiles = _TILE_PREFERENCE_WINDOWED[key]
@@ -250,21 +252,70 @@ def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
                      "for dropout")
 
 
-# Block sparsity runs the cp.async kernel; its per-block index lookups cost registers, so the widest head dims use
-# narrower KV tiles there (the sm_120a compile gate spilled with the 1-stage 128x64 / 64x64 tiles; 64x32 with one
-# stage still spilled 4 registers at d=256 under the heaviest feature set, with two stages it uses 226).
+# Block sparsity, causal/window or not: the warp-specialised TMA kernel (its producer loads the listed KV tiles) on
+# the 128-query-row tiles, whose shapes are those of the cp.async tiles sparse calls ran before (so the same block
+# sizes stay valid: 128x128 at d <= 64, 128x64 at d96/d128); then the cp.async tile of the same shape.  At d192 the
+# TMA tile (128x64, one stage; Q from shared memory where Q in registers is over the register estimate, dv192, as
+# in _TILE_PREFERENCE) runs the block sizes it divides, the cp.async 128x32 tile the others (kv_block an odd
+# multiple of 32), so every block size valid before still is.  d256 keeps the cp.async kernel on a narrow KV tile:
+# its per-block index lookups cost registers (the sm_120a compile gate spilled with the 1-stage 64x64 tile; 64x32
+# with one stage still spilled 4 registers under the heaviest feature set, with two stages it uses 226).
 _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
-    192: (FwdTile(128, 32, 8, 2),),
+    32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
+    96: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
+    128: (FwdTile(128, 64, 8, 2, True, True), FwdTile(128, 64, 8, 2, True)),
+    192: (FwdTile(128, 64, 8, 1, True, True), FwdTile(128, 64, 8, 1, False, True), FwdTile(128, 32, 8, 2)),
     256: (FwdTile(64, 32, 4, 2),),
 }
+# Score/mask mods with block sparsity: the d <= 64 and d192 TMA tiles with Q in registers spilled on sm_120a with
+# the relative-bias score_mod (a 2-D aux table) and the heaviest feature set (2 STL/LDL each, 2x2 blocks, d64 at 1x1
+# too; compile gate 2026-11-24); reading Q from shared memory they compile with 0.  Same shapes: the same block
+# sizes are valid.
+_SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True),
+                      FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True)}
 
 
-def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool) -> FwdTile:
-    """The tile of a block-sparse call: the sparse override when it fits, else the cp.async tile."""
-    for tile in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ()):
-        if not fwd_tile_problems(head_dim, head_dim_v, tile):
-            return tile
-    return select_fwd_tile(head_dim, head_dim_v, windowed, paged=True)
+def sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool) -> tuple[FwdTile, ...]:
+    """The forward tiles a block-sparse call may run, in preference order (those of the sparse list that fit, else
+    the cp.async tile); the last one has the finest shape (its multiples are the valid block sizes)."""
+    tiles = tuple(t for t in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ())
+                  if not fwd_tile_problems(head_dim, head_dim_v, t))
+    return tiles or (select_fwd_tile(head_dim, head_dim_v, windowed, paged=True),)
+
+
+def reachable_sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool) -> tuple[FwdTile, ...]:
+    """The tiles of ``sparse_tiles`` that some block size selects (a tile whose shape is a multiple of an earlier
+    one's never is): the ones the compile gate builds."""
+    tiles = sparse_tiles(head_dim, head_dim_v, windowed)
+    return tuple(t for i, t in enumerate(tiles)
+                 if not any(t.tile_m % e.tile_m == 0 and t.tile_n % e.tile_n == 0 for e in tiles[:i]))
+
+
+def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool, mods: bool = False,
+                       block_size: tuple[int, int] | None = None) -> FwdTile:
+    """The tile of a block-sparse call (the same with or without causal/window): the first of ``sparse_tiles``
+    whose shape divides ``block_size`` (q_block, kv_block), the finest when none does (the host check then names
+    it); the first when ``block_size`` is None.  ``mods``: the call has a score/mask mod (the tile's shape never
+    depends on it, so block sizes are checked against the tile without)."""
+    tiles = sparse_tiles(head_dim, head_dim_v, windowed)
+    tile = tiles[0]
+    if block_size is not None:
+        fits = [t for t in tiles if block_size[0] % t.tile_m == 0 and block_size[1] % t.tile_n == 0]
+        tile = fits[0] if fits else tiles[-1]
+    return _SPARSE_MODS_TILES.get(tile, tile) if mods else tile
+
+
+def paged_tma_tile(head_dim: int, head_dim_v: int, windowed: bool, page_size: int | None = None) -> FwdTile | None:
+    """The TMA tile a paged prefill call runs (kernels/fwd_tma.py, one TMA box of tile_n rows per K/V tile, from
+    the page the table names), or None (the cp.async tile of ``select_fwd_tile(..., paged=True)``): the tile of
+    the same call on contiguous K/V when it is a TMA tile and every K/V tile lies inside one page
+    (``page_size % tile_n == 0``; ``page_size=None``: whatever the page size, for the compile gate).  The page
+    size stays a runtime value: it is not part of the compile key."""
+    tile = select_fwd_tile(head_dim, head_dim_v, windowed)
+    if not tile.tma or (page_size is not None and (page_size < 1 or page_size % tile.tile_n != 0)):
+        return None
+    return tile
 
 
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
@@ -472,7 +523,9 @@ def decode_gate_worklist() -> list[FwdKernelConfig]:
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
     """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
     lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one."""
+    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one; for each distinct TMA-paged
+    tile (``paged_tma_tile``), the lightest and the heaviest (never split: split and decode calls keep the
+    cp.async tiles)."""
     out = []
     for windowed in (False, True):
         tile = select_fwd_tile(d, dv, windowed, paged=True)
@@ -480,22 +533,33 @@ def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
         heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
                         seqused_k=True)
         out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
+    for windowed in (False, True):
+        tile = paged_tma_tile(d, dv, windowed)
+        if tile is not None:
+            base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
+                            seqused_k=True)
+            out += [c for c in (base, heavy) if c not in out]
     return out
 
 
 def sparse_gate_worklist() -> list[FwdKernelConfig]:
-    """The block-sparse configurations the compile gate builds: bf16, dv == d, per distinct cp.async tile the
-    lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with every flag sparsity combines with)."""
+    """The block-sparse configurations the compile gate builds: bf16, per distinct sparse tile a block size can
+    select (TMA or cp.async), at the largest head_dim_v that runs it (dv == d but for the d192 TMA tile with Q in
+    registers, which serves dv < 192), the lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with
+    every flag sparsity combines with)."""
     out = []
-    for d, dv in supported_head_dim_pairs():
-        if d != dv:
-            continue
+    seen = set()
+    for d, dv in sorted(supported_head_dim_pairs(), key=lambda p: (p[0], -p[1])):
         for windowed in (False, True):
-            tile = select_sparse_tile(d, dv, windowed)
-            base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
-            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
-                            seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
-            out += [c for c in (base, heavy) if c not in out]
+            for tile in reachable_sparse_tiles(d, dv, windowed):
+                if (d, tile) in seen:
+                    continue
+                seen.add((d, tile))
+                base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
+                heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                                seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
+                out += [base, heavy]
     return out
 
 

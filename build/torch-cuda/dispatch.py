@@ -40,6 +40,7 @@ from .config import (
     DECODE_MAX_ROWS,
     mods_dropout_fwd_tile,
     mods_tile,
+    paged_tma_tile,
     select_sparse_tile,
     table_version,
 )
@@ -112,19 +113,26 @@ _PLANS: dict[tuple, _Plan] = {}
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
           sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
-          seed_tensor: bool = False, dropout_packed: bool = False, mods=None) -> _Plan:
-    """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio) of block sparsity, (0, 0) when off (it
-    runs the cp.async tiles); ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
+          seed_tensor: bool = False, dropout_packed: bool = False, mods=None, paged_tma: bool = False) -> _Plan:
+    """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio, q_block, kv_block) of block sparsity,
+    (0, 0) when off (it runs config.select_sparse_tile of the block size, the first tile when it is left out);
+    ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
     those pairs); ``mods``: modspec.ModSpec or None (the forward kernel keys on its forward part; never with
-    decode or sparse; with dropout, packed or not).  Every argument after ``device_index`` is passed by keyword."""
+    decode or sparse; with dropout, packed or not); ``paged_tma``: a paged prefill call whose pages hold whole K/V
+    tiles of the TMA tile (``paged_eligible_for_tma``; ignored with split or decode, which keep the cp.async
+    tiles).  Every argument after ``device_index`` is passed by keyword."""
+    paged_tma = paged_tma and paged and not (split or decode)
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, table_version())
+           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, paged_tma, table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = select_sparse_tile(d, dv, windowed) if sparse[0] else select_fwd_tile(d, dv, windowed, paged)
+        tile = (select_sparse_tile(d, dv, windowed, mods is not None, block_size=tuple(sparse[2:4]) or None)
+                if sparse[0] else select_fwd_tile(d, dv, windowed, paged))
+        if paged_tma:  # the contiguous call's TMA tile (paged_eligible_for_tma checked its tile_n)
+            tile = paged_tma_tile(d, dv, windowed) or tile
         if decode:
             tile = decode_tile(d, dv)
         elif split:
@@ -148,6 +156,36 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
                                            sparse_kv_ratio=sparse_bwd[1])
         _PLANS[key] = plan
     return plan
+
+
+# cuTensorMapEncodeTiled's limits on a global tensor: base address 16-byte aligned, every stride but the innermost
+# a multiple of 16 bytes below 2**40 bytes
+_TMA_MAX_STRIDE_BYTES = 1 << 40
+
+
+def tma_views_ok(*tensors) -> bool:
+    """Whether a TMA descriptor can be built over each tensor (last dim contiguous; base and every other stride
+    16-byte aligned, positive, below 2**40 bytes).  k and v views of one fused cache ((2, num_pages, ...) or
+    (num_pages, 2, ...)) qualify when each view does; a stride of 0 (an expanded tensor) does not."""
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        for st in t.stride()[:-1]:
+            if st <= 0 or (st * es) % 16 or st * es >= _TMA_MAX_STRIDE_BYTES:
+                return False
+    return True
+
+
+def paged_eligible_for_tma(k, v, d: int, dv: int, windowed: bool, mods=None) -> bool:
+    """Whether a paged call (k/v (num_pages, page_size, Hkv, D|Dv)) runs the TMA kernel on its prefill tile: the
+    contiguous call's tile is a TMA tile whose tile_n divides the page size (every K/V tile inside one page, one
+    TMA box per tile), both views qualify for TMA (``tma_views_ok``), and the call has no score/mask mods (their
+    paged TMA variants are not built by the compile gate).  Otherwise it runs the cp.async kernel, any page size.
+    Split-KV and decode calls keep their cp.async tiles whatever this says (``_plan``)."""
+    if mods is not None or paged_tma_tile(d, dv, windowed, int(k.shape[1])) is None:
+        return False
+    return tma_views_ok(k, v)
 
 
 def _nograd(t):
@@ -386,6 +424,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         ratios, sparse_args = BS.check_block_sparse(
             block_sparse_tensors, batch=meta.batch, heads=hq, max_q=meta.max_q, max_k=meta.max_k, head_dim=d,
             head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
+        # the plan key carries the block size: it picks the tile (config.select_sparse_tile)
+        ratios = (*ratios, *(getattr(block_sparse_tensors, "block_size", None) or BS.DEFAULT_BLOCK_SIZE))
         if needs_grad:
             meta = replace(meta, sparse=BS.prepare_backward(
                 block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=meta.batch, heads=hq,
@@ -394,7 +434,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
-                 seed_tensor=in_kernel and drop.seed_tensor is not None, mods=mods)
+                 seed_tensor=in_kernel and drop.seed_tensor is not None, mods=mods,
+                 paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods))
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -573,8 +614,8 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         sg = meta.sparse
         fwd_ratios = (0, 0)
-        if sg is not None:  # the forward's plan key (its ratios to the forward tile)
-            fwd_ratios = BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed)
+        if sg is not None:  # the forward's plan key (its ratios to the forward tile, and the block size)
+            fwd_ratios = (*BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed), *sg.fwd_block_size)
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
                      sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,

@@ -51,7 +51,9 @@ FEATURES: dict[str, Feature] = {
                 "always on: no atomics anywhere, gradients are bitwise reproducible at no cost"),
         Feature("paged_kv", SUPPORTED, "flash_attn_varlen_func(page_table=, seqused_k=)",
                 "k/v (num_pages, page_size, Hkv, D), any page size >= 1, every forward feature; fused (2, ...) "
-                "cache views; cp.async kernel; inference only (a grad-requiring call raises)"),
+                "cache views; prefill calls whose page size is a multiple of the TMA tile's tile_n (e.g. 64 at "
+                "d128) run the TMA kernel, one box per K/V tile, other page sizes and split/decode calls the "
+                "cp.async kernel; inference only (a grad-requiring call raises)"),
         Feature("kvcache", SUPPORTED, "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=, ...)",
                 "FA2/FA3 keywords; appends k/v (paged or contiguous, cache_batch_idx); no host sync, "
                 "CUDA-graph capturable; rotary raises NotImplementedError"),
@@ -66,7 +68,8 @@ FEATURES: dict[str, Feature] = {
                 "num_splits > 1 under torch.compile raises NotImplementedError"),
         Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
                 "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
-                "block sizes multiples of the cp.async tile, B/H broadcast, varlen, GQA (unpacked); "
+                "block sizes multiples of the forward tile (TMA kernel up to head dim 192), B/H broadcast, varlen, "
+                "GQA (unpacked); "
                 "block_sparse_from_mask / block_sparse_from_flex (flex_attention BlockMask); no paged K/V, no "
                 "split-KV, no torch.compile yet"),
         Feature("block_sparse_backward", SUPPORTED, "autograd with block_sparse_tensors (+ optional "

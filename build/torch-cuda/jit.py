@@ -220,10 +220,7 @@ def kernel_class(cfg):
         from .kernels.bwd_dkdv import FlashBwdSm80
 
         return FlashBwdSm80
-    if cfg.tile.tma:
-        if cfg.paged:
-            raise ValueError(f"{cfg.name()}: paged K/V runs the cp.async kernel; the TMA tile {cfg.tile.name()} "
-                             "cannot gather rows from pages")
+    if cfg.tile.tma:  # paged too: the dispatcher picks a TMA tile only when page_size % tile_n == 0
         from .kernels.fwd_tma import FlashFwdWsSm120
 
         return FlashFwdWsSm120

@@ -289,13 +289,17 @@ def gate_worklist() -> list:
             out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
     # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
-    # mod on the sparse forward tile and both sparse backward kernels at the widest head dim, 2x2 blocks
+    # mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
+    # sparse backward kernels at the widest head dim, 2x2 blocks
     sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)
     for factory, args, aux_sig, score in (_GATE_MODS[2], _GATE_MODS[5]):
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_sparse_tile(256, 256, True), 256, 256)
-        out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd, **sparse), **heavy))
+        for d in (256, 192, 128, 64):
+            for t in config.reachable_sparse_tiles(d, d, True):  # d192: the TMA tile and the cp.async 128x32 one
+                tile = config.mods_tile(config.select_sparse_tile(d, d, True, mods=True,
+                                                                  block_size=(t.tile_m, t.tile_n)), d, d)
+                out.append(replace(config.FwdKernelConfig("bf16", d, d, tile, mods=fwd, **sparse), **heavy))
         for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config._BWD_SPILLING)
             try:
                 out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))

@@ -15,9 +15,10 @@ The list is walked in a *virtual* order: virtual tile t in [0, F) is a full tile
 prefetch of "the next block" (t - 1, t - 2) is unchanged; ``tile_of(t)`` maps a virtual tile to the real KV tile.
 
 Index values are the caller's contract and are never trusted with an address: counts are clamped to
-[0, width of the index tensor], indices to [0, ceil(seqlen_k / kv_block)] (one past the end is allowed: every
-load is predicated on the sequence end, so such a block reads nothing and is masked whole), and the query block
-to the rows of the count tensor.  Every sparse step masks the sequence end (a listed block may be the partial
+[0, width of the index tensor], indices to [0, ceil(seqlen_k / kv_block)] (one past the end is allowed: the
+cp.async kernel predicates every load on the sequence end, the TMA kernel's loads read zeros past the end of the
+tensor or rows past seqlen_k that it masks (K) and zeroes (V), so such a block is masked whole), and the query
+block to the rows of the count tensor.  Every sparse step masks the sequence end (a listed block may be the partial
 last one, or lie past a short varlen sequence).
 """
 

@@ -1,6 +1,8 @@
 """Warp-specialised forward kernel: one TMA producer warp + ``num_warps`` mma.sync consumer warps.
 
-Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap).
+Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap), and block
+sparsity: the producer walks the listed KV tiles (kernels/block_sparse.py ``SparseBlockInfo.tile_of``) in the order
+the consumers' ``run_kv_schedule`` visits them.
 
 Why: in the all-warps cp.async kernel every KV block costs two CTA-wide barriers, which keep all warps in the
 same phase, so their softmax never overlaps another warp's mma.  Here one warp streams K and V blocks with
@@ -11,11 +13,17 @@ softmax with mma.  Registers move from the producer to the consumers with setmax
 
 Q is loaded by the consumers with cp.async (rows are gathered per (position, head) under packed GQA), and kept in
 registers when ``q_in_regs``.  TMA zero-fills rows past the end of K/V; rows past seqlen_k inside the tensor
-(varlen) are real, finite data and are masked like any boundary block.  O is staged in the Q buffer.
+(varlen, the rest of a last page) may hold anything: K columns there are masked by assignment, V rows zeroed in
+shared memory (``zero_rows_past``).  O is staged in the Q buffer.
+
+Paged K/V (config.paged_tma_tile: page_size % tile_n == 0, so every K/V tile lies inside one page): the same
+descriptor over the pool viewed as (page_size, D, Hkv, num_pages); the producer reads the page of each tile from
+the page table (kv_source.PagedKV.tma_box) and issues one box per K and per V tile.  Everything else is as above.
 
 Profile:  ncu --set full -k regex:kernel_cutlass python benchmarks/bench_fwd.py --only llama3-8b --seqlens 4096
 """
 
+from dataclasses import replace
 from functools import partial
 
 import cutlass
@@ -25,7 +33,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import cute_utils as cu
+from .block_sparse import SparseBlockInfo
 from .fwd_base import FwdKernelBase
+from .kv_source import PagedKV
 
 # setmaxnreg moves registers per whole warpgroup, so the producer warp comes with three idle warps that exit at
 # once (otherwise ptxas drops the register reallocation).  8 mma warps x 240 + 4 x 24 = 64512 <= 65536.
@@ -61,9 +71,9 @@ class FlashFwdWsSm120(FwdKernelBase):
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
         seqused_k: cute.Tensor | None,
-        page_table: cute.Tensor | None,  # always None: paged K/V runs the cp.async kernel (config.candidate_tiles)
+        page_table: cute.Tensor | None,  # paged K/V with page_size % tile_n == 0 (config.paged_tma_tile)
         sink: cute.Tensor | None,
-        # always None: block sparsity runs the cp.async kernel (config.candidate_tiles)
+        # block sparsity (config.select_sparse_tile): the listed KV blocks of each query block, else None
         mask_block_cnt: cute.Tensor | None,
         mask_block_idx: cute.Tensor | None,
         full_block_cnt: cute.Tensor | None,
@@ -96,7 +106,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         sV_layout = cute.tile_to_shape(atom_v, (self.tile_n, self.dv, self.num_stages), (0, 1, 2))
         sO_layout = cute.tile_to_shape(atom_v, (self.tile_m, self.dv), (0, 1))
 
-        # TMA wants the tiled modes first: (seq, d, head[, batch])
+        # TMA wants the tiled modes first: (seq, d, head[, batch]); paged: (page_size, d, head, page)
         order = [0, 2, 1] if const_expr(self.cfg.varlen_k) else [1, 3, 2, 0]
         mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=order))
         mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=order))
@@ -115,13 +125,15 @@ class FlashFwdWsSm120(FwdKernelBase):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
-        rows_q, rows_k = self.seq_rows(mQ, mK)
+        rows_q, rows_k = self.seq_rows(mQ, mK, page_table)
         tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
         copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
+        sparse = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx)
         self.kernel(
-            mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink, aux_tensors,
+            mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink, sparse,
+            aux_tensors,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
             rows_q, rows_k, dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
             rng_offset_hi, rng_seed,
@@ -136,7 +148,7 @@ class FlashFwdWsSm120(FwdKernelBase):
 
     @cute.kernel
     def kernel(
-        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux,
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
         qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -150,7 +162,8 @@ class FlashFwdWsSm120(FwdKernelBase):
         # around the producer's setmaxnreg
         bx, _, _ = cute.arch.block_idx()
         tile = partial(
-            self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux,
+            self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
+            sparse, mAux,
             scale_log2,
             softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
@@ -160,8 +173,8 @@ class FlashFwdWsSm120(FwdKernelBase):
 
     @cute.jit
     def run_tile(
-        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, mAux, scale_log2,
-        softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
+        self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse, mAux,
+        scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
         tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o,
         SharedStorage: cutlass.Constexpr, dropout,
     ):
@@ -177,6 +190,9 @@ class FlashFwdWsSm120(FwdKernelBase):
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                              mSeqUsedK, scale_log2, softcap_prescale, window_left, window_right, pack,
                              split=split, dropout=dropout, aux=mAux)
+        if const_expr(cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
+            ts = replace(ts, block=SparseBlockInfo.from_block(ts.block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio,
+                                                              *sparse, ts.seq.batch, head_group * pack, m_block))
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)
@@ -203,29 +219,59 @@ class FlashFwdWsSm120(FwdKernelBase):
             if warp_idx >= self.num_warps:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == self.num_warps:
-                    self.produce(ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, plan[0], plan[1])
+                    self.produce(ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, plan[0], plan[1],
+                                 mPageTable)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 self.consume(ts, plan, mQ, mO, mLSE, mSink, sQ, sK, sV, sO, pipe_k, pipe_v, tiled_mma, copy_q,
                              copy_o, tidx)
 
+    def kv_source(self, seq, mK, mPageTable):
+        """Paged: none in the tile state; the producer warp builds its page lookup itself (``produce``), so no
+        page-size value is live across the warp split."""
+        if const_expr(self.is_paged()):
+            return None
+        return super().kv_source(seq, mK, mPageTable)
+
+    def tma_tiles(self, tma, sX, head_view, cols: int):
+        """(smem, gmem) TMA partitions of the (tile_n, cols) tiles of one head view (rows, cols)."""
+        gX = cute.local_tile(head_view, (self.tile_n, cols), (None, 0))
+        return cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                     cute.group_modes(gX, 0, 2))
+
     @cute.jit
-    def produce(self, ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, n_min, n_max):
-        gK = cute.local_tile(ts.kv.tma_head_view(tK, kv_head), (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(ts.kv.tma_head_view(tV, kv_head), (self.tile_n, self.dv), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+    def produce(self, ts, tK, tV, sK, sV, tma_k, tma_v, pipe_k, pipe_v, kv_head, n_min, n_max, mPageTable):
+        paged = None
+        if const_expr(self.is_paged()):
+            paged = PagedKV.create_tma(ts.seq, tK, mPageTable)
+            head_k, head_v = tK[None, None, kv_head, 0], tV[None, None, kv_head, 0]  # page 0: the smem side only
+        else:
+            head_k, head_v = ts.kv.tma_head_view(tK, kv_head), ts.kv.tma_head_view(tV, kv_head)
+        tKsK, tKgK = self.tma_tiles(tma_k, sK, head_k, self.d)
+        tVsV, tVgV = self.tma_tiles(tma_v, sV, head_v, self.dv)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for i in cutlass.range(n_max - n_min, unroll=1):
             n_block = n_max - 1 - i
-            pipe_k.producer_acquire(state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
-            pipe_v.producer_acquire(state)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            if const_expr(paged is not None):
+                # the page of this tile, read before the waits (its latency overlaps them); one box of the page
+                page, box = paged.tma_box(n_block, self.tile_n)
+                page_k = self.tma_tiles(tma_k, sK, tK[None, None, kv_head, page], self.d)[1]
+                page_v = self.tma_tiles(tma_v, sV, tV[None, None, kv_head, page], self.dv)[1]
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_k, page_k[None, box], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_v, page_v[None, box], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            else:
+                if const_expr(self.cfg.block_sparse):  # virtual tile -> listed KV tile (past the end: zero-filled)
+                    n_block = ts.block.tile_of(n_block)
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
 
     @cute.jit
@@ -263,6 +309,7 @@ class FlashFwdWsSm120(FwdKernelBase):
                 tSsK=tSsK, tOsVt=tOsVt, ldsm_q=ldsm_q, ldsm_k=ldsm_k, ldsm_v=ldsm_v, acc_O=acc_O,
                 state_max=state_max, state_sum=state_sum, score=ts.score, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn,
                 row_qpos=row_qpos, row_bh=row_bh, sV=sV, tidx=tidx,
+                kv_tile=ts.block.tile_of if const_expr(self.cfg.block_sparse) else None,
             )
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             ts.block.run_kv_schedule(step, state, plan)
@@ -272,19 +319,24 @@ class FlashFwdWsSm120(FwdKernelBase):
     def kv_step(
         self, n_block: Int32, state,
         pipe_k, pipe_v, tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_q, ldsm_k, ldsm_v, acc_O, state_max,
-        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, sV, tidx,
+        state_sum, score, tScS_mn, t0ScS_mn, row_qpos, row_bh, sV, tidx, kv_tile,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-        mask_left: cutlass.Constexpr[bool],
+        mask_left: cutlass.Constexpr[bool], mask_mod_on: cutlass.Constexpr[bool] = True,
     ):
-        """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V."""
+        """One KV block: wait K, S = Q K^T, release K, mask + online softmax, wait V, O += P V, release V.
+        ``kv_tile``: None, or (block sparsity) the map from the schedule's virtual index ``n_block`` to the KV tile
+        the producer loaded for it; ``mask_mod_on=False`` on block-sparse "full" tiles."""
+        if const_expr(kv_tile is not None):
+            n_block = kv_tile(n_block)
         drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
         tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
-                                n_block, is_first, mask_seqlen, mask_right, mask_left)
+                                n_block, is_first, mask_seqlen, mask_right, mask_left, mask_mod_on)
         if const_expr(mask_seqlen):
             # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds
-            # there (the next sequence, padding, NaN from torch.empty); P is 0 on them, but 0 * NaN is NaN
+            # there (the next sequence, padding, NaN from torch.empty); P is 0 on them, but 0 * NaN is NaN.  A
+            # listed block wholly past the end (block sparsity) has rows_valid <= 0: every row is zeroed
             pipe_v.consumer_wait(state)
             self.zero_rows_past(sV[None, None, state.index], score.seq.seqlen_k - n_block * self.tile_n, tidx)
         return self.pv(tOrP, state, pipe_v, tiled_mma, acc_O, tOrVt, tOsVt, ldsm_v)
@@ -292,12 +344,14 @@ class FlashFwdWsSm120(FwdKernelBase):
     @cute.jit
     def zero_rows_past(self, sV_stage, rows_valid, tidx):
         """Zero the rows >= ``rows_valid`` of one landed V stage (the consumer warps split the work, then sync, so
-        no warp's P V reads the stage before every row is clean).  Uniform over the CTA."""
+        no warp's P V reads the stage before every row is clean).  Uniform over the CTA.  The stores are fenced
+        against the async proxy: the producer's next TMA into this stage must land after them."""
         if rows_valid < self.tile_n:
             first = cutlass.max(rows_valid, 0) * self.dv
             for i in cutlass.range(first + tidx, self.tile_n * self.dv, self.num_mma_threads, unroll=1):
                 r = i // self.dv
                 sV_stage[r, i - r * self.dv] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()
             self.compute_sync()
 
     @cute.jit

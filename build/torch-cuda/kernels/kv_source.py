@@ -7,9 +7,11 @@ starting at ``SeqInfo.offset_k`` (clamped to the tensor).
 
 ``PagedKV``: k/v are (num_pages, page_size, Hkv, D) (any strides with a contiguous last dim, e.g. one half of a
 fused (2, num_pages, ...) cache); key ``pos`` of batch entry b is row ``pos % page_size`` of page
-``page_table[b, pos // page_size]``.  Any page size works (rows are addressed one by one, so a K/V tile may span
-several pages).  Page indices are the caller's contract, as in FlashAttention: they are clamped to
-[0, num_pages - 1], so a wrong one reads a wrong page but never outside the pool.
+``page_table[b, pos // page_size]``.  Any page size works in the cp.async kernel (rows are addressed one by one,
+so a K/V tile may span several pages).  The TMA kernel runs paged calls whose page size is a multiple of its
+tile_n (every K/V tile inside one page: ``tma_box``), with one TMA box per tile from a descriptor over the pool
+viewed as (page_size, D, Hkv, num_pages).  Page indices are the caller's contract, as in FlashAttention: they are
+clamped to [0, num_pages - 1], so a wrong one reads a wrong page but never outside the pool.
 """
 
 from dataclasses import dataclass
@@ -66,6 +68,23 @@ class PagedKV:
         col = pos // self.page_size
         page = cutlass.min(cutlass.max(self.page_table[self.seq.batch, col], 0), self.last_page)
         return mX[page, pos % self.page_size, kv_head, None]
+
+    @staticmethod
+    def create_tma(seq: SeqInfo, tX: cute.Tensor, mPageTable: cute.Tensor) -> "PagedKV":
+        """From the TMA coordinate view of the pool, (page_size, D, Hkv, num_pages) (the TMA kernel's producer warp
+        builds its own, so nothing of the page lookup is live in the consumer warps)."""
+        return PagedKV(seq, mPageTable, Int32(tX.shape[0]), Int32(tX.shape[3]) - 1)
+
+    def tma_box(self, n_block, tile_n: int):
+        """(page, box) of K/V tile ``n_block`` (>= 0) when every tile lies inside one page (page_size % tile_n ==
+        0, checked by the host): its rows are box ``box`` of ``tile_n`` rows of page
+        ``page_table[batch, n_block * tile_n // page_size]``.  The table column and the page are clamped (a wrong
+        entry reads a wrong page, never outside the pool; a box past a page's end would be zero-filled by TMA)."""
+        pos = n_block * tile_n
+        col = pos // self.page_size
+        safe_col = cutlass.min(cutlass.max(col, 0), Int32(self.page_table.shape[1]) - 1)
+        page = cutlass.min(cutlass.max(self.page_table[self.seq.batch, safe_col], 0), self.last_page)
+        return page, (pos - col * self.page_size) // tile_n
 
     def page_of(self, pos):
         """The (clamped) page holding key ``pos``; any ``pos`` is safe (it and the table column are clamped), so
