@@ -18,8 +18,9 @@ Index values are the caller's contract and are never trusted with an address: co
 [0, width of the index tensor], indices to [0, ceil(seqlen_k / kv_block)] (one past the end is allowed: the
 cp.async kernel predicates every load on the sequence end, the TMA kernel's loads read zeros past the end of the
 tensor or rows past seqlen_k that it masks (K) and zeroes (V), so such a block is masked whole), and the query
-block to the rows of the count tensor.  Every sparse step masks the sequence end (a listed block may be the partial
-last one, or lie past a short varlen sequence).
+block to the rows of the count tensor.  Every mask tile masks the sequence end, and so does every full tile that
+reaches past it (a listed block may be the partial last one, or lie past a short varlen sequence); full tiles
+inside the sequence run without any mask.
 """
 
 from dataclasses import dataclass
@@ -95,17 +96,23 @@ class SparseBlockInfo(BlockInfo):
 
     @cute.jit
     def run_kv_schedule(self, step, state, plan):
-        """Mask tiles (sequence end + causal/window masks when windowed, and the mask_mod), then full tiles
-        (sequence end only; no mask_mod).  No step is ``is_first``: the softmax state starts at (-inf, 0, O = 0),
-        which a non-first step handles."""
+        """Mask tiles (sequence end + causal/window masks when windowed, and the mask_mod), then full tiles (no
+        mask_mod; the sequence-end mask only on a tile that reaches past seqlen_k, which a listed tile may: the
+        test is uniform over the CTA, and an interior full tile then runs the step without any mask).  No step is
+        ``is_first``: the softmax state starts at (-inf, 0, O = 0), which a non-first step handles."""
         _, total, n_mask, n_full, _ = plan
         windowed = self.windowed
         for i in cutlass.range(n_mask, unroll=1):
             state = step(total - 1 - i, state, is_first=False, mask_seqlen=True, mask_right=windowed,
                          mask_left=windowed)
         for i in cutlass.range(n_full, unroll=1):
-            state = step(n_full - 1 - i, state, is_first=False, mask_seqlen=True, mask_right=False,
-                         mask_left=False, mask_mod_on=False)
+            t = n_full - 1 - i
+            if (self.tile_of(t) + 1) * self.tile_n <= self.seq.seqlen_k:
+                state = step(t, state, is_first=False, mask_seqlen=False, mask_right=False, mask_left=False,
+                             mask_mod_on=False)
+            else:
+                state = step(t, state, is_first=False, mask_seqlen=True, mask_right=False, mask_left=False,
+                             mask_mod_on=False)
         return state
 
 
