@@ -18,16 +18,16 @@ Index values are the caller's contract and are never trusted with an address: co
 [0, width of the index tensor], indices to [0, ceil(seqlen_k / kv_block)] (one past the end is allowed: the
 cp.async kernel predicates every load on the sequence end, the TMA kernel's loads read zeros past the end of the
 tensor or rows past seqlen_k that it masks (K) and zeroes (V), so such a block is masked whole), and the query
-block to the rows of the count tensor.  Every mask tile masks the sequence end, and so does every full tile that
-reaches past it (a listed block may be the partial last one, or lie past a short varlen sequence); full tiles
-inside the sequence run without any mask.
+block to the rows of the count tensor.  Every tile that reaches past the sequence end masks it (a listed block may be
+the partial last one, or lie past a short varlen sequence), and so does every mask tile of a causal/windowed call;
+the other tiles run without it.
 """
 
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 from .block_info import BlockInfo
 
@@ -96,15 +96,22 @@ class SparseBlockInfo(BlockInfo):
 
     @cute.jit
     def run_kv_schedule(self, step, state, plan):
-        """Mask tiles (sequence end + causal/window masks when windowed, and the mask_mod), then full tiles (no
-        mask_mod; the sequence-end mask only on a tile that reaches past seqlen_k, which a listed tile may: the
-        test is uniform over the CTA, and an interior full tile then runs the step without any mask).  No step is
+        """Mask tiles (causal/window masks when windowed, and the mask_mod), then full tiles (no mask_mod).  The
+        sequence-end mask goes on every windowed mask tile and otherwise only on a tile that reaches past
+        seqlen_k, which a listed tile may: the test is uniform over the CTA, and an interior tile then runs the
+        step without it.  No step is
         ``is_first``: the softmax state starts at (-inf, 0, O = 0), which a non-first step handles."""
         _, total, n_mask, n_full, _ = plan
         windowed = self.windowed
         for i in cutlass.range(n_mask, unroll=1):
-            state = step(total - 1 - i, state, is_first=False, mask_seqlen=True, mask_right=windowed,
-                         mask_left=windowed)
+            t = total - 1 - i
+            if const_expr(windowed):
+                state = step(t, state, is_first=False, mask_seqlen=True, mask_right=True, mask_left=True)
+            else:  # no causal/window mask: as a full tile, but with the mask_mod (when the call has one)
+                if (self.tile_of(t) + 1) * self.tile_n <= self.seq.seqlen_k:
+                    state = step(t, state, is_first=False, mask_seqlen=False, mask_right=False, mask_left=False)
+                else:
+                    state = step(t, state, is_first=False, mask_seqlen=True, mask_right=False, mask_left=False)
         for i in cutlass.range(n_full, unroll=1):
             t = n_full - 1 - i
             if (self.tile_of(t) + 1) * self.tile_n <= self.seq.seqlen_k:
