@@ -255,23 +255,16 @@ class FlashFwdWsSm120(FwdKernelBase):
             if const_expr(paged is not None):
                 # the page of this tile, read before the waits (its latency overlaps them); one box of the page
                 page, box = paged.tma_box(n_block, self.tile_n)
-                page_k = self.tma_tiles(tma_k, sK, tK[None, None, kv_head, page], self.d)[1]
-                page_v = self.tma_tiles(tma_v, sV, tV[None, None, kv_head, page], self.dv)[1]
-                pipe_k.producer_acquire(state)
-                cute.copy(tma_k, page_k[None, box], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_v, page_v[None, box], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                src_k = self.tma_tiles(tma_k, sK, tK[None, None, kv_head, page], self.d)[1][None, box]
+                src_v = self.tma_tiles(tma_v, sV, tV[None, None, kv_head, page], self.dv)[1][None, box]
             else:
                 if const_expr(self.cfg.block_sparse):  # virtual tile -> listed KV tile (past the end: zero-filled)
                     n_block = ts.block.tile_of(n_block)
-                pipe_k.producer_acquire(state)
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                src_k, src_v = tKgK[None, n_block], tVgV[None, n_block]
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, src_k, tKsK[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, src_v, tVsV[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
 
     @cute.jit
