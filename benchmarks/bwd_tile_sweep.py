@@ -5,7 +5,7 @@
 Each candidate replaces one kernel's tile (the other kernel keeps the shipped tile); the candidates are compiled in
 parallel worker processes into the disk cache first, then every (candidate, cell) backward is run under
 torch.profiler and the device time of each kernel is recorded (median over the profiled iterations), next to the
-CUDA-event time of the whole backward.  Tiles that do not fit SM120 (config.bwd_problems) are skipped.
+CUDA-event time of the whole backward.  Tiles that do not fit SM120 (config_bwd.bwd_problems) are skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import flops, time_fn  # noqa: E402
 
 import flash_attn_4_sm120 as fa  # noqa: E402
-from flash_attn_4_sm120 import config  # noqa: E402
+from flash_attn_4_sm120 import config, config_bwd  # noqa: E402
 
 DKDV = {  # (tile_m, tile_n, num_warps[, kv_warp_rows])
     64: [(64, 128, 8), (64, 128, 8, 32)],
@@ -46,8 +46,8 @@ CELLS = {64: [(16, 16, 4096, 4), (16, 16, 1024, 16)], 128: [(32, 8, 4096, 4), (3
 
 
 def _variants(d):
-    base_kv = tuple(config._BWD_TILES[d][0])
-    base_q = config._DQ_TILES[d]
+    base_kv = tuple(config_bwd._BWD_TILES[d][0])
+    base_q = config_bwd._DQ_TILES[d]
     out = [("base", base_kv, base_q)]
     out += [("dkdv", t, base_q) for t in DKDV.get(d, []) if t != base_kv]
     out += [("dq", base_kv, t) for t in DQ.get(d, []) if t != base_q]
@@ -55,14 +55,14 @@ def _variants(d):
 
 
 def _cfgs(d, kv, q):
-    c1 = config.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16)
-    c2 = config.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3])
+    c1 = config_bwd.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16)
+    c2 = config_bwd.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3])
     return [c1, c2] + [config.replace(c, windowed=True) for c in (c1, c2)]
 
 
 def _fits(d, kv, q):
     c1, c2 = _cfgs(d, kv, q)[:2]
-    return not config.bwd_problems(c1) and not config.dq_problems(c2)
+    return not config_bwd.bwd_problems(c1) and not config_bwd.dq_problems(c2)
 
 
 def _warm(cfg):
@@ -126,12 +126,12 @@ def main(argv=None):
     print(f"warm-up compile of {len(work)} kernels: {time.time() - t0:.1f} s", flush=True)
     rows = []
     for d in args.dims:
-        saved_kv, saved_q = config._BWD_TILES[d], config._DQ_TILES[d]
+        saved_kv, saved_q = config_bwd._BWD_TILES[d], config_bwd._DQ_TILES[d]
         try:
             for which, kv, q in _variants(d):
                 if not _fits(d, kv, q) or any(c.name() in failed for c in _cfgs(d, kv, q)):
                     continue
-                config._BWD_TILES[d], config._DQ_TILES[d] = (kv,), q
+                config_bwd._BWD_TILES[d], config_bwd._DQ_TILES[d] = (kv,), q
                 config.clear_caches()
                 for hq, hkv, s, b in CELLS[d]:
                     g = torch.Generator(device="cuda").manual_seed(0)
@@ -153,7 +153,7 @@ def main(argv=None):
                         print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_)
                                           for k_, v_ in row.items()}), flush=True)
         finally:
-            config._BWD_TILES[d], config._DQ_TILES[d] = saved_kv, saved_q
+            config_bwd._BWD_TILES[d], config_bwd._DQ_TILES[d] = saved_kv, saved_q
             config.clear_caches()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

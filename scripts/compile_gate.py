@@ -10,10 +10,10 @@ A configuration passes when its cubin has HMMA (mma.sync) instructions (the atte
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config.dropout_gate_worklist, config.paged_gate_worklist,
-config.sparse_gate_worklist, config.decode_gate_worklist, config.bwd_gate_configs, config.sparse_bwd_gate_worklist),
+lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
+config.sparse_gate_worklist, config.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
 plus the combine kernel's (config.combine_gate_configs), the backward preprocess kernel's
-(config.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
+(config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _package():
 
 def _worklist(pattern: str | None):
     _package()
-    from flash_attn_4_sm120 import config
+    from flash_attn_4_sm120 import config, config_bwd
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
@@ -55,13 +55,13 @@ def _worklist(pattern: str | None):
     items += config.paged_gate_worklist()
     items += config.sparse_gate_worklist()
     items += config.decode_gate_worklist()
-    items += config.sparse_bwd_gate_worklist()
+    items += config_bwd.sparse_bwd_gate_worklist()
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
-            items += config.bwd_gate_configs(dtype, d, dv)
-    items += config.dropout_gate_worklist()
+            items += config_bwd.bwd_gate_configs(dtype, d, dv)
+    items += config_bwd.dropout_gate_worklist()
     items += config.combine_gate_configs()
-    items += config.bwd_pre_gate_configs()
+    items += config_bwd.bwd_pre_gate_configs()
     from flash_attn_4_sm120 import modspec
 
     items += modspec.gate_worklist()
@@ -76,20 +76,20 @@ def _check_one(cfg, arch: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(dir=os.environ.get("FA4_GATE_DUMP_PARENT")))
     _package()
     sys.path.insert(0, str(ROOT))
-    from flash_attn_4_sm120 import config, jit
+    from flash_attn_4_sm120 import config, config_bwd, jit
     from scripts.sass_check import inspect_cubin
 
     t0 = time.time()
     row = {"config": cfg.name(), "arch": arch}
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
-        no_mma = isinstance(cfg, (config.CombineKernelConfig, config.BwdPreKernelConfig))  # elementwise/reductions
+        no_mma = isinstance(cfg, (config.CombineKernelConfig, config_bwd.BwdPreKernelConfig))  # elementwise/reductions
         if no_mma:
             expected_smem = 0
-        elif isinstance(cfg, config.DqKernelConfig):
-            expected_smem = config.dq_smem_bytes(cfg)
-        elif isinstance(cfg, config.BwdKernelConfig):
-            expected_smem = config.bwd_smem_bytes(cfg)
+        elif isinstance(cfg, config_bwd.DqKernelConfig):
+            expected_smem = config_bwd.dq_smem_bytes(cfg)
+        elif isinstance(cfg, config_bwd.BwdKernelConfig):
+            expected_smem = config_bwd.bwd_smem_bytes(cfg)
         else:
             expected_smem = config.fwd_smem_bytes(cfg.head_dim, cfg.head_dim_v, cfg.tile)
         cubin = fn.__cubin__

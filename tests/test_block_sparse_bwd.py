@@ -7,7 +7,7 @@ import torch
 
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import arguments, config, dispatch
+from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch
 
 
 def _transpose_ref(cnt, idx, num_kv_blocks):
@@ -102,8 +102,8 @@ def test_transpose_is_deterministic():
 # ---- block sizes and checks of a call that needs grad -------------------------------------------------------------
 def _tiles(d):
     fwd = config.sparse_tiles(d, d, False)[-1]  # the finest forward tile: its multiples are the valid block sizes
-    dkdv = config.select_bwd_config("bf16", d, d)
-    dq = config.select_dq_config("bf16", d, d)
+    dkdv = config_bwd.select_bwd_config("bf16", d, d)
+    dq = config_bwd.select_dq_config("bf16", d, d)
     return fwd, dkdv, dq
 
 
@@ -164,7 +164,7 @@ def test_prepare_backward_rejects_block_sizes_the_backward_cannot_honour():
     with pytest.raises(ValueError, match=r"kv_block a multiple of 64"):
         _prepare(bst, d=192)
     # the KV-major lists' block size must be a multiple of the dK/dV tile
-    dkdv = config.select_bwd_config("bf16", 128, 128)
+    dkdv = config_bwd.select_bwd_config("bf16", 128, 128)
     with pytest.raises(ValueError, match=r"block_sparse_tensors_bwd: block_size=\(16, 128\).*multiple of "
                                          rf"{dkdv.tile_m}"):
         _prepare(_fwd(), _bwd(block_size=(16, 128)))
@@ -216,14 +216,14 @@ def test_sparse_backward_configs_records_and_plan():
         for n in names:
             assert n in rec.names
             assert next(a for a in rec.args if a.name == n).when == "block_sparse"
-    cfg = config.select_bwd_config("bf16", 128, 128, sparse_q_ratio=2, sparse_kv_ratio=1)
+    cfg = config_bwd.select_bwd_config("bf16", 128, 128, sparse_q_ratio=2, sparse_kv_ratio=1)
     assert cfg.block_sparse and cfg.name().endswith("sparse2x1")
-    assert not config.select_bwd_config("bf16", 128, 128).block_sparse
-    dq = config.select_dq_config("bf16", 128, 128, sparse_q_ratio=1, sparse_kv_ratio=2)
+    assert not config_bwd.select_bwd_config("bf16", 128, 128).block_sparse
+    dq = config_bwd.select_dq_config("bf16", 128, 128, sparse_q_ratio=1, sparse_kv_ratio=2)
     assert dq.block_sparse and dq.name().startswith("dq") and "sparse1x2" in dq.name()
-    work = config.sparse_bwd_gate_worklist()
+    work = config_bwd.sparse_bwd_gate_worklist()
     assert 0 < len(work) <= 20 and all(c.block_sparse for c in work)
-    assert {type(c) for c in work} == {config.BwdKernelConfig, config.DqKernelConfig}
+    assert {type(c) for c in work} == {config_bwd.BwdKernelConfig, config_bwd.DqKernelConfig}
     plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
                           sparse=(1, 2), sparse_bwd=(1, 2, 2, 2))
     assert plan.dq_cfg.sparse_q_ratio == 1 and plan.dq_cfg.sparse_kv_ratio == 2
@@ -436,7 +436,7 @@ def test_emulated_schedules_give_the_reference_gradients(causal, given):
     full[..., 1, :] = False
     bst = block_sparse_from_mask(m, bs, full_mask=full)
     fwd = tuple(bst[:4])
-    dkdv_t, dq_t = config.select_bwd_config("bf16", 128, 128), config.select_dq_config("bf16", 128, 128)
+    dkdv_t, dq_t = config_bwd.select_bwd_config("bf16", 128, 128), config_bwd.select_dq_config("bf16", 128, 128)
     if given:  # the KV-major lists in blocks of the dK/dV tile: each 128-block split into tiles
         tm, tn = dkdv_t.tile_m, dkdv_t.tile_n
         up = lambda x: x.repeat_interleave(128 // tm, 2).repeat_interleave(128 // tn, 3)  # noqa: E731

@@ -162,13 +162,13 @@ def test_given_bwd_lists_equal_auto_built_bitwise():
 def test_given_bwd_lists_with_a_finer_block_size():
     """The KV-major lists may use their own block size (a multiple of the dK/dV tile): the (128, 128) forward
     blocks written as blocks of the dK/dV tile."""
-    from flash_attn_4_sm120 import config
+    from flash_attn_4_sm120 import config_bwd
 
     g = torch.Generator(device="cuda").manual_seed(8)
     q, k, v = (_rand(1, 512, 2, 128, dtype=torch.bfloat16, gen=g) for _ in range(3))
     m, full = _random_masks(1, 2, 512, 512, (128, 128), 0.5, 0.5, seed=9)
     bst = fa.block_sparse_from_mask(m, (128, 128), full_mask=full)
-    tile = config.select_bwd_config("bf16", 128, 128)
+    tile = config_bwd.select_bwd_config("bf16", 128, 128)
     tm, tn = tile.tile_m, tile.tile_n
     assert (tm, tn) != (128, 128)  # a finer block size than the forward's
     up = lambda x: x.repeat_interleave(128 // tm, 2).repeat_interleave(128 // tn, 3)  # noqa: E731

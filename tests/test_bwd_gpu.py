@@ -177,7 +177,7 @@ def test_bwd_deterministic_varlen():
 
 def test_unsupported_backward_raises_at_forward():
     """Every served head-dim pair has a backward; the check runs before the forward launches."""
-    from flash_attn_4_sm120 import config
+    from flash_attn_4_sm120 import config, config_bwd
 
     for d, dv in config.supported_head_dim_pairs():
-        config.select_bwd_config("bf16", d, dv)
+        config_bwd.select_bwd_config("bf16", d, dv)

@@ -8,33 +8,33 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, dispatch
+from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch
 from reference import dpsum_ref
 
 
 def test_config_is_a_frozen_key_with_a_name():
-    a = config.BwdPreKernelConfig("bf16", 128, False)
-    assert a == config.BwdPreKernelConfig("bf16", 128) and hash(a) == hash(config.BwdPreKernelConfig("bf16", 128))
-    assert a != config.BwdPreKernelConfig("bf16", 128, True) != config.BwdPreKernelConfig("fp16", 128, True)
+    a = config_bwd.BwdPreKernelConfig("bf16", 128, False)
+    assert a == config_bwd.BwdPreKernelConfig("bf16", 128) and hash(a) == hash(config_bwd.BwdPreKernelConfig("bf16", 128))
+    assert a != config_bwd.BwdPreKernelConfig("bf16", 128, True) != config_bwd.BwdPreKernelConfig("fp16", 128, True)
     assert a.name() == "dpsum_bf16_dv128"
-    assert config.BwdPreKernelConfig("fp16", 96, True).name() == "dpsum_fp16_dv96_dlse"
+    assert config_bwd.BwdPreKernelConfig("fp16", 96, True).name() == "dpsum_fp16_dv96_dlse"
     with pytest.raises(AttributeError):
         a.head_dim_v = 64
-    names = [c.name() for c in config.bwd_pre_gate_configs()]
+    names = [c.name() for c in config_bwd.bwd_pre_gate_configs()]
     assert len(set(names)) == len(names) and all(n.startswith("dpsum_") for n in names)
 
 
 def test_threads_per_row_cover_the_row():
-    assert [config.bwd_pre_threads_per_row(d) for d in (8, 32, 64, 96, 128, 192, 256, 512)] == [1, 4, 8, 16, 16,
+    assert [config_bwd.bwd_pre_threads_per_row(d) for d in (8, 32, 64, 96, 128, 192, 256, 512)] == [1, 4, 8, 16, 16,
                                                                                                 32, 32, 32]
     for d in range(8, 513, 8):
-        vectors, tpr = d // config.BWD_PRE_VEC, config.bwd_pre_threads_per_row(d)
+        vectors, tpr = d // config_bwd.BWD_PRE_VEC, config_bwd.bwd_pre_threads_per_row(d)
         assert 32 % tpr == 0 and (tpr == 32 or tpr >= vectors) and (tpr == 1 or tpr < 2 * vectors)
-        assert config.bwd_pre_head_dim_problem(d) is None
+        assert config_bwd.bwd_pre_head_dim_problem(d) is None
     for d in (0, 4, 60, 520):
-        assert f"head_dim_v={d}" in config.bwd_pre_head_dim_problem(d)
+        assert f"head_dim_v={d}" in config_bwd.bwd_pre_head_dim_problem(d)
     for d in config.HEAD_DIMS:  # every head dim the package takes
-        assert config.bwd_pre_head_dim_problem(d) is None
+        assert config_bwd.bwd_pre_head_dim_problem(d) is None
 
 
 def test_kernel_call_matches_its_record():
@@ -51,7 +51,7 @@ def test_fake_args_follow_the_record():
     from flash_attn_4_sm120 import jit
 
     for dtype, has_dlse in (("bf16", False), ("fp16", True)):
-        cfg = config.BwdPreKernelConfig(dtype, 96, has_dlse)
+        cfg = config_bwd.BwdPreKernelConfig(dtype, 96, has_dlse)
         fakes = dict(zip(arguments.BWD_PRE_ARGS.names, jit.fake_args(arguments.BWD_PRE_ARGS, cfg)))
         assert (fakes["dlse"] is None) == (not has_dlse)
         assert fakes["dout"].element_type.__name__ == {"bf16": "BFloat16", "fp16": "Float16"}[dtype]
@@ -65,11 +65,11 @@ def test_kernel_class_and_compile_for_sm120(monkeypatch):
     from flash_attn_4_sm120.kernels.bwd_preprocess import FlashBwdPreprocess
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
-    cfg = config.BwdPreKernelConfig("bf16", 96, True)
+    cfg = config_bwd.BwdPreKernelConfig("bf16", 96, True)
     assert jit.kernel_class(cfg) is FlashBwdPreprocess
     fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
     assert fn is not None and kernel.launch_smem_bytes == 0
-    assert kernel.tpr == 16 and kernel.vecs == 1 and kernel.rows_per_cta == 8 * config.BWD_PRE_ROWS_PER_GROUP
+    assert kernel.tpr == 16 and kernel.vecs == 1 and kernel.rows_per_cta == 8 * config_bwd.BWD_PRE_ROWS_PER_GROUP
 
 
 class _FakeKernel:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flash_attn_4_sm120 import config, jit  # noqa: E402
+from flash_attn_4_sm120 import config_bwd, jit  # noqa: E402
 
 
 @pytest.fixture
@@ -23,8 +23,8 @@ def cache(tmp_path, monkeypatch):
     return compiles
 
 
-CFG = config.select_dq_config("bf16", 64, 64)
-OTHER = config.select_dq_config("bf16", 64, 32)
+CFG = config_bwd.select_dq_config("bf16", 64, 64)
+OTHER = config_bwd.select_dq_config("bf16", 64, 32)
 
 
 def _paths(cfg):

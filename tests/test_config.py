@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flash_attn_4_sm120 import FEATURES, config, dispatch, features, interface
+from flash_attn_4_sm120 import FEATURES, config, config_bwd, dispatch, features, interface
 from flash_attn_4_sm120 import validate as V
 from flash_attn_4_sm120.config import FwdTile
 
@@ -71,14 +71,14 @@ def test_dropout_gate_configs_light_and_heavy():
     assert not light.has_dropout and not heavy.has_dropout and not _split.has_dropout
     assert drop_light == config.replace(light, has_dropout=True)
     assert drop_heavy == config.replace(heavy, has_dropout=True, dropout_seed_tensor=True)
-    assert not any(c.has_dropout for c in config.bwd_gate_configs("bf16", 128, 128))
+    assert not any(c.has_dropout for c in config_bwd.bwd_gate_configs("bf16", 128, 128))
     assert "_drop" in drop_light.name() and "_drop" not in light.name()
 
 
 def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
     """Every tile of every kernel that dropout can run gets its lightest and heaviest dropout set in the gate, and
     the list stays small (CI time)."""
-    work = config.dropout_gate_worklist()
+    work = config_bwd.dropout_gate_worklist()
     assert all(c.has_dropout for c in work) and len(work) <= 80
     assert len({c.name() for c in work}) == len(work)
 
@@ -93,9 +93,9 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
     for d, dv in config.supported_head_dim_pairs():
         for w in (False, True):
             tiles.add(("fwd", config.dropout_fwd_tile(d, dv, config.select_fwd_tile(d, dv, w))))
-        c = config.select_bwd_config("bf16", d, dv, has_dropout=True)
+        c = config_bwd.select_bwd_config("bf16", d, dv, has_dropout=True)
         tiles.add(("BwdKernelConfig", c.tile_m, c.tile_n, c.num_warps))
-        c = config.select_dq_config("bf16", d, dv, has_dropout=True)
+        c = config_bwd.select_dq_config("bf16", d, dv, has_dropout=True)
         tiles.add(("DqKernelConfig", c.tile_m, c.tile_n, c.num_warps))
     assert tiles <= heavy and tiles <= light
     assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt" in {c.name() for c in work}

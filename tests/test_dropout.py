@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, dropout, interface, jit
+from flash_attn_4_sm120 import arguments, config, config_bwd, dropout, interface, jit
 
 # Random123 known-answer vectors for Philox4x32-10 (kat_vectors): counter, key -> output
 KAT_10 = [
@@ -360,5 +360,5 @@ def test_packed_gqa_dropout_has_its_own_forward_config():
     packed = dispatch._plan(*args, dropout=True, dropout_packed=True).fwd_cfg
     assert not plain.dropout_packed and packed.dropout_packed and packed.tile == plain.tile
     assert "_dpack" in packed.name() and "_dpack" not in plain.name()
-    fwd = [c for c in config.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
+    fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
     assert {c.tile for c in fwd if c.dropout_packed} == {c.tile for c in fwd}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 fa = pytest.importorskip("flash_attn_4_sm120")
-from flash_attn_4_sm120 import config, jit, modspec  # noqa: E402
+from flash_attn_4_sm120 import config, config_bwd, jit, modspec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -228,7 +228,7 @@ def test_config_names_and_records():
     spec, _ = _check(**mods.alibi(), aux_tensors=[torch.zeros(4)])
     cfg = config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=spec)
     assert "mods-alibi" in cfg.name() and cfg.has_aux
-    bwd = config.select_bwd_config("bf16", 64, 64, mods=spec)
+    bwd = config_bwd.select_bwd_config("bf16", 64, 64, mods=spec)
     assert "mods-alibi" in bwd.name() and bwd.has_aux
     assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 256) == config.FwdTile(64, 16, 4, 1, False)
 
@@ -307,7 +307,7 @@ sys.path.insert(0, sys.argv[1])
 import compile_gate
 compile_gate._package()
 import cutlass.cute as cute
-from flash_attn_4_sm120 import config, jit, modspec
+from flash_attn_4_sm120 import config, config_bwd, jit, modspec
 
 @cute.jit
 def broken_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):

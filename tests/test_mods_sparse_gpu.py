@@ -160,7 +160,7 @@ def test_score_mod_on_random_block_masks(name):
 
 
 def test_mask_mod_with_sparsity_at_d256_needs_no_grad():
-    """d = 256: the dK/dV tile spills with a mask_mod under block sparsity (config._BWD_SPILLING), so a call that
+    """d = 256: the dK/dV tile spills with a mask_mod under block sparsity (config_bwd._BWD_SPILLING), so a call that
     needs grad raises before launch; without grad it runs."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     s = 256
