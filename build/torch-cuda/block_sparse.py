@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from .config import select_bwd_config, select_dq_config, select_sparse_tile, sparse_tiles
+from .config import select_sparse_tile, sparse_tiles
+from .config_bwd import select_bwd_config, select_dq_config
 
 DEFAULT_BLOCK_SIZE = (128, 128)  # flex_attention's default BLOCK_SIZE; a multiple of every sparse forward tile
 
@@ -185,7 +186,7 @@ def _lcm(a: int, b: int) -> int:
 
 def _bwd_tiles(head_dim: int, head_dim_v: int, mods=None):
     """(dK/dV config, dQ config) a block-sparse backward runs: the tiles depend on the head dims and on whether a
-    mask_mod is present (config._BWD_SPILLING), not on the other flags."""
+    mask_mod is present (config_bwd._BWD_SPILLING), not on the other flags."""
     extra = dict(sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
     return select_bwd_config("bf16", head_dim, head_dim_v, **extra), select_dq_config("bf16", head_dim, head_dim_v,
                                                                                        **extra)

@@ -28,12 +28,9 @@ from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, FWD_ARGS
 from .launch import compiled_kernel as _kernel, launch as _launch
 from .config import (
-    BwdPreKernelConfig,
     FwdKernelConfig,
     MAX_SEQLEN,
     dropout_fwd_tile,
-    select_bwd_config,
-    select_dq_config,
     select_fwd_tile,
     split_tile,
     decode_tile,
@@ -44,6 +41,7 @@ from .config import (
     select_sparse_tile,
     table_version,
 )
+from .config_bwd import BwdPreKernelConfig, select_bwd_config, select_dq_config
 
 _LOG2_E = math.log2(math.e)
 PAGED_GRAD_ERROR = (

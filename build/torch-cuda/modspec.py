@@ -270,7 +270,7 @@ def gate_worklist() -> list:
     d = 256; then the mods x dropout set (``dropout_gate_worklist``)."""
     from dataclasses import replace
 
-    from . import config
+    from . import config, config_bwd
 
     out = []
     heavy = dict(windowed=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
@@ -286,8 +286,8 @@ def gate_worklist() -> list:
         if score:
             out.append(config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=fwd))
         for d in ((128, 256) if score else (128,)):
-            out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
     # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
     # mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
     # sparse backward kernels at the widest head dim, 2x2 blocks
@@ -300,14 +300,14 @@ def gate_worklist() -> list:
                 tile = config.mods_tile(config.select_sparse_tile(d, d, True, mods=True,
                                                                   block_size=(t.tile_m, t.tile_n)), d, d)
                 out.append(replace(config.FwdKernelConfig("bf16", d, d, tile, mods=fwd, **sparse), **heavy))
-        for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config._BWD_SPILLING)
+        for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config_bwd._BWD_SPILLING)
             try:
-                out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))
+                out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))
                 break
             except ValueError:
                 continue
-        out.append(config.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
-        out.append(config.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
+        out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
+        out.append(config_bwd.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
     return out + dropout_gate_worklist()
 
 
@@ -320,7 +320,7 @@ def dropout_gate_worklist() -> list:
     d = 256 refuses the pair (no forward tile without spills)."""
     from dataclasses import replace
 
-    from . import config
+    from . import config, config_bwd
 
     heavy = dict(windowed=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
                  has_dropout=True, dropout_seed_tensor=True)
@@ -340,6 +340,6 @@ def dropout_gate_worklist() -> list:
             if (d, dv) in packed:
                 out.append(replace(cfg, dropout_packed=True))
         for d in bwd_dims:
-            out.append(config.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
     return out

@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_DKDV_ARGS
-from ..config import BwdKernelConfig, bwd_smem_bytes
+from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList

@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_DQ_ARGS
-from ..config import BwdKernelConfig
+from ..config_bwd import BwdKernelConfig
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseBlockInfo

@@ -18,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_PRE_ARGS
-from ..config import (BWD_PRE_ROWS_PER_GROUP, BWD_PRE_THREADS, BWD_PRE_VEC, BwdPreKernelConfig,
+from ..config_bwd import (BWD_PRE_ROWS_PER_GROUP, BWD_PRE_THREADS, BWD_PRE_VEC, BwdPreKernelConfig,
                       bwd_pre_threads_per_row)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}

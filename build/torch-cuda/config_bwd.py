@@ -1,0 +1,316 @@
+"""Host-only configuration of the backward kernels: the compile keys, tile tables and resource budgets of the
+dK/dV kernel (kernels/bwd_dkdv.py), the dQ kernel (kernels/bwd_dq.py) and the preprocess kernel
+(kernels/bwd_preprocess.py), and their compile-gate worklists.
+
+Split from ``config`` (forward, decode, split-KV combine), whose names it uses; the sweep scripts edit the tile
+tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here imports CuTe-DSL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .config import (
+    HEAD_DIMS,
+    SMEM_LIMIT_BYTES,
+    all_fwd_tile_configs,
+    copy_threads_per_row,
+    dropout_fwd_tile,
+    dropout_gate_configs,
+    dropout_packed_gate_config,
+    supported_head_dim_pairs,
+)
+
+
+# ---- backward ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BwdKernelConfig:
+    """Compile key of the backward dK/dV kernel (bwd_kernel.py); lengths, heads, scales and windows are runtime."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    tile_m: int  # queries per block
+    tile_n: int  # keys per CTA
+    num_warps: int = 8
+    windowed: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    has_dropout: bool = False
+    dropout_seed_tensor: bool = False
+    # block sparsity (kernels/block_sparse.py): a user block is sparse_q_ratio query tiles by sparse_kv_ratio KV
+    # tiles of this kernel; 0 = off.  The dK/dV kernel walks the KV-major (transposed) lists, the dQ kernel the
+    # forward's (Q-major) lists.
+    sparse_q_ratio: int = 0
+    sparse_kv_ratio: int = 0
+    # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
+    # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
+    kv_warp_rows: int = 16
+    mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.sparse_q_ratio > 0
+
+    @property
+    def has_aux(self) -> bool:
+        return self.mods is not None and bool(self.mods.aux_sig)
+
+    def name(self) -> str:
+        flags = [n for n, on in (("win", self.windowed), ("softcap", self.has_softcap), ("vq", self.varlen_q),
+                                 ("vk", self.varlen_k), ("uq", self.seqused_q), ("uk", self.seqused_k),
+                                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
+                                 ("drop", self.has_dropout), ("seedt", self.dropout_seed_tensor),
+                                 (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None))
+                 if on]
+        return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
+                + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
+                + ("_" + "_".join(flags) if flags else ""))
+
+
+def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
+    def align(n: int) -> int:
+        return (n + 1023) // 1024 * 1024
+
+    q = align(cfg.tile_m * cfg.head_dim * elem_bytes)
+    do = align(cfg.tile_m * cfg.head_dim_v * elem_bytes)
+    k = align(cfg.tile_n * cfg.head_dim * elem_bytes)
+    v = align(cfg.tile_n * cfg.head_dim_v * elem_bytes)
+    p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
+    return q + do + k + v + 2 * p
+
+
+# (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn)
+# warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/v4.jsonl):
+# 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7%
+# slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10% causal at d256
+# (neutral at d128: kept at 16).
+_BWD_TILES = {
+    32: ((64, 64, 8),), 64: ((64, 128, 8, 32), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
+    192: ((32, 64, 8, 32), (32, 64, 8), (64, 64, 8), (32, 64, 4)),
+    256: ((32, 32, 4, 32), (32, 32, 4)),
+}
+# Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
+# take the next tile of the table (none left: the call raises before launch).  Block sparsity: 32x32 r32 at d256,
+# 35-60 STL/LDL; block sparsity with a mask_mod: 32x128 at d128 (64x64 instead), 32x32 at d256 (a grad-requiring
+# call raises there).  (Dropout on the 128-key tiles
+# spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
+_BWD_SPILLING = {
+    ((32, 32, 4, 32), 256): {"sparse"},
+    ((32, 32, 4, 16), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    ((32, 128, 8, 16), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
+}
+
+
+def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
+    problems = []
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
+    spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
+    mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
+    for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
+                        ("sparse_mask_mod", cfg.block_sparse and mask_mod)):
+        if on and feature in spilling:
+            problems.append(f"backward tile spills registers with {feature} on sm_120a")
+    smem = bwd_smem_bytes(cfg)
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    for rows, ns, per_warp in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim), 16),
+                               (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v), cfg.kv_warp_rows)):
+        wm = min(rows // per_warp, cfg.num_warps)
+        wn = cfg.num_warps // wm
+        for n in ns:
+            if n % (wn * 16) != 0:
+                problems.append(f"backward warp split {wm}x{wn} does not divide {n}")
+    threads = cfg.num_warps * 32
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        rows_per_pass = threads // copy_threads_per_row(dim, 16)
+        for rows in (cfg.tile_m, cfg.tile_n):
+            if rows % rows_per_pass != 0:
+                problems.append(f"backward tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
+
+
+def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig:
+    """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
+    gradients are required, so a training step never fails half-way)."""
+    reasons = []
+    for tm, tn, nw, *rows in _BWD_TILES[max(head_dim, head_dim_v)]:
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows[0] if rows else 16, **flags)
+        problems = bwd_problems(cfg)
+        if not problems:
+            return cfg
+        reasons.append(f"{tm}x{tn}w{nw}: " + "; ".join(problems))
+    raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
+
+
+# dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
+# stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
+# proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
+# two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
+_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1),
+             192: (64, 64, 4, 1), 256: (64, 32, 4, 1)}
+
+
+@dataclass(frozen=True)
+class DqKernelConfig(BwdKernelConfig):
+    """Compile key of the dQ kernel (the dK/dV kernel's fields, plus the number of K/V smem stages)."""
+
+    kv_stages: int = 1
+
+    def name(self) -> str:
+        return "dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+
+
+def dq_problems(cfg: BwdKernelConfig) -> list[str]:
+    problems = []
+    smem = dq_smem_bytes(cfg)
+    if smem > SMEM_LIMIT_BYTES:
+        problems.append(f"the dQ kernel needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    threads = cfg.num_warps * 32
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        rows_per_pass = threads // copy_threads_per_row(dim, 16)
+        for rows in (cfg.tile_m, cfg.tile_n):
+            if rows % rows_per_pass != 0:
+                problems.append(f"dQ tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
+
+
+def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
+    tm, tn, nw, stages = _DQ_TILES[max(head_dim, head_dim_v)]
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages, **flags)
+    problems = dq_problems(cfg)
+    if problems:
+        raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))
+    return cfg
+
+
+def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
+    tm, tn = cfg.tile_m, cfg.tile_n
+    stages = getattr(cfg, "kv_stages", 1)
+
+    def align(n: int) -> int:
+        return (n * 2 + 1023) // 1024 * 1024
+
+    return (align(tm * cfg.head_dim) + align(tm * cfg.head_dim_v)
+            + align(stages * tn * cfg.head_dim) + align(stages * tn * cfg.head_dim_v))
+
+
+_BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
+
+
+def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
+    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
+    kernel and of the dQ kernel (dropout variants: ``dropout_gate_worklist``)."""
+    out = []
+    for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
+        out += [cfg, replace(cfg, **_BWD_HEAVY)]
+    return out
+
+
+def dropout_gate_worklist() -> list:
+    """The dropout configurations the compile gate builds: per tile of every kernel (forward TMA and cp.async on the
+    tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
+    (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
+    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
+    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows.  Dropout adds the same Philox code to every
+    pair of a tile, so the pairs between these add nothing the gate would not see."""
+    groups: dict[tuple, list] = {}
+    for dtype, d, dv, tile in all_fwd_tile_configs():
+        if dtype == "bf16":
+            groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
+    for d, dv in supported_head_dim_pairs():
+        for sel in (select_bwd_config, select_dq_config):
+            c = sel("bf16", d, dv, has_dropout=True)  # the tile a dropout call runs
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows,
+                               getattr(c, "kv_stages", 1)), []).append((d, dv, None))
+    out = []
+    for key, pairs in groups.items():
+        big = max(pairs, key=lambda x: (x[0], x[1]))
+        thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
+        picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
+        if key[0] == "fwd":
+            picks.append(("bf16", big, "packed"))
+        if thin != big:
+            picks.append(("bf16", thin, True))
+        for dtype, (d, dv, tile), heavy in picks:
+            if key[0] == "fwd" and heavy == "packed":
+                out.append(dropout_packed_gate_config(dtype, d, dv, tile))
+            elif key[0] == "fwd":
+                light, hv = dropout_gate_configs(dtype, d, dv, tile)
+                out.append(hv if heavy else light)
+            else:
+                sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
+                flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
+                out.append(sel(dtype, d, dv, has_dropout=True, **flags))
+    return out
+
+
+def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
+    """The block-sparse backward configurations the compile gate builds: bf16, dv == d, per distinct dK/dV and dQ
+    tile at the largest head dim that runs it (the most registers), the lightest (1x1 blocks, no other flag) and
+    the heaviest (2x2 blocks, windowed, so the mask / full branch is compiled, with every flag sparsity combines
+    with)."""
+    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
+                 sparse_q_ratio=2, sparse_kv_ratio=2)
+    out, seen = [], set()
+    for d, dv in sorted(supported_head_dim_pairs(), reverse=True):
+        if d != dv:
+            continue
+        for select in (select_bwd_config, select_dq_config):
+            base = select("bf16", d, dv, sparse_q_ratio=1, sparse_kv_ratio=1)  # the tile a sparse call runs
+            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1),
+                    base.kv_warp_rows)
+            if tile in seen:
+                continue
+            seen.add(tile)
+            out += [base, select("bf16", d, dv, **heavy)]
+    return out
+
+
+# ---- backward preprocess: D = rowsum(dO * O) -------------------------------------------------------------------
+BWD_PRE_VEC = 8  # 16-bit elements per 16-byte vector load
+BWD_PRE_THREADS = 128
+BWD_PRE_ROWS_PER_GROUP = 4  # rows each group of threads owns (their loads are issued together)
+
+
+@dataclass(frozen=True)
+class BwdPreKernelConfig:
+    """Compile key of the backward preprocess kernel (kernels/bwd_preprocess.py): D = rowsum(dO * O) (- dLSE) in
+    fp32.  Batch, sequence length, heads and every stride are runtime values (a varlen call is viewed as batch 1),
+    so only the dtype, the head dim of V and the optional dLSE make a new kernel."""
+
+    dtype: str  # of dO and O: "bf16" | "fp16"
+    head_dim_v: int
+    has_dlse: bool = False  # subtract the gradient of the returned LSE
+
+    def name(self) -> str:
+        return f"dpsum_{self.dtype}_dv{self.head_dim_v}" + ("_dlse" if self.has_dlse else "")
+
+
+def bwd_pre_threads_per_row(head_dim_v: int) -> int:
+    """Threads sharing one row: the smallest power of two (<= 32) covering the row's 16-byte vectors, so each
+    thread loads at most ceil(vectors / 32) vectors of each tensor (one for head_dim_v <= 256); when the vectors
+    are not a power of two the row's last lanes idle (e.g. head_dim_v=96: 12 vectors on 16 lanes)."""
+    vectors = head_dim_v // BWD_PRE_VEC
+    tpr = 1
+    while tpr < 32 and tpr < vectors:
+        tpr *= 2
+    return tpr
+
+
+def bwd_pre_head_dim_problem(head_dim_v: int) -> str | None:
+    """Why the preprocess kernel cannot take this head dim (None: it can)."""
+    if head_dim_v <= 0 or head_dim_v % BWD_PRE_VEC or head_dim_v > 512:
+        return f"head_dim_v={head_dim_v} must be a positive multiple of {BWD_PRE_VEC} and at most 512"
+    return None
+
+
+def bwd_pre_gate_configs() -> list[BwdPreKernelConfig]:
+    """Preprocess variants the compile gate builds: the lightest (one vector per row, no dLSE), the largest head
+    dim of the package with dLSE in both dtypes, and one head dim whose vectors do not fill a power of two."""
+    return [BwdPreKernelConfig("bf16", 8, False), BwdPreKernelConfig("bf16", 128, False),
+            BwdPreKernelConfig("bf16", 96, True), BwdPreKernelConfig("bf16", max(HEAD_DIMS), True),
+            BwdPreKernelConfig("fp16", max(HEAD_DIMS), True)]
