@@ -84,7 +84,9 @@ def _check_one(cfg, arch: str) -> dict:
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
         no_mma = isinstance(cfg, (config.CombineKernelConfig, config_bwd.BwdPreKernelConfig))  # elementwise/reductions
-        if no_mma:
+        if isinstance(cfg, config.CombineKernelConfig):
+            expected_smem = config.combine_smem_bytes(cfg)
+        elif no_mma:
             expected_smem = 0
         elif isinstance(cfg, config_bwd.DqKernelConfig):
             expected_smem = config_bwd.dq_smem_bytes(cfg)

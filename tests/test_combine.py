@@ -161,3 +161,19 @@ def test_split_forward_fake_args_are_fp32_partials():
         assert fakes["out"].element_type.__name__ == "Float32"
         assert len(fakes["out"].shape) == (4 if varlen else 5) and len(fakes["lse"].shape) == (3 if varlen else 4)
         assert fakes["q"].element_type.__name__ == "BFloat16" and len(fakes["q"].shape) == (3 if varlen else 4)
+
+
+def test_combine_split_groups_rule():
+    # few rows with many splits: groups share a row's splits (MQA decode B=1: 32 rows x 64 splits on 132 SMs)
+    assert config.combine_split_groups(32, 64, 128, 132) == config.COMBINE_SPLIT_GROUPS
+    # few splits: one unrolled batch per row already; many rows: the GPU is full with one group per row
+    assert config.combine_split_groups(32, 8, 128, 132) == 1
+    assert config.combine_split_groups(32 * 132 * 8, 64, 128, 132) == 1
+    # the compile key and the kernel name tell the two apart
+    a = config.CombineKernelConfig("fp32", "bf16", 128, True)
+    b = config.CombineKernelConfig("fp32", "bf16", 128, True, config.COMBINE_SPLIT_GROUPS)
+    assert a != b and a.name() != b.name() and b.name().endswith(f"_g{config.COMBINE_SPLIT_GROUPS}")
+    # every head dim the combine takes fits a whole number of row groups in the CTA
+    for d in range(8, config.COMBINE_MAX_HEAD_DIM + 1, 8):
+        groups_per_cta = config.COMBINE_THREADS // config.combine_threads_per_row(d)
+        assert groups_per_cta % config.COMBINE_SPLIT_GROUPS == 0, d

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
-from flash_attn_4_sm120 import config, features, splitkv as SK
+from flash_attn_4_sm120 import config, features, launch as L, splitkv as SK
 
 CPU = torch.device("cpu")
 
@@ -115,7 +115,7 @@ def test_auto_uses_the_cached_sm_count(monkeypatch):
         return Props()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    monkeypatch.setattr(SK, "_SM_COUNT", {})
+    monkeypatch.setattr(L, "_SM_COUNT", {})
     dev = torch.device("cuda", 0)
     a = _resolve(0, device=dev)
     b = _resolve(0, device=dev)
