@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .arguments import COMBINE_ARGS
-from .config import COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem
+from .config import (COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem,
+                     combine_split_groups)
 
 COMBINE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_ROWS = (1 << 31) - 1  # rows (batch * seqlen * heads) are indexed in int32
@@ -92,12 +93,13 @@ def check_combine(out_partial, lse_partial, out, out_dtype, return_lse) -> torch
     return out_partial.dtype if out_dtype is None else out_dtype
 
 
-def combine_config(partial_dtype: torch.dtype, out_dtype: torch.dtype, d: int, has_lse: bool) -> CombineKernelConfig:
-    key = (partial_dtype, out_dtype, d, has_lse)
+def combine_config(partial_dtype: torch.dtype, out_dtype: torch.dtype, d: int, has_lse: bool,
+                   split_groups: int = 1) -> CombineKernelConfig:
+    key = (partial_dtype, out_dtype, d, has_lse, split_groups)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = _CONFIGS[key] = CombineKernelConfig(COMBINE_DTYPE_NAMES[partial_dtype], COMBINE_DTYPE_NAMES[out_dtype],
-                                                  d, has_lse)
+                                                  d, has_lse, split_groups)
     return cfg
 
 
@@ -105,13 +107,14 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
                    lse: torch.Tensor | None) -> None:
     """Run the combine kernel on (splits, B, S, H, D) / (splits, B, S, H) partials into (B, S, H, D) / (B, S, H)
     outputs (lse may be None).  No checks: callers validated."""
-    from .launch import compiled_kernel as _kernel, launch as _launch  # shared with the attention kernels
+    from .launch import compiled_kernel as _kernel, launch as _launch, sm_count  # shared with the attention kernels
 
     num_rows = out.numel() // out.shape[-1] if out.shape[-1] else 0
     if num_rows == 0:
         return
-    cfg = combine_config(out_partial.dtype, out.dtype, out.shape[-1], lse is not None)
     dev = out.device
+    groups = combine_split_groups(num_rows, out_partial.shape[0], out.shape[-1], sm_count(dev))
+    cfg = combine_config(out_partial.dtype, out.dtype, out.shape[-1], lse is not None, groups)
     fn = _KERNELS.get((cfg, dev.index))
     if fn is None:
         fn = _KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)

@@ -1,10 +1,20 @@
 """Launch helpers shared by every host path (attention, split-KV combine): the compiled kernel of a config on a
-device, and a launch by argument-record names on that device.  Imports nothing of the package but jit (lazily), so
-any host module can use it without an import cycle."""
+device, a launch by argument-record names on that device, and the device's SM count (cached).  Imports nothing of
+the package but jit (lazily), so any host module can use it without an import cycle."""
 
 from __future__ import annotations
 
 import torch
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessor count, read once per device (a host property query, no sync)."""
+    n = _SM_COUNT.get(device.index)
+    if n is None:
+        n = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def compiled_kernel(cfg, device: torch.device):

@@ -21,6 +21,7 @@ import torch
 
 from .combine import launch_combine
 from .config import COMBINE_MAX_SPLITS, combine_head_dim_problem
+from .launch import sm_count
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
 AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (MQA B=1 KV 32K: 64 beat ~109, H100)
@@ -28,7 +29,6 @@ SPLIT_GRAD_ERROR = (
     "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
     "with tensors that do not require grad, or leave num_splits at 1"
 )
-_SM_COUNT: dict[int, int] = {}
 
 
 def check_num_splits(num_splits) -> int:
@@ -36,13 +36,6 @@ def check_num_splits(num_splits) -> int:
     if num_splits.__class__ is not int and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
         raise ValueError(f"num_splits must be an int, got {num_splits!r}")
     return int(num_splits)
-
-
-def sm_count(device: torch.device) -> int:
-    n = _SM_COUNT.get(device.index)
-    if n is None:
-        n = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of four ints, called once per decode step: memoised

@@ -95,6 +95,18 @@ class SparseBlockInfo(BlockInfo):
         return _clamp(blk, 0, n_blocks) * kr + sub
 
     @cute.jit
+    def next_tile(self, t: Int32, prev: Int32) -> Int32:
+        """``tile_of(t)`` from ``prev = tile_of(t - 1)``: the next KV tile of the same listed block (no load)
+        unless ``t`` starts a block (F is a multiple of kv_ratio, so a block starts where ``t % kv_ratio == 0``)."""
+        tile = prev + 1
+        if const_expr(self.kv_ratio == 1):
+            tile = self.tile_of(t)
+        else:
+            if t % self.kv_ratio == 0:
+                tile = self.tile_of(t)
+        return tile
+
+    @cute.jit
     def run_kv_schedule(self, step, state, plan):
         """Mask tiles (causal/window masks when windowed, and the mask_mod), then full tiles (no mask_mod).  The
         sequence-end mask goes on every windowed mask tile and otherwise only on a tile that reaches past
@@ -132,7 +144,8 @@ class SparseQList:
     per query head h.  The CTA walks the heads of its group in order, for each its mask blocks then its full
     blocks, each block expanded to ``q_ratio`` query tiles: a flat, fixed order (so dK/dV are bitwise
     reproducible) whose i-th entry ``locate`` finds by a walk over the group's counts (a few cached loads; the
-    group is small), so the kernel's prefetch of "the next query tile" works unchanged.  Only the per-head views
+    group is small), so the kernel's prefetch of "the next query tile" works unchanged; ``next_entry`` steps from
+    one entry to the next and walks only where a new block starts.  Only the per-head views
     of the CTA's (batch, KV block) are kept (fewer live registers than the 4-D tensors).
 
     Counts are clamped to [0, width], the KV block to the rows of the count tensor, query blocks to
@@ -204,3 +217,15 @@ class SparseQList:
                     else:
                         rem = rem - cm - cf
         return head, _clamp(qb, 0, self.n_q_blocks) * self.q_ratio + sub, is_mask
+
+    @cute.jit
+    def next_entry(self, it: Int32, head: Int32, m_block: Int32, is_mask: Int32):
+        """Entry ``it`` from entry ``it - 1`` = (head, m_block, is_mask): the next query tile of the same block
+        (no load) unless ``it`` starts a block, which ``locate`` finds (the same values ``locate(it)`` gives)."""
+        if const_expr(self.q_ratio == 1):
+            head, m_block, is_mask = self.locate(it)
+        else:
+            m_block = m_block + 1
+            if it % self.q_ratio == 0:
+                head, m_block, is_mask = self.locate(it)
+        return head, m_block, is_mask

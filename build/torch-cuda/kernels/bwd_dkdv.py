@@ -257,12 +257,28 @@ class FlashBwdSm80(KernelStateMixin):
             num_iters = num_m * qheads_per_kvhead
             where = partial(self.dense_entry, first_head, m_min, num_m)
         # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
-        # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP
-        if num_iters > 0:
-            head0, m_block0, _ = where(Int32(0))
-            self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head0, m_block0, True, True)
+        # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP.
+        # Block sparsity with several query tiles per block carries the entry from one iteration to the next
+        # (cur_*) and looks the next one up once, at the top of the iteration: the list's dependent loads (counts,
+        # then an index) then overlap the Q cp.async in flight instead of stalling both prefetches, and a query
+        # tile inside the block of the previous one needs no load at all (SparseQList.next_entry).  With one tile
+        # per block every entry needs the walk anyway, and carrying it cost the d256 tile 60 spills (compile gate,
+        # sm_120a): that case looks entries up like the dense walk
+        carry = const_expr(cfg.block_sparse and cfg.sparse_q_ratio > 1)
+        if const_expr(carry):
+            cur_head, cur_m_block, cur_masked = first_head, Int32(0), Int32(0)
+            if num_iters > 0:
+                cur_head, cur_m_block, cur_masked = where(Int32(0))
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, cur_head, cur_m_block, True, True)
+        else:
+            if num_iters > 0:
+                head0, m_block0, _ = where(Int32(0))
+                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head0, m_block0, True, True)
         for it in cutlass.range(num_iters, unroll=1):
-            head, m_block, masked = where(it)
+            if const_expr(carry):
+                head, m_block, masked = cur_head, cur_m_block, cur_masked
+            else:
+                head, m_block, masked = where(it)
             first_q = m_block * self.tile_m
             for r in cutlass.range_constexpr(num_rows):
                 pos = first_q + tScS_mn[r, 0][0]
@@ -273,6 +289,8 @@ class FlashBwdSm80(KernelStateMixin):
                     idx = seq.row_stat_index(head, pos)
                     lse_log2[r] = score.lse_log2(mLSE[idx])
                     dpsum[r] = mDpsum[idx]
+            if const_expr(carry):
+                cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
 
@@ -313,14 +331,21 @@ class FlashBwdSm80(KernelStateMixin):
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
-            # the next entry is looked up at each prefetch (not kept live across the dK mma: registers)
+            # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
+            # registers)
             if it + 1 < num_iters:
-                next_head, next_m_block, _ = where(it + 1)
+                if const_expr(carry):
+                    next_head, next_m_block = cur_head, cur_m_block
+                else:
+                    next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
             cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
-                next_head, next_m_block, _ = where(it + 1)
+                if const_expr(carry):
+                    next_head, next_m_block = cur_head, cur_m_block
+                else:
+                    next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, True, False)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS

@@ -166,13 +166,13 @@ class FlashBwdDqSm80(KernelStateMixin):
                 dpsum[r] = mDpsum[idx]
 
         # the KV tiles to visit, tile ``t`` given by ``where(t)`` -> (n_block, masked): the visible range in
-        # ascending order, or (block sparsity) the listed KV blocks of this query block (kernels/block_sparse.py):
-        # virtual tiles [0, F) full, [F, F + M) mask.  A fixed order either way: dQ stays bitwise reproducible.
+        # ascending order, or (block sparsity, ``sparse_loop``) the listed KV blocks of this query block
+        # (kernels/block_sparse.py): virtual tiles [0, F) full, [F, F + M) mask.  A fixed order either way: dQ stays
+        # bitwise reproducible.
         if const_expr(cfg.block_sparse):
             sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, *sparse, seq.batch, head,
                                             m_block)
             _, total, _, n_full, _ = sp.kv_plan(m_block)
-            where = partial(self.sparse_entry, sp, n_full)
         else:
             n_min, n_max = block.kv_range(m_block)
             total = cutlass.max(n_max - n_min, 0)
@@ -181,7 +181,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         step = partial(self.step, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV,
                        tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp,
                        head)  # step(n_block, masked, stage)
-        if const_expr(self.kv_stages > 1):
+        if const_expr(cfg.block_sparse):
+            self.sparse_loop(sp, load_kv, step, total, n_full)
+        elif const_expr(self.kv_stages > 1):
             # K/V of tile t + 1 stream into the other stage while tile t is computed: one barrier per tile (it
             # also orders every warp's reads of tile t - 1, whose stage the prefetch overwrites)
             if total > 0:
@@ -213,12 +215,50 @@ class FlashBwdDqSm80(KernelStateMixin):
                             (self.tile_m, self.d), dt)
 
     @cute.jit
-    def dense_entry(self, n_min, t):
-        return n_min + t, True
+    def sparse_loop(self, sp, load_kv, step, total, n_full):
+        """The dense loops' schedule over a block-sparse list: virtual tile t = 0, 1, .. is KV tile
+        ``sp.tile_of(t)``, a mask tile when ``t >= n_full``.  Each KV tile is looked up one iteration before its K/V
+        load and carried: the index load then overlaps the wait for the cp.async in flight instead of stalling the
+        cp.async that needs it, each tile is looked up once, and a tile inside the block of the previous one needs
+        no load (``SparseBlockInfo.next_tile``)."""
+        if const_expr(self.kv_stages > 1):
+            # cur: the tile computed in this iteration, nxt: the one whose K/V stream in meanwhile
+            cur = Int32(0)
+            nxt = Int32(0)
+            if total > 0:
+                cur = sp.tile_of(Int32(0))
+                load_kv(cur, Int32(0))
+            if total > 1:
+                nxt = sp.next_tile(Int32(1), cur)
+            for t in cutlass.range(total, unroll=1):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                after = nxt
+                if t + 1 < total:
+                    load_kv(nxt, (t + 1) % 2)
+                    if t + 2 < total:
+                        after = sp.next_tile(t + 2, nxt)
+                step(cur, t >= n_full, t % 2)
+                cur = nxt
+                nxt = after
+        else:
+            cur = Int32(0)
+            if total > 0:
+                cur = sp.tile_of(Int32(0))
+            for t in cutlass.range(total, unroll=1):
+                load_kv(cur, Int32(0))
+                nxt = cur
+                if t + 1 < total:
+                    nxt = sp.next_tile(t + 1, cur)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                step(cur, t >= n_full, Int32(0))
+                cute.arch.barrier()  # every warp is done with K/V before the next tile overwrites them
+                cur = nxt
 
     @cute.jit
-    def sparse_entry(self, sp, n_full, t):
-        return sp.tile_of(t), t >= n_full
+    def dense_entry(self, n_min, t):
+        return n_min + t, True
 
     @cute.jit
     def load_kv(self, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, stage):

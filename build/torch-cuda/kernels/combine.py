@@ -14,11 +14,19 @@ An empty split (l_i = -inf) contributes exactly 0 and its O_i is never read (it 
 splits are all empty gets O = 0 and LSE = -inf.  NaN is not hidden: a NaN LSE makes the row's LSE and O NaN, and a
 NaN in the O_i of a non-empty split reaches O.
 
-Work split: ``tpr`` threads (a power of two <= 32, config.combine_threads_per_row) own one row; each holds
-``D / (4 * tpr)`` 4-element vectors of it.  The row's threads read the split LSEs strided, reduce max and sum with
-butterfly shuffles, then walk the splits ``UNROLL`` at a time (independent loads in flight), scaling and adding
-the partial vectors.  Rows past the end are clamped to the last row (so every lane joins the shuffles) and not
-stored.  No shared memory, no atomics; the number of splits is a runtime value.
+Work split: ``tpr`` threads (a power of two <= 32, config.combine_threads_per_row) form a group; each holds
+``D / (4 * tpr)`` 4-element vectors of a row.  A group reads the row's split LSEs strided and reduces max and sum
+with butterfly shuffles.  With ``split_groups`` G = 1 one group owns a row and walks all its splits ``UNROLL`` at a
+time (independent loads in flight), scaling and adding the partial vectors.  With G > 1 (few rows, many splits:
+config.combine_split_groups) G groups share a row: group g walks splits g*UNROLL.. in strides of G*UNROLL, the
+groups' sums meet in shared memory and group 0 adds them in group order (a fixed order: reproducible) and stores.
+Rows past the end are clamped to the last row (so every lane joins the shuffles and barriers) and not stored.  No
+atomics; the number of splits is a runtime value.
+
+Launch: programmatic dependent launch (``use_pdl``); the split forward releases it once all its CTAs have started
+(fwd_base.release_dependents), and the kernel's first instruction waits for the forward's completion and memory
+flush (griddepcontrol.wait), so the launch latency overlaps the forward's tail.  After any other kernel the wait
+simply returns once that kernel has completed, as an ordinary stream dependency.
 
 Profile: ncu --kernel-name regex:combine --section MemoryWorkloadAnalysis python benchmarks/... (a split call).
 """
@@ -28,7 +36,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import COMBINE_ARGS
-from ..config import COMBINE_THREADS, COMBINE_VEC, CombineKernelConfig, combine_threads_per_row
+from ..config import (COMBINE_THREADS, COMBINE_UNROLL, COMBINE_VEC, CombineKernelConfig, combine_smem_bytes,
+                      combine_threads_per_row)
 from .cute_utils import LN_2, LOG2_E
 
 _DTYPES = {"fp32": Float32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -36,7 +45,7 @@ _DTYPES = {"fp32": Float32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 class FlashCombine:
     ARGS = COMBINE_ARGS
-    UNROLL = 8  # splits whose loads are issued together (8: 32 fp32 registers of loads in flight per thread)
+    UNROLL = COMBINE_UNROLL
 
     def __init__(self, cfg: CombineKernelConfig):
         self.cfg = cfg
@@ -46,25 +55,37 @@ class FlashCombine:
         self.tpr = combine_threads_per_row(cfg.head_dim)
         self.vecs = cfg.head_dim // (COMBINE_VEC * self.tpr)  # vectors per thread
         self.num_threads = COMBINE_THREADS
-        self.rows_per_cta = COMBINE_THREADS // self.tpr
-        self.launch_smem_bytes = 0
+        self.groups = cfg.split_groups
+        self.rows_per_cta = COMBINE_THREADS // (self.tpr * self.groups)
+        self.launch_smem_bytes = combine_smem_bytes(cfg)  # group sums: a (vec, vecs) fp32 slot per thread
 
     @cute.jit
     def __call__(self, out_partial: cute.Tensor, lse_partial: cute.Tensor, out: cute.Tensor,
                  lse: cute.Tensor | None, num_rows: Int32, stream):
-        self.kernel(out_partial, lse_partial, out, lse, num_rows).launch(
+        sAcc_l = cute.make_layout((COMBINE_VEC, self.vecs, COMBINE_THREADS))
+
+        @cute.struct
+        class SharedStorage:
+            sAcc: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sAcc_l)], 16]
+
+        self.kernel(out_partial, lse_partial, out, lse, num_rows, sAcc_l, SharedStorage).launch(
             grid=((num_rows + self.rows_per_cta - 1) // self.rows_per_cta, 1, 1), block=(self.num_threads, 1, 1),
-            smem=0, stream=stream,
+            smem=self.launch_smem_bytes, stream=stream, use_pdl=True,
         )
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor | None,
-               num_rows: Int32):
+               num_rows: Int32, sAcc_l: cute.Layout, SharedStorage: cutlass.Constexpr):
+        # launched as a programmatic dependent (use_pdl): the split forward lets this grid start early; wait for
+        # it (or for whatever ran before, which then simply completed) before reading a partial
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         tpr = self.tpr
         lane = tidx % tpr
-        row = bidx * self.rows_per_cta + tidx // tpr
+        group = tidx // tpr
+        share = group % self.groups  # which share of the row's splits this group walks
+        row = bidx * self.rows_per_cta + group // self.groups
         valid = row < num_rows
         row = cutlass.min(row, num_rows - 1)
         num_heads, seqlen = mO.shape[2], mO.shape[1]
@@ -82,7 +103,7 @@ class FlashCombine:
         acc.fill(0.0)
         frag = cute.make_rmem_tensor((vec, self.vecs, self.UNROLL), self.partial_dtype)
         scales = cute.make_rmem_tensor((self.UNROLL,), Float32)
-        for i0 in cutlass.range(0, num_splits, self.UNROLL, unroll=1):
+        for i0 in cutlass.range(share * self.UNROLL, num_splits, self.groups * self.UNROLL, unroll=1):
             for u in cutlass.range_constexpr(self.UNROLL):
                 scales[u] = Float32(0.0)
                 i = i0 + u
@@ -100,15 +121,27 @@ class FlashCombine:
             for u in cutlass.range_constexpr(self.UNROLL):
                 acc.store(acc.load() + frag[None, None, u].load().to(Float32) * scales[u])
 
+        if const_expr(self.groups > 1):  # group 0 of the row adds the other groups' sums, in group order
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            sAcc = storage.sAcc.get_tensor(sAcc_l)
+            cute.autovec_copy(acc, sAcc[None, None, tidx])
+            cute.arch.barrier()
+            if share == 0:
+                part = cute.make_rmem_tensor((vec, self.vecs), Float32)
+                for g in cutlass.range_constexpr(1, self.groups):
+                    cute.autovec_copy(sAcc[None, None, tidx + g * tpr], part)
+                    acc.store(acc.load() + part.load())
+
         if valid:
-            res = cute.make_rmem_tensor((vec, self.vecs), self.out_dtype)
-            res.store(acc.load().to(self.out_dtype))
-            g = cute.tiled_divide(mO[batch, pos, head, None], (vec,))
-            for j in cutlass.range_constexpr(self.vecs):
-                cute.autovec_copy(res[None, j], g[None, lane + j * tpr])
-            if const_expr(self.cfg.has_lse):
-                if lane == 0:
-                    mLSE[batch, pos, head] = lse_final
+            if share == 0:
+                res = cute.make_rmem_tensor((vec, self.vecs), self.out_dtype)
+                res.store(acc.load().to(self.out_dtype))
+                g = cute.tiled_divide(mO[batch, pos, head, None], (vec,))
+                for j in cutlass.range_constexpr(self.vecs):
+                    cute.autovec_copy(res[None, j], g[None, lane + j * tpr])
+                if const_expr(self.cfg.has_lse):
+                    if lane == 0:
+                        mLSE[batch, pos, head] = lse_final
 
     @cute.jit
     def combined_lse(self, lse_row: cute.Tensor, num_splits: Int32, lane: Int32) -> Float32:

@@ -84,6 +84,14 @@ class FwdKernelBase(KernelStateMixin):
         batch = cute.arch.make_warp_uniform(bz // num_splits)
         return batch, (cute.arch.make_warp_uniform(bz - batch * num_splits), num_splits)
 
+    def release_dependents(self):
+        """Split-KV: let the combine kernel, launched as a programmatic dependent of this grid, place its CTAs once
+        every CTA of this grid has started (it waits in griddepcontrol.wait for this grid to finish and its
+        writes to be visible before it reads a partial): its launch overlaps this grid's tail instead of
+        following it.  Nothing without split-KV."""
+        if const_expr(self.cfg.split_kv):
+            cute.arch.griddepcontrol_launch_dependents()
+
     def split_slice(self, mX):
         """This CTA's split of a split-KV partial (O or LSE), else ``mX``.  The split index is recomputed from the
         block index where the slice is used (the epilogue), so no sliced pointer stays live across the main loop."""

@@ -183,6 +183,7 @@ class FlashFwdSm80(FwdKernelBase):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head_group, bz = cute.arch.block_idx()
         batch, split = self.split_coords(bz, mO)
+        self.release_dependents()
         # Causal/windowed tiles near the end of the sequence have the most work: schedule them first.
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx

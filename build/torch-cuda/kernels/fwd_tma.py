@@ -182,6 +182,7 @@ class FlashFwdWsSm120(FwdKernelBase):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head_group, bz = cute.arch.block_idx()
         batch, split = self.split_coords(bz, mO)
+        self.release_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if const_expr(cfg.windowed):
             m_block = num_m_blocks - 1 - bx  # longest tiles first
