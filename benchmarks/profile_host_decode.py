@@ -97,7 +97,11 @@ def micro(fa, calls):
     lse_c = torch.empty((b, s, h), device="cuda", dtype=torch.float32)
     l_part_c = l_part.contiguous()
     CB.launch_combine(o_part, l_part, out, lse)
-    cfg = CB.combine_config(o_part.dtype, out.dtype, d, True)
+    from flash_attn_4_sm120.config import combine_split_groups
+    from flash_attn_4_sm120.launch import sm_count
+
+    groups = combine_split_groups(b * s * h, n, d, sm_count(out.device))
+    cfg = CB.combine_config(o_part.dtype, out.dtype, d, True, groups)
     fn = CB._KERNELS[(cfg, out.device.index)]
     vals = dict(out_partial=o_part, lse_partial=l_part, out=out, lse=lse, num_rows=b * s * h)
     args = COMBINE_ARGS.pack(vals)
