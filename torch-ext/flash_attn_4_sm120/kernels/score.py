@@ -65,6 +65,9 @@ class ScoreHook:
     row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
     dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
     group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
+    # dropout_bits: the keep test as sign bits moved in by funnel shifts (the forward, ``as_drop``); else ISETP +
+    # SEL + OR per element (the backward: the sign test's unrolled word chains spill its dS code)
+    sign_test: bool = False
     # user mods (modspec.ModSpec, compile-time; None when off) and their aux tensors (a tuple of cute tensors)
     mods: object = None
     aux: object = None
@@ -306,7 +309,7 @@ class ScoreHook:
                     for pj in cutlass.range_constexpr(1, npairs):
                         bh = row_bh[pairs[pj][0]] if pi == pj else bh
                 # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...)
-                if const_expr(2 * ncols <= 32):
+                if const_expr(2 * ncols <= 32 and self.sign_test):
                     both = self._pair_keep(groups, ncols, col_base, qpos, bh, k0, k1, t)
                     acc = (acc >> Uint64(2 * ncols)) | (Uint64(both) << Uint64(total - 2 * ncols))
                 else:
@@ -320,7 +323,7 @@ class ScoreHook:
             for pi in cutlass.range_constexpr(npairs):
                 ra, rb = pairs[pi]
                 bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
-                if const_expr(rb == ra + 1 and 2 * ncols <= 32):
+                if const_expr(rb == ra + 1 and 2 * ncols <= 32 and self.sign_test):
                     both = self._pair_keep(groups, ncols, col_base, row_qpos[ra], bh, k0, k1, t)
                     self._place(bits, ra * ncols, 2 * ncols, both)
                 else:
@@ -366,9 +369,14 @@ class ScoreHook:
                 mine = self._group_values(w, kind, col)
                 lo_g = Uint32(0)
                 hi_g = Uint32(0)
-                for e in cutlass.range_constexpr(per - 1, -1, -1):
-                    lo_g = self._shift_in(lo_g, (mine[e] & Uint32(0xFFFF)) - t)
-                    hi_g = self._shift_in(hi_g, (mine[e] >> Uint32(16)) - t)
+                if const_expr(self.sign_test):
+                    for e in cutlass.range_constexpr(per - 1, -1, -1):
+                        lo_g = self._shift_in(lo_g, (mine[e] & Uint32(0xFFFF)) - t)
+                        hi_g = self._shift_in(hi_g, (mine[e] >> Uint32(16)) - t)
+                else:  # drop bits, as the sign test's
+                    for e in cutlass.range_constexpr(per):
+                        lo_g = lo_g | (Uint32(1 << e) if (mine[e] & Uint32(0xFFFF)) < t else Uint32(0))
+                        hi_g = hi_g | (Uint32(1 << e) if (mine[e] >> Uint32(16)) < t else Uint32(0))
                 # shift register of drop bits: after the last group, group g's bits sit at [g * per, (g + 1) * per)
                 lo_row = (lo_row >> Uint32(per)) | (lo_g << Uint32(ncols - per))
                 hi_row = (hi_row >> Uint32(per)) | (hi_g << Uint32(ncols - per))
@@ -379,10 +387,18 @@ class ScoreHook:
                 w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
                 mine = self._group_values(w, kind, col_base + t0)
                 for e in cutlass.range_constexpr(len(cs)):
-                    col_word[cs[e]] = mine[e]
-            lo_row = self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word])
-            hi_row = self._sign_word([(v >> Uint32(16)) - t for v in col_word])
-        return self._keep_of(lo_row, ncols), self._keep_of(hi_row, ncols)
+                    if const_expr(self.sign_test):
+                        col_word[cs[e]] = mine[e]
+                    else:
+                        lo_row = lo_row | (Uint32(1 << cs[e]) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                        hi_row = hi_row | (Uint32(1 << cs[e]) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+            if const_expr(self.sign_test):
+                lo_row = self._keep_of(self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+                hi_row = self._keep_of(self._sign_word([(v >> Uint32(16)) - t for v in col_word]), ncols)
+        if const_expr(self.group_loop and step is not None and len(groups) > 1):
+            lo_row = self._keep_of(lo_row, ncols)
+            hi_row = self._keep_of(hi_row, ncols)
+        return lo_row, hi_row
 
     @cute.jit
     def _row_bits(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
@@ -391,14 +407,20 @@ class ScoreHook:
         Philox call, the other half unused (rows that do not pair up: packed GQA in the forward)."""
         ncols = sum(len(cs) for _, _, cs in groups)
         col_word = [None] * ncols
+        row = Uint32(0)
         shift = Uint32((qpos & 8) << 1)  # 0 for i % 16 < 8 (low half), 16 otherwise
         for gi in cutlass.range_constexpr(len(groups)):
             kind, t0, cs = groups[gi]
             w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
             mine = self._group_values(w, kind, col_base + t0)
             for e in cutlass.range_constexpr(len(cs)):
-                col_word[cs[e]] = mine[e]
-        return self._keep_of(self._sign_word([((v >> shift) & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+                if const_expr(self.sign_test):
+                    col_word[cs[e]] = mine[e]
+                else:
+                    row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(0xFFFF)) >= t else Uint32(0))
+        if const_expr(self.sign_test):
+            row = self._keep_of(self._sign_word([((v >> shift) & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+        return row
 
     @cute.jit
     def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32,
@@ -456,10 +478,11 @@ class ScoreHook:
         t = Uint32(self.rng.threshold)
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        hook = replace(self, sign_test=as_drop)
         if const_expr(pairs is None or self.dropout_packed):
-            self._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+            hook._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         else:
-            self._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+            hook._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         if const_expr(as_drop):
             for i in cutlass.range_constexpr(cute.size(bits)):
                 bits[i] = ~bits[i]
