@@ -45,29 +45,32 @@ def _close(name, ours, ref, pt, slack=None):
 
 
 # ---- the mask itself ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sq,sk,hq,hkv,pack", [(300, 500, 3, 3, None), (77, 131, 8, 2, True), (1, 17, 4, 1, None),
-                                               (129, 511, 2, 2, False)])
+@pytest.mark.parametrize("sq,sk,hq,hkv,pack,d", [(300, 500, 3, 3, None, 128), (77, 131, 8, 2, True, 128),
+                                                 (1, 17, 4, 1, None, 128), (129, 511, 2, 2, False, 128),
+                                                 # d <= 64 non-causal: the 256-row tile, two m16 atoms per warp
+                                                 (255, 500, 2, 2, False, 64), (255, 250, 4, 2, None, 32)])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, p):
-    """q = 0 gives uniform P = 1/sk; v[j] = 2**(j // 128) * e_(j % 128) makes out[i, c] * sk * (1 - p) the integer
-    sum_b keep[i, 128 b + c] 2**b (< 16 for sk <= 512), so the output spells the kernel's mask exactly."""
-    d = 128
+def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
+    """q = 0 gives uniform P = 1/sk; v[j] = 2**(j // d) * e_(j % d) makes out[i, c] * sk * (1 - p) the integer
+    sum_b keep[i, d b + c] 2**b (< 256 for sk <= 8 d), so the output spells the kernel's mask exactly."""
     b = 2
     seed, offset = 0xDEADBEEF12345, 40
     q = torch.zeros(b, sq, hq, d, dtype=torch.float16, device="cuda")
     k = torch.randn(b, sk, hkv, d, dtype=torch.float16, device="cuda")
     j = torch.arange(sk, device="cuda")
     v1 = torch.zeros(sk, d, dtype=torch.float32, device="cuda")
-    v1[j, j % 128] = 2.0 ** (j // 128).float()
+    v1[j, j % d] = 2.0 ** (j // d).float()
     v = v1[None, :, None, :].expand(b, sk, hkv, d).to(torch.float16).contiguous()
     out = fa.flash_attn_func(q, k, v, dropout_p=p, dropout_seed=seed, dropout_offset=offset, pack_gqa=pack)[0]
-    code = torch.round(out.float() * sk * (1 - p)).to(torch.int64)  # (b, sq, hq, 128)
+    code = torch.round(out.float() * sk * (1 - p)).to(torch.int64)  # (b, sq, hq, d)
     keep = _mask(seed, offset, p, b, hq, sq, sk)  # (b, hq, sq, sk)
-    want = torch.zeros(b, hq, sq, 128, dtype=torch.int64, device="cuda")
-    for blk in range(-(-sk // 128)):
-        cols = keep[..., blk * 128:(blk + 1) * 128].to(torch.int64) << blk
+    want = torch.zeros(b, hq, sq, d, dtype=torch.int64, device="cuda")
+    for blk in range(-(-sk // d)):
+        cols = keep[..., blk * d:(blk + 1) * d].to(torch.int64) << blk
         want[..., :cols.shape[-1]] += cols
-    assert torch.equal(code.permute(0, 2, 1, 3), want), "the kernel's keep mask differs from dropout_mask"
+    bad = (code.permute(0, 2, 1, 3) != want).nonzero()
+    assert bad.numel() == 0, (f"the kernel's keep mask differs from dropout_mask at {bad.shape[0]} (b, h, row, col) "
+                              f"entries, first {bad[:8].tolist()}")
 
 
 def _d_slack(out, ref_out, ref_lse, ref_in, g):
