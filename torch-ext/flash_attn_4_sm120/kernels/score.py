@@ -73,8 +73,9 @@ class ScoreHook:
     aux: object = None
     # forward only: (first tile row, first head of the group, pack) to map packed tile rows to query heads
     head_rows: object = None
-    # block sparsity: whether the mask_mod runs on this block (a runtime value: True on "mask" blocks, False on
-    # "full" ones, which skip it as upstream's do; ``for_sparse_block``), None = always
+    # block sparsity: whether the mask_mod applies to this block (a runtime value: True on "mask" blocks, False on
+    # "full" ones, which skip it as upstream's do; ``for_sparse_block``; a mod without aux tensors is evaluated on
+    # both and its verdict dropped on "full" ones, ``branches_on_gate``), None = always
     mask_gate: object = None
 
     @staticmethod
@@ -118,19 +119,47 @@ class ScoreHook:
         ``mask_mod_on=False`` (the forward's block-sparse "full" tiles) or a false ``mask_gate`` (the backward's)."""
         if const_expr(self.has_softcap):  # never with a score_mod (the host refuses the pair)
             acc_S.store(cute.math.tanh(acc_S.load() * self.softcap_prescale, fastmath=True))
-        if const_expr(self.mods is not None):
-            self.apply_mods(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out, mask_mod_on)
-        if const_expr(mask_seqlen or mask_right or mask_left):
+        with_mod = const_expr(self.mods is not None and self.mods.mask_mod is not None and mask_mod_on)
+        if const_expr(self.mods is not None and self.mods.score_mod is not None):
+            self.apply_score_mod(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out)
+        if const_expr(with_mod and self.branches_on_gate()):
+            # the mod alone behind the branch, the masks after it for every tile: fusing the sequence end into
+            # the branch puts it in both arms, which costs the full tiles (most of them) more than it saves
+            if self.mask_gate:
+                self.mask_with_mod(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, False, False)
+            if const_expr(mask_seqlen or mask_right or mask_left):
+                self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
+        elif const_expr(with_mod):
+            self.mask_mod_and_masks(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, mask_seqlen,
+                                    mask_right, mask_left, self.mask_gate is not None)
+        elif const_expr(mask_seqlen or mask_right or mask_left):
             self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
 
     @cute.jit
-    def apply_mods(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out,
-                   mask_mod_on: cutlass.Constexpr[bool] = True):
-        """score_mod then mask_mod, element by element, with upstream flash-attn-4's call convention:
+    def mask_mod_and_masks(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block,
+                           mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+                           mask_left: cutlass.Constexpr[bool], gated: cutlass.Constexpr[bool]):
+        """The mask_mod and the masks: the sequence-end mask joins the mod's pass (``mask_with_mod``); causal /
+        window masks run after it as their own pass (``mask``), as fusing their bounds in too costs the d128
+        dK/dV tile with a windowed aux-reading mod its last registers (spills)."""
+        fuse = const_expr(not (mask_right or mask_left))
+        self.mask_with_mod(acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, mask_seqlen and fuse, gated)
+        if const_expr(not fuse):
+            self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
+
+    def branches_on_gate(self) -> bool:
+        """Trace time: whether a block-sparse backward tile (a runtime ``mask_gate``) puts its mask_mod behind a
+        branch on the gate: when the mods read aux tensors, so "full" tiles issue none of the mod's loads.  A mod
+        without aux tensors reads no memory: it runs on every tile, the gate joining its predicate
+        (``mask_with_mod``), and no branch splits the tile's code."""
+        return self.mask_gate is not None and self.aux is not None
+
+    @cute.jit
+    def apply_score_mod(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block, raw_out):
+        """The score_mod, with upstream flash-attn-4's call convention (the mask_mod: ``mask_with_mod``):
         ``score_mod(scores, b, h, q_idx=, kv_idx=, seqlen_info=, aux_tensors=)`` on TensorSSA vectors of
-        ``score_vec`` consecutive keys of one row (scores already times the softmax scale), and
-        ``mask_mod(b, h, q_idx, kv_idx, seqlen_info, aux_tensors)`` on size-1 vectors, True = keep.  Indices are
-        logical: batch entry, query head, position in the query sequence, position in the key sequence.  With aux
+        ``score_vec`` consecutive keys of one row (scores already times the softmax scale).  Indices are logical:
+        batch entry, query head, position in the query sequence, position in the key sequence.  With aux
         tensors, indices past the sequence ends (entries masked anyway) are clamped to the last position, so a
         mod that indexes an aux tensor by position never reads outside it."""
         mods = self.mods
@@ -142,49 +171,72 @@ class ScoreHook:
         q_last = cutlass.max(self.seq.seqlen_q - 1, 0)
         k_last = cutlass.max(self.seq.seqlen_k - 1, 0)
         aux = self.aux if const_expr(self.aux is not None) else ()
-        b_ssa = _ssa(self.seq.batch)
+        vec = const_expr(mods.score_vec)
         for r in cutlass.range_constexpr(nrow):
             q = row_qpos[r]
             if const_expr(clamp):
                 q = cutlass.min(q, q_last)
             h = self.row_head(tScS_mn, r, row_head)
-            if const_expr(mods.score_mod is not None):
-                vec = const_expr(mods.score_vec)
-                for c0 in cutlass.range_constexpr(0, ncol, vec):
-                    sv = cute.make_rmem_tensor(vec, Float32)
-                    kv = cute.make_rmem_tensor(vec, Int32)
-                    for j in cutlass.range_constexpr(vec):
-                        x = s_mn[r, c0 + j] * self.softcap_prescale
-                        if const_expr(raw_out is not None):
-                            acc_mn_view(raw_out)[r, c0 + j] = x
-                        sv[j] = x
-                        k = col_base + t0ScS_mn[0, c0 + j][1]
-                        if const_expr(clamp):
-                            k = cutlass.min(k, k_last)
-                        kv[j] = k
-                    out = mods.score_mod(sv.load(), _ssa(self.seq.batch, vec), _ssa(h, vec), q_idx=_ssa(q, vec),
-                                         kv_idx=kv.load(), seqlen_info=self.seq, aux_tensors=aux)
-                    sv.store(out.to(Float32))
-                    for j in cutlass.range_constexpr(vec):
-                        s_mn[r, c0 + j] = sv[j]
-            if const_expr(mods.mask_mod is not None and mask_mod_on):
-                if const_expr(self.mask_gate is None):
-                    self._mask_mod_row(s_mn, r, ncol, col_base, t0ScS_mn, clamp, k_last, b_ssa, h, q, aux)
-                else:
-                    if self.mask_gate:
-                        self._mask_mod_row(s_mn, r, ncol, col_base, t0ScS_mn, clamp, k_last, b_ssa, h, q, aux)
+            for c0 in cutlass.range_constexpr(0, ncol, vec):
+                sv = cute.make_rmem_tensor(vec, Float32)
+                kv = cute.make_rmem_tensor(vec, Int32)
+                for j in cutlass.range_constexpr(vec):
+                    x = s_mn[r, c0 + j] * self.softcap_prescale
+                    if const_expr(raw_out is not None):
+                        acc_mn_view(raw_out)[r, c0 + j] = x
+                    sv[j] = x
+                    k = col_base + t0ScS_mn[0, c0 + j][1]
+                    if const_expr(clamp):
+                        k = cutlass.min(k, k_last)
+                    kv[j] = k
+                out = mods.score_mod(sv.load(), _ssa(self.seq.batch, vec), _ssa(h, vec), q_idx=_ssa(q, vec),
+                                     kv_idx=kv.load(), seqlen_info=self.seq, aux_tensors=aux)
+                sv.store(out.to(Float32))
+                for j in cutlass.range_constexpr(vec):
+                    s_mn[r, c0 + j] = sv[j]
 
     @cute.jit
-    def _mask_mod_row(self, s_mn, r: cutlass.Constexpr[int], ncol: cutlass.Constexpr[int], col_base, t0ScS_mn,
-                      clamp: cutlass.Constexpr[bool], k_last, b_ssa, h, q, aux):
-        """The mask_mod on row ``r`` of this thread's scores: masked entries become -inf."""
-        for c in cutlass.range_constexpr(ncol):
-            k = col_base + t0ScS_mn[0, c][1]
+    def mask_with_mod(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block,
+                      mask_seqlen: cutlass.Constexpr[bool], gated: cutlass.Constexpr[bool]):
+        """The mask_mod, and with ``mask_seqlen`` the sequence-end mask, in one pass: an element is dropped when
+        the mod does not keep it or it lies past seqlen_k, one select per element (not one per pass).
+        ``mask_mod(b, h, q_idx, kv_idx, seqlen_info, aux_tensors)`` gets size-1 Int32 vectors (True = keep), the
+        indices logical and clamped with aux tensors as for the score_mod (``apply_score_mod``).
+        ``gated``: the mod's verdict counts only where ``mask_gate`` is true (``branches_on_gate``: a mod without
+        aux tensors on a block-sparse backward tile), in place of a branch around the mod: no branch splits the
+        tile's code, so ptxas interleaves the mod's integer work with the mma that follows (what the causal /
+        window masks of ``for_sparse_block`` already get from runtime bounds).  Such a mod reads no memory, so
+        running it on a "full" tile only spends a few integer instructions there."""
+        s_mn = acc_mn_view(acc_S)
+        nrow = const_expr(cute.size(s_mn, mode=[0]))
+        ncol = const_expr(cute.size(s_mn, mode=[1]))
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        hi = self.seq.seqlen_k - col_base
+        clamp = const_expr(self.aux is not None)
+        q_last = cutlass.max(self.seq.seqlen_q - 1, 0)
+        k_last = cutlass.max(self.seq.seqlen_k - 1, 0)
+        aux = self.aux if const_expr(self.aux is not None) else ()
+        b_ssa = _ssa(self.seq.batch)
+        for r in cutlass.range_constexpr(nrow):
+            q = row_qpos[r]
             if const_expr(clamp):
-                k = cutlass.min(k, k_last)
-            keep = self.mods.mask_mod(b_ssa, _ssa(h), _ssa(q), _ssa(k), self.seq, aux)
-            if not cutlass.Boolean(keep[0]):
-                s_mn[r, c] = -Float32.inf
+                q = cutlass.min(q, q_last)
+            h = _ssa(self.row_head(tScS_mn, r, row_head))
+            q_ssa = _ssa(q)
+            for c in cutlass.range_constexpr(ncol):
+                col = t0ScS_mn[0, c][1]
+                k = col_base + col
+                if const_expr(clamp):
+                    k = cutlass.min(k, k_last)
+                keep = self.mods.mask_mod(b_ssa, h, q_ssa, _ssa(k), self.seq, aux)
+                # bitwise on i1 (``and``/``or`` lower to chains of selects)
+                drop = ~cutlass.Boolean(keep[0])
+                if const_expr(gated):
+                    drop = drop & self.mask_gate
+                if const_expr(mask_seqlen):
+                    drop = drop | (col >= hi)
+                if drop:
+                    s_mn[r, c] = -Float32.inf
 
     @cute.jit
     def row_head(self, tScS_mn, r: cutlass.Constexpr[int], row_head):
