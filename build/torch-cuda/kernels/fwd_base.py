@@ -144,11 +144,11 @@ class FwdKernelBase(KernelStateMixin):
 
     @cute.jit
     def dropout_bits(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
-        """Keep bits of this KV block (None without dropout).  Called before the S mma: the Philox work then runs
-        while S is not live (score.py)."""
+        """Drop bits of this KV block (None without dropout; ``ScoreHook.dropout_fwd`` reads them).  Called before
+        the S mma: the Philox work then runs while S is not live (score.py)."""
         bits = None
         if const_expr(score.has_dropout):
-            bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+            bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block, as_drop=True)
         return bits
 
     @cute.jit
