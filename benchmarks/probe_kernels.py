@@ -117,6 +117,10 @@ def probe_mods(args, rows):
         q, k, v, gout[0])
     both("documents_blocks+mask_mod", lambda q_, k_, v_: fa.flash_attn_func(
         q_, k_, v_, block_sparse_tensors=bst, aux_tensors=[ids], **mods.document()), q, k, v, gout)
+    # the same blocks without the mask_mod (mask blocks unmasked: a wrong result, timed only to split the cost
+    # of the block walk and granularity from the cost of the mask_mod)
+    both("documents_blocks_no_mod", lambda q_, k_, v_: fa.flash_attn_func(q_, k_, v_, block_sparse_tensors=bst),
+         q, k, v, gout)
 
 
 def probe_dropout(args, rows):
