@@ -23,22 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import time_fn  # noqa: E402
 
 
-def kernel_times(fn, reps=5):
-    """us per call of every CUDA kernel ``fn`` launches (mean over ``reps`` calls after one warm call)."""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_times(fn):
+    """us per call of every CUDA kernel ``fn`` launches (profile_decode.kernel_times), names without the package
+    prefix."""
+    from profile_decode import kernel_times as times
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.count:
-            name = e.key.replace("kernel_cutlass_kernel_flash_attn_4_sm120kernels", "")[:48]
-            out[name] = round(e.device_time_total / reps, 2)
-    return out
+    return {name.replace("kernel_cutlass_kernel_flash_attn_4_sm120kernels", "")[:48]: us
+            for name, us in times(fn).items()}
 
 
 def _emit(rows, row):
