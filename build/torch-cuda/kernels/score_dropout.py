@@ -1,0 +1,386 @@
+"""The dropout part of the score hook (CuTe-DSL device code, trace time): the keep bits of an S tile from the
+Philox function of (seed, offset, b, h, i, j) (kernels/philox.py; the contract is stated in dropout.py), their
+application to the forward's 16-bit P tile, and the backward's dS / P * keep with them.  ``DropoutScore`` is a
+mixin of ``score.ScoreHook``: its methods read the hook's fields (``rng``, ``tile_n``, ``quad_ok``, ``row_loop``,
+``dropout_packed``, ``group_loop``, ``sign_test``, ``has_softcap``, ``scale_log2``).
+"""
+
+from dataclasses import replace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, Uint64, const_expr
+
+from .cute_utils import acc_mn_view
+from .philox import column_groups, row_pairs
+
+
+def _regular_step(groups):
+    """Trace time: the column step between consecutive Philox groups when they are evenly spaced, of one kind,
+    and cover mn-view columns in order (group g = columns g * n ... g * n + n - 1); else None."""
+    if not groups:
+        return None
+    kind, t00, cs0 = groups[0]
+    n = len(cs0)
+    step = groups[1][1] - t00 if len(groups) > 1 else 0
+    for g, (k, t0, cs) in enumerate(groups):
+        if k != kind or t0 != t00 + g * step or tuple(cs) != tuple(range(g * n, g * n + n)):
+            return None
+    return step if n * len(groups) <= 32 else None
+
+
+class DropoutScore:
+    """Dropout methods of the score hook (a mixin: no fields of its own)."""
+
+    # ---- dropout
+    # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
+    # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
+    # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code (in the
+    # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, 0 spills); the
+    # backward consumers read one bit per element, the forward (``dropout_fwd``, drop bits) two per PRMT + LOP3.
+    def _dropout_groups(self, t0ScS_mn):
+        """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
+        ncols = cute.size(t0ScS_mn, mode=[1])
+        return column_groups([t0ScS_mn[0, c][1] for c in range(ncols)], self.quad_ok)
+
+    def dropout_num_words(self, tScS_mn) -> int:
+        return -(-cute.size(tScS_mn) // 32)
+
+    @cute.jit
+    def _group_values(self, w, kind: cutlass.Constexpr, col: Int32):
+        """The 32-bit words of a thread's columns in one Philox call: (w0, w1, w2, w3) for a quad; for a pair
+        (columns j, j + 1 only) words 0/1 when j % 16 < 8, else 2/3."""
+        if const_expr(kind == "quad"):
+            return (w[0], w[1], w[2], w[3])
+        else:
+            hi = (col & 8) != 0
+            return (w[2] if hi else w[0], w[3] if hi else w[1])
+
+    @staticmethod
+    def _place(bits: cute.Tensor, first: int, n: int, row: Uint32):
+        """Trace time: OR ``n`` keep bits (bit c for element ``first + c``; nothing above bit n - 1) into the
+        packed words."""
+        if first % 32 + n <= 32:
+            shifted = row if first % 32 == 0 else row << Uint32(first % 32)
+            bits[first // 32] = bits[first // 32] | shifted
+        else:
+            for c in range(n):
+                idx = first + c
+                bits[idx // 32] = bits[idx // 32] | (((row >> Uint32(c)) & Uint32(1)) << Uint32(idx % 32))
+
+    @staticmethod
+    def _shift_in(acc: Uint32, x: Uint32) -> Uint32:
+        """Trace time: ``acc`` moved up one bit with the sign bit of ``x`` as its new bit 0 (one funnel shift)."""
+        return (acc << Uint32(1)) | (x >> Uint32(31))
+
+    @staticmethod
+    def _sign_word(xs) -> Uint32:
+        """Trace time: a word whose bit i is the sign bit of ``xs[i]`` (at most 32 values): one funnel-shift chain
+        per byte (8 dependent shifts, the chains independent of each other), the bytes then merged."""
+        word = None
+        for b0 in range(0, len(xs), 8):
+            chunk = Uint32(0)
+            for i in range(min(b0 + 8, len(xs)) - 1, b0 - 1, -1):
+                chunk = DropoutScore._shift_in(chunk, xs[i])
+            word = chunk if word is None else word | (chunk << Uint32(b0))
+        return word
+
+    @staticmethod
+    def _keep_of(drop: Uint32, n: int) -> Uint32:
+        """Trace time: keep bits of the ``n`` drop bits at the bottom of ``drop`` (one LOP3)."""
+        return ~drop if n == 32 else ~drop & Uint32((1 << n) - 1)
+
+    @cute.jit
+    def _paired_bits(self, bits: cute.Tensor, pairs, groups, ncols: int, col_base: Int32, row_qpos: cute.Tensor,
+                     row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits of the thread's row pairs (mn rows r, r + 1 = tile rows g, g + 8 of an m16 atom), which are
+        query positions i, i + 8 (i % 16 < 8) of one head: one Philox call per column group gives both rows (low
+        halves row i, high halves row i + 8).  Several pairs are a loop that is not unrolled (as in
+        ``_single_row_bits``) when the bits fit a 64-bit shift register and the kernel's ``dropout_row_loop``
+        says so."""
+        npairs = len(pairs)
+        total = 2 * npairs * ncols
+        if const_expr(npairs > 1 and total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for pi in cutlass.range(npairs, unroll=1):
+                qpos = row_qpos[pairs[0][0]]
+                for pj in cutlass.range_constexpr(1, npairs):
+                    qpos = row_qpos[pairs[pj][0]] if pi == pj else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[pairs[0][0]]
+                    for pj in cutlass.range_constexpr(1, npairs):
+                        bh = row_bh[pairs[pj][0]] if pi == pj else bh
+                # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...).
+                # The rows' bits come from the compare-and-select test here, not the sign test: with the sign test
+                # in this loop the forward's PRMT application (dropout_fwd) zeroed wrong elements of the first
+                # pair's rows on the H100 (d64 256x64 tile, two m16 atoms per warp; either part alone was exact,
+                # test_kernel_mask_is_the_emulated_mask), a cause not found
+                lo_row, hi_row = replace(self, sign_test=False)._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
+                acc = (acc >> Uint64(2 * ncols)) | (Uint64(lo_row) << Uint64(total - 2 * ncols)) | (
+                    Uint64(hi_row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            for pi in cutlass.range_constexpr(npairs):
+                ra, rb = pairs[pi]
+                bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
+                if const_expr(rb == ra + 1 and 2 * ncols <= 32 and self.sign_test):
+                    both = self._pair_keep(groups, ncols, col_base, row_qpos[ra], bh, k0, k1, t)
+                    self._place(bits, ra * ncols, 2 * ncols, both)
+                else:
+                    lo_row, hi_row = self._pair_rows(groups, col_base, row_qpos[ra], bh, k0, k1, t)
+                    self._place(bits, ra * ncols, ncols, lo_row)
+                    self._place(bits, rb * ncols, ncols, hi_row)
+
+    # The keep test of a 16-bit value x against the threshold t (<= 2**16): x - t as a 32-bit integer is negative
+    # exactly when x is dropped, so its sign bit is the drop bit (high half: (w >> 16) - t, one LEA.HI; low half:
+    # (w & 0xFFFF) - t, LOP3 + IADD3), moved into a drop word by one funnel shift per element (``_sign_word``); the
+    # keep bits are the complement, one LOP3 per word (none where the caller asks for drop bits).
+    @cute.jit
+    def _pair_keep(self, groups, ncols: cutlass.Constexpr[int], col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32,
+                   k1: Uint32, t: Uint32) -> Uint32:
+        """Keep bits of query rows qpos (i % 16 < 8) at bits [0, ncols) and qpos + 8 at [ncols, 2 ncols) (bit c
+        of each for mn-view column c; 2 ncols <= 32): the Philox calls unrolled, as in ``_pair_rows``, and one
+        word for both rows."""
+        col_word = [None] * ncols
+        for gi in cutlass.range_constexpr(len(groups)):
+            kind, t0, cs = groups[gi]
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+            mine = self._group_values(w, kind, col_base + t0)
+            for e in cutlass.range_constexpr(len(cs)):
+                col_word[cs[e]] = mine[e]
+        drop = self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word] + [(v >> Uint32(16)) - t for v in col_word])
+        return self._keep_of(drop, 2 * ncols)
+
+    @cute.jit
+    def _pair_rows(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32, t: Uint32):
+        """Keep bits (bit c for mn-view column c) of query rows qpos (i % 16 < 8) and qpos + 8.  With
+        ``group_loop`` (a kernel choice, where the unrolled calls spill) and evenly spaced groups, the column
+        groups are a loop that is not unrolled: one Philox call in flight, bits shifted in per group."""
+        lo_row = Uint32(0)
+        hi_row = Uint32(0)
+        ncols = sum(len(cs) for _, _, cs in groups)
+        step = _regular_step(groups)
+        if const_expr(self.group_loop and step is not None and len(groups) > 1):
+            kind = groups[0][0]
+            per = len(groups[0][2])
+            for gi in cutlass.range(len(groups), unroll=1):
+                col = col_base + gi * step
+                w = self.rng.words(col, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col)
+                lo_g = Uint32(0)
+                hi_g = Uint32(0)
+                if const_expr(self.sign_test):
+                    for e in cutlass.range_constexpr(per - 1, -1, -1):
+                        lo_g = self._shift_in(lo_g, (mine[e] & Uint32(0xFFFF)) - t)
+                        hi_g = self._shift_in(hi_g, (mine[e] >> Uint32(16)) - t)
+                else:  # drop bits, as the sign test's
+                    for e in cutlass.range_constexpr(per):
+                        lo_g = lo_g | (Uint32(1 << e) if (mine[e] & Uint32(0xFFFF)) < t else Uint32(0))
+                        hi_g = hi_g | (Uint32(1 << e) if (mine[e] >> Uint32(16)) < t else Uint32(0))
+                # shift register of drop bits: after the last group, group g's bits sit at [g * per, (g + 1) * per)
+                lo_row = (lo_row >> Uint32(per)) | (lo_g << Uint32(ncols - per))
+                hi_row = (hi_row >> Uint32(per)) | (hi_g << Uint32(ncols - per))
+        else:
+            col_word = [None] * ncols
+            for gi in cutlass.range_constexpr(len(groups)):
+                kind, t0, cs = groups[gi]
+                w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+                mine = self._group_values(w, kind, col_base + t0)
+                for e in cutlass.range_constexpr(len(cs)):
+                    if const_expr(self.sign_test):
+                        col_word[cs[e]] = mine[e]
+                    else:
+                        lo_row = lo_row | (Uint32(1 << cs[e]) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
+                        hi_row = hi_row | (Uint32(1 << cs[e]) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+            if const_expr(self.sign_test):
+                lo_row = self._keep_of(self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+                hi_row = self._keep_of(self._sign_word([(v >> Uint32(16)) - t for v in col_word]), ncols)
+        if const_expr(self.group_loop and step is not None and len(groups) > 1):
+            lo_row = self._keep_of(lo_row, ncols)
+            hi_row = self._keep_of(hi_row, ncols)
+        return lo_row, hi_row
+
+    @cute.jit
+    def _row_bits(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
+                  t: Uint32) -> Uint32:
+        """Keep bits of one row on its own (bit c for mn-view column c, ncols <= 32): the row's half of each
+        Philox call, the other half unused (rows that do not pair up: packed GQA in the forward)."""
+        ncols = sum(len(cs) for _, _, cs in groups)
+        col_word = [None] * ncols
+        row = Uint32(0)
+        shift = Uint32((qpos & 8) << 1)  # 0 for i % 16 < 8 (low half), 16 otherwise
+        for gi in cutlass.range_constexpr(len(groups)):
+            kind, t0, cs = groups[gi]
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
+            mine = self._group_values(w, kind, col_base + t0)
+            for e in cutlass.range_constexpr(len(cs)):
+                if const_expr(self.sign_test):
+                    col_word[cs[e]] = mine[e]
+                else:
+                    row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(0xFFFF)) >= t else Uint32(0))
+        if const_expr(self.sign_test):
+            row = self._keep_of(self._sign_word([((v >> shift) & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+        return row
+
+    @cute.jit
+    def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32,
+                         row_qpos: cute.Tensor, row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32,
+                         t: Uint32):
+        """Keep bits row by row (one Philox call per row and column group).  The rows are a loop that is not
+        unrolled when the bits fit one 64-bit shift register and the kernel's ``dropout_row_loop`` says so: ptxas
+        then cannot interleave the Philox calls of every row for ILP, which would need ~10 registers per call in
+        flight."""
+        total = nrows * ncols
+        if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
+            acc = Uint64(0)
+            for r in cutlass.range(nrows, unroll=1):
+                qpos = row_qpos[0]
+                for rr in cutlass.range_constexpr(1, nrows):
+                    qpos = row_qpos[rr] if r == rr else qpos
+                bh = Int32(0)
+                if const_expr(scalar_bh):
+                    bh = row_bh
+                else:
+                    bh = row_bh[0]
+                    for rr in cutlass.range_constexpr(1, nrows):
+                        bh = row_bh[rr] if r == rr else bh
+                row = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
+                # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
+                acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
+            bits[0] = Uint32(acc)
+            if const_expr(total > 32):
+                bits[1] = Uint32(acc >> Uint64(32))
+        else:
+            for r in cutlass.range_constexpr(nrows):
+                bh = row_bh if const_expr(scalar_bh) else row_bh[r]
+                self._place(bits, r * ncols, ncols, self._row_bits(groups, col_base, row_qpos[r], bh, k0, k1, t))
+
+    @cute.jit
+    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
+                     n_block: Int32, as_drop: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+        """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
+        ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
+        forward with packed GQA) or one for all rows (an Int32, backward).  ``as_drop``: the complement (drop
+        bits; the bits past the last element of the last word are then undefined), which the test forms first.
+
+        A thread's rows g and g + 8 of each m16 atom are query positions i, i + 8 (i % 16 < 8) of one head in the
+        backward kernels and in the forward without GQA packing: one Philox call then decides 8 elements, all
+        this thread's.  A forward compiled for packed GQA rows (``dropout_packed``: a row is a (position, head)
+        pair; the dispatcher picks that config whenever pack > 1) makes each row on its own, using half of each
+        call."""
+        nrows = cute.size(tScS_mn, mode=[0])
+        ncols = cute.size(tScS_mn, mode=[1])
+        groups = self._dropout_groups(t0ScS_mn)
+        pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
+        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
+        bits.fill(0)
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        hook = replace(self, sign_test=as_drop)
+        if const_expr(pairs is None or self.dropout_packed):
+            hook._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+        else:
+            hook._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
+        if const_expr(as_drop):
+            for i in cutlass.range_constexpr(cute.size(bits)):
+                bits[i] = ~bits[i]
+        return bits
+
+    @staticmethod
+    def _kept(bits: cute.Tensor, idx: int):
+        """Element ``idx``'s keep bit (``idx`` is trace-time)."""
+        return (bits[idx // 32] & Uint32(1 << (idx % 32))) != Uint32(0)
+
+    @cute.jit
+    def dropout_fwd(self, acc_P: cute.Tensor, drop: cute.Tensor):
+        """Zero the dropped probabilities of a P tile (16-bit, after the online softmax summed them); ``drop``: the
+        tile's drop bits (``dropout_bits(..., as_drop=True)``).  Columns (c, c + 1) of a row are one 32-bit register
+        of the compact 16-bit tile: one LOP3 clears it with a mask whose halves are the two drop bits replicated
+        (one PRMT in sign-replicate mode, from copies of the bit word shifted so that each bit sits at the top of
+        a byte: one shift per copy, 7 per word)."""
+        p_mn = acc_mn_view(acc_P)
+        nrows = cute.size(p_mn, mode=[0])
+        ncols = cute.size(p_mn, mode=[1])
+        if const_expr(ncols % 2 == 0 and acc_P.element_type.width == 16 and self._pairs_adjacent(p_mn)):
+            p32 = cute.make_tensor(cute.recast_ptr(acc_P.iterator, dtype=Uint32),
+                                   cute.make_layout(cute.size(acc_P) // 2))
+            copies = {}
+            for r in cutlass.range_constexpr(nrows):
+                for c in cutlass.range_constexpr(0, ncols, 2):
+                    e = r * ncols + c
+                    word, pos = e // 32, e % 32  # e even: bits pos, pos + 1 lie in byte pos // 8
+                    lo = self._bits_copy(copies, drop, word, 7 - pos % 8)
+                    hi = self._bits_copy(copies, drop, word, 6 - pos % 8)
+                    b = pos // 8
+                    # result bytes 0-1: top bit of byte b of lo replicated; bytes 2-3: of byte b of hi (4 + b)
+                    sel = (8 | b) | ((8 | b) << 4) | ((12 | b) << 8) | ((12 | b) << 12)
+                    mask = Uint32(cute.arch.prmt(lo, hi, Int32(sel)))
+                    i = cute.crd2idx((r, c), p_mn.layout) // 2
+                    p32[i] = p32[i] & ~mask
+        else:
+            for r in cutlass.range_constexpr(nrows):
+                for c in cutlass.range_constexpr(ncols):
+                    dropped = self._kept(drop, r * ncols + c)
+                    p_mn[r, c] = p_mn.element_type(0.0) if dropped else p_mn[r, c]
+
+    @staticmethod
+    def _pairs_adjacent(p_mn) -> bool:
+        """Trace time: every even mn-view column c of a row is an even register index and c + 1 the next one."""
+        for r in range(cute.size(p_mn, mode=[0])):
+            for c in range(0, cute.size(p_mn, mode=[1]), 2):
+                i = cute.crd2idx((r, c), p_mn.layout)
+                if i % 2 or cute.crd2idx((r, c + 1), p_mn.layout) != i + 1:
+                    return False
+        return True
+
+    @staticmethod
+    def _bits_copy(copies: dict, bits: cute.Tensor, word: int, k: int) -> Uint32:
+        """Trace time: bit word ``word`` shifted left by ``k``, formed once per (word, k)."""
+        if (word, k) not in copies:
+            copies[(word, k)] = bits[word] if k == 0 else bits[word] << Uint32(k)
+        return copies[(word, k)]
+
+    @cute.jit
+    def _ds_dropout(self, s, p, dp, d_r, keep):
+        """(dS, P * keep) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS."""
+        dp_eff = dp * self.rng.scale if keep else Float32(0.0)
+        ds = p * (dp_eff - d_r)
+        if const_expr(self.has_softcap):
+            ds = ds * cute.arch.fmax(1.0 - s * s, 0.0)
+        return ds, (p if keep else Float32(0.0)), dp_eff
+
+    @cute.jit
+    def backward_ds_dropout(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor,
+                            bits: cute.Tensor):
+        """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
+        of dV is applied once by the caller)."""
+        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        ncols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keep)
+                dp_mn[r, c] = ds
+                p_mn[r, c] = p_kept
+
+    @cute.jit
+    def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
+                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor):
+        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp) with dropout; dP is
+        the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
+        s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        ncols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(ncols):
+                keep = self._kept(bits, r * ncols + c)
+                p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
+                ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keep)
+                pdp[r] = pdp[r] + p * dp_eff
+                dp_mn[r, c] = ds
