@@ -27,12 +27,13 @@ from bench_fwd import flops, time_fn  # noqa: E402
 import flash_attn_4_sm120 as fa  # noqa: E402
 from flash_attn_4_sm120 import config, config_bwd  # noqa: E402
 
-DKDV = {  # (tile_m, tile_n, num_warps[, kv_warp_rows])
-    64: [(64, 128, 8), (64, 128, 8, 32)],
-    128: [(32, 128, 8), (32, 128, 8, 32)],
-    96: [(64, 64, 8), (64, 64, 8, 32)],
-    192: [(32, 64, 8), (32, 64, 8, 32)],
-    256: [(32, 32, 4), (32, 32, 4, 32)],
+DKDV = {  # (tile_m, tile_n, num_warps[, kv_warp_rows[, kv_rows]])
+    32: [(64, 64, 8), (64, 64, 4, 16, True), (32, 128, 8, 16, True)],
+    64: [(64, 128, 8, 32), (32, 128, 8, 16, True)],
+    128: [(32, 128, 8)],
+    96: [(64, 64, 8), (32, 128, 8, 16, True)],
+    192: [],
+    256: [],
 }
 DQ = {  # (tile_m, tile_n, num_warps, kv_stages)
     64: [],
@@ -41,7 +42,7 @@ DQ = {  # (tile_m, tile_n, num_warps, kv_stages)
     96: [],
     256: [],
 }
-CELLS = {64: [(16, 16, 4096, 4), (16, 16, 1024, 16)], 128: [(32, 8, 4096, 4), (32, 8, 1024, 16)],
+CELLS = {32: [(16, 16, 4096, 4)], 64: [(16, 16, 4096, 4), (16, 16, 1024, 16)], 128: [(32, 8, 4096, 4), (32, 8, 1024, 16)],
          96: [(16, 16, 2048, 8)], 192: [(16, 16, 2048, 4)], 256: [(8, 8, 4096, 4)]}  # (hq, hkv, seqlen, batch)
 
 
@@ -55,7 +56,8 @@ def _variants(d):
 
 
 def _cfgs(d, kv, q):
-    c1 = config_bwd.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16)
+    c1 = config_bwd.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16,
+                                    kv_rows=kv[4] if len(kv) > 4 else False)
     c2 = config_bwd.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3])
     return [c1, c2] + [config.replace(c, windowed=True) for c in (c1, c2)]
 
@@ -93,7 +95,8 @@ def kernel_times(fn, iters=5):
                                                else ev.cuda_time_total / 1e3)
     out = {}
     for name, ts in per.items():
-        short = ("dkdv" if "FlashBwdSm80" in name else "dq" if "FlashBwdDq" in name else name[:60])
+        short = ("dq" if "FlashBwdDq" in name else name[:60] if "FlashBwdPre" in name
+                 else "dkdv" if "FlashBwd" in name else name[:60])
         n_per_call = max(1, len(ts) // iters)
         out[short] = out.get(short, 0.0) + statistics.median(ts) * n_per_call
     return out
