@@ -28,19 +28,19 @@ import flash_attn_4_sm120 as fa  # noqa: E402
 from flash_attn_4_sm120 import config, config_bwd  # noqa: E402
 
 DKDV = {  # (tile_m, tile_n, num_warps[, kv_warp_rows[, kv_rows]])
-    32: [(64, 64, 8), (64, 64, 4, 16, True), (32, 128, 8, 16, True)],
-    64: [(64, 128, 8, 32), (32, 128, 8, 16, True)],
-    128: [(32, 128, 8)],
-    96: [(64, 64, 8), (32, 128, 8, 16, True)],
+    32: [(64, 128, 8, 16, True), (64, 64, 4, 16, True), (32, 128, 8, 16, True)],
+    64: [],
+    128: [],
+    96: [],
     192: [],
     256: [],
 }
-DQ = {  # (tile_m, tile_n, num_warps, kv_stages)
+DQ = {  # (tile_m, tile_n, num_warps, kv_stages[, split_kv_wait])
     64: [],
-    128: [],
-    192: [],
+    128: [(128, 64, 8, 1)],
+    192: [(64, 64, 4, 1)],
     96: [],
-    256: [],
+    256: [(64, 32, 4, 1)],
 }
 CELLS = {32: [(16, 16, 4096, 4)], 64: [(16, 16, 4096, 4), (16, 16, 1024, 16)], 128: [(32, 8, 4096, 4), (32, 8, 1024, 16)],
          96: [(16, 16, 2048, 8)], 192: [(16, 16, 2048, 4)], 256: [(8, 8, 4096, 4)]}  # (hq, hkv, seqlen, batch)
@@ -58,7 +58,7 @@ def _variants(d):
 def _cfgs(d, kv, q):
     c1 = config_bwd.BwdKernelConfig("bf16", d, d, *kv[:3], kv_warp_rows=kv[3] if len(kv) > 3 else 16,
                                     kv_rows=kv[4] if len(kv) > 4 else False)
-    c2 = config_bwd.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3])
+    c2 = config_bwd.DqKernelConfig("bf16", d, d, *q[:3], kv_stages=q[3], split_kv_wait=len(q) > 4 and q[4])
     return [c1, c2] + [config.replace(c, windowed=True) for c in (c1, c2)]
 
 

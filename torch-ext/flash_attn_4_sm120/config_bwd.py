@@ -173,8 +173,11 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
 # stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
 # proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
 # two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
-_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1),
-             192: (64, 64, 4, 1), 256: (64, 32, 4, 1)}
+# The fifth field, ``split_kv_wait`` (one stage, V and K waited for separately, dP before S), measured against the
+# same tile without it (bwd_tile_sweep_h100_v6.jsonl, dQ kernel device time): d128 +2% / -6% (S=4K non-causal /
+# causal), -2% / -9% (S=1K); d256 0% / -5%; d192 +4% / -3%, so d192 keeps the plain loop.
+_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1, True),
+             192: (64, 64, 4, 1), 256: (64, 32, 4, 1, True)}
 
 
 @dataclass(frozen=True)
@@ -182,9 +185,13 @@ class DqKernelConfig(BwdKernelConfig):
     """Compile key of the dQ kernel (the dK/dV kernel's fields, plus the number of K/V smem stages)."""
 
     kv_stages: int = 1
+    # one stage, dense walk: V and K in their own cp.async groups, dP computed before S, so K lands under the dP mma
+    # and V of the next tile under S, dS and dQ (kernels/bwd_dq.py; three barriers per tile instead of two)
+    split_kv_wait: bool = False
 
     def name(self) -> str:
-        return "dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+        return ("dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+                + ("_kw" if self.split_kv_wait else ""))
 
 
 def dq_problems(cfg: BwdKernelConfig) -> list[str]:
@@ -202,8 +209,10 @@ def dq_problems(cfg: BwdKernelConfig) -> list[str]:
 
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
-    tm, tn, nw, stages = _DQ_TILES[max(head_dim, head_dim_v)]
-    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages, **flags)
+    tm, tn, nw, stages, *kw = _DQ_TILES[max(head_dim, head_dim_v)]
+    # not with dropout: the d128 tile with dropout and a mod spilled 2-3 STL/LDL with it (compile gate, sm_120a)
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages,
+                         split_kv_wait=bool(kw and kw[0]) and not flags.get("has_dropout"), **flags)
     problems = dq_problems(cfg)
     if problems:
         raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))
