@@ -50,6 +50,10 @@ class BwdKernelConfig:
     # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
     kv_warp_rows: int = 16
     mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
+    # dK/dV kernel (kernels/bwd_dkdv_kvrows.py): S and dP computed transposed, keys as the mma rows (S^T = K Q^T,
+    # one warp per 16 keys), so P^T and dS^T go from the accumulators straight into the A operand of dV and dK:
+    # no P/dS shared memory, and the freed space double-buffers Q and dO (one CTA barrier per query block)
+    kv_rows: bool = False
 
     @property
     def block_sparse(self) -> bool:
@@ -68,6 +72,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
+                + ("t" if self.kv_rows else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -80,16 +85,23 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     k = align(cfg.tile_n * cfg.head_dim * elem_bytes)
     v = align(cfg.tile_n * cfg.head_dim_v * elem_bytes)
     p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
+    if getattr(cfg, "kv_rows", False):  # two stages of Q and dO, no P / dS
+        return 2 * (q + do) + k + v
     return q + do + k + v + 2 * p
 
 
-# (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that fits wins; every (wm, wn)
-# warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/v4.jsonl):
-# 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128 (32x128; 2-7%
-# slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10% causal at d256
-# (neutral at d128: kept at 16).
+# (tile_m, tile_n, num_warps[, kv_warp_rows[, kv_rows]]) per max(head_dim, head_dim_v), first that fits wins; every
+# (wm, wn) warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/
+# v4.jsonl): 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128
+# (32x128; 2-7% slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10%
+# causal at d256 (neutral at d128: kept at 16).  The key-row kernel (``kv_rows``, bwd_dkdv_kvrows.py; v5.jsonl,
+# dK/dV kernel device time against the tile it replaces): d128 32x128 -16% / -15% (S=4K non-causal / causal),
+# -18% / -17% (S=1K); d96 64x128 -21% / -26%; d64 64x128 -20% / -1% (S=4K), -18% / -1% (S=1K); at d32 it lost
+# (64x128 +19% non-causal; 64x64 with 4 warps +8% / -10%), so d32 keeps 64x64.  Calls it does not take (dropout,
+# block sparsity, mods) run the next tile.
 _BWD_TILES = {
-    32: ((64, 64, 8),), 64: ((64, 128, 8, 32), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((32, 128, 8), (64, 64, 8)),
+    32: ((64, 64, 8),), 64: ((64, 128, 8, 16, True), (64, 128, 8, 32), (64, 64, 8)),
+    96: ((64, 128, 8, 16, True), (64, 64, 8)), 128: ((32, 128, 8, 16, True), (32, 128, 8), (64, 64, 8)),
     192: ((32, 64, 8, 32), (32, 64, 8), (64, 64, 8), (32, 64, 4)),
     256: ((32, 32, 4, 32), (32, 32, 4)),
 }
@@ -108,6 +120,16 @@ _BWD_SPILLING = {
 def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
     tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
+    if cfg.kv_rows:
+        # one warp per 16 keys, all the block's queries: P^T / dS^T of a warp are whole A operands
+        if cfg.tile_n != 16 * cfg.num_warps or cfg.kv_warp_rows != 16:
+            problems.append(f"key-row tile needs tile_n = 16 x num_warps and 16 key rows per warp, got tile_n="
+                            f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
+        # not (yet) on this kernel: those calls take the next tile of the table (bwd_dkdv.py)
+        for feature, on in (("dropout", cfg.has_dropout), ("block sparsity", cfg.block_sparse),
+                            ("score/mask mods", cfg.mods is not None)):
+            if on:
+                problems.append(f"the key-row dK/dV kernel does not take {feature}")
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
     for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
@@ -137,8 +159,9 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
     gradients are required, so a training step never fails half-way)."""
     reasons = []
-    for tm, tn, nw, *rows in _BWD_TILES[max(head_dim, head_dim_v)]:
-        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows[0] if rows else 16, **flags)
+    for tm, tn, nw, *rest in _BWD_TILES[max(head_dim, head_dim_v)]:
+        rows, kv_rows = (list(rest) + [16, False][len(rest):])[:2]
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows, kv_rows=kv_rows, **flags)
         problems = bwd_problems(cfg)
         if not problems:
             return cfg
@@ -150,8 +173,11 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
 # stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
 # proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
 # two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
-_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1),
-             192: (64, 64, 4, 1), 256: (64, 32, 4, 1)}
+# The fifth field, ``split_kv_wait`` (one stage, V and K waited for separately, dP before S), measured against the
+# same tile without it (bwd_tile_sweep_h100_v6.jsonl, dQ kernel device time): d128 +2% / -6% (S=4K non-causal /
+# causal), -2% / -9% (S=1K); d256 0% / -5%; d192 +4% / -3%, so d192 keeps the plain loop.
+_DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1, True),
+             192: (64, 64, 4, 1), 256: (64, 32, 4, 1, True)}
 
 
 @dataclass(frozen=True)
@@ -159,9 +185,13 @@ class DqKernelConfig(BwdKernelConfig):
     """Compile key of the dQ kernel (the dK/dV kernel's fields, plus the number of K/V smem stages)."""
 
     kv_stages: int = 1
+    # one stage, dense walk: V and K in their own cp.async groups, dP computed before S, so K lands under the dP mma
+    # and V of the next tile under S, dS and dQ (kernels/bwd_dq.py; three barriers per tile instead of two)
+    split_kv_wait: bool = False
 
     def name(self) -> str:
-        return "dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+        return ("dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
+                + ("_kw" if self.split_kv_wait else ""))
 
 
 def dq_problems(cfg: BwdKernelConfig) -> list[str]:
@@ -179,8 +209,10 @@ def dq_problems(cfg: BwdKernelConfig) -> list[str]:
 
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
-    tm, tn, nw, stages = _DQ_TILES[max(head_dim, head_dim_v)]
-    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages, **flags)
+    tm, tn, nw, stages, *kw = _DQ_TILES[max(head_dim, head_dim_v)]
+    # not with dropout: the d128 tile with dropout and a mod spilled 2-3 STL/LDL with it (compile gate, sm_120a)
+    cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages,
+                         split_kv_wait=bool(kw and kw[0]) and not flags.get("has_dropout"), **flags)
     problems = dq_problems(cfg)
     if problems:
         raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))
@@ -224,7 +256,7 @@ def dropout_gate_worklist() -> list:
     for d, dv in supported_head_dim_pairs():
         for sel in (select_bwd_config, select_dq_config):
             c = sel("bf16", d, dv, has_dropout=True)  # the tile a dropout call runs
-            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows,
+            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows, c.kv_rows,
                                getattr(c, "kv_stages", 1)), []).append((d, dv, None))
     out = []
     for key, pairs in groups.items():
@@ -262,7 +294,7 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
         for select in (select_bwd_config, select_dq_config):
             base = select("bf16", d, dv, sparse_q_ratio=1, sparse_kv_ratio=1)  # the tile a sparse call runs
             tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1),
-                    base.kv_warp_rows)
+                    base.kv_warp_rows, base.kv_rows)
             if tile in seen:
                 continue
             seen.add(tile)

@@ -217,6 +217,10 @@ def kernel_class(cfg):
         from .kernels.bwd_dq import FlashBwdDqSm80
 
         return FlashBwdDqSm80
+    if isinstance(cfg, BwdKernelConfig) and cfg.kv_rows:
+        from .kernels.bwd_dkdv_kvrows import FlashBwdKvRowsSm80
+
+        return FlashBwdKvRowsSm80
     if isinstance(cfg, BwdKernelConfig):
         from .kernels.bwd_dkdv import FlashBwdSm80
 

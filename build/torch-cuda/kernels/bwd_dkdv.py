@@ -263,8 +263,11 @@ class FlashBwdSm80(KernelStateMixin):
         # then an index) then overlap the Q cp.async in flight instead of stalling both prefetches, and a query
         # tile inside the block of the previous one needs no load at all (SparseQList.next_entry).  With one tile
         # per block every entry needs the walk anyway, and carrying it cost the d256 tile 60 spills (compile gate,
-        # sm_120a): that case looks entries up like the dense walk
-        carry = const_expr(cfg.block_sparse and cfg.sparse_q_ratio > 1)
+        # sm_120a): that case looks entries up by index.  The dense walk carries its entry too, advanced by
+        # increment (dividing the entry index cost the key-row kernel 10% at d64 causal,
+        # bwd_tile_sweep_h100_v5.jsonl), except with dropout: the carried pair cost the d128 tile with dropout and a
+        # relative-bias score_mod 2 STL/LDL (compile gate)
+        carry = const_expr((not cfg.block_sparse and not cfg.has_dropout) or cfg.sparse_q_ratio > 1)
         if const_expr(carry):
             cur_head, cur_m_block, cur_masked = first_head, Int32(0), Int32(0)
             if num_iters > 0:
@@ -289,8 +292,12 @@ class FlashBwdSm80(KernelStateMixin):
                     idx = seq.row_stat_index(head, pos)
                     lse_log2[r] = score.lse_log2(mLSE[idx])
                     dpsum[r] = mDpsum[idx]
-            if const_expr(carry):
+            if const_expr(carry and cfg.block_sparse):
                 cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
+            elif const_expr(carry):
+                cur_head, cur_m_block = head, m_block + 1
+                if cur_m_block == m_max:
+                    cur_head, cur_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
 

@@ -39,6 +39,8 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
         self.kv_stages = cfg.kv_stages
+        # one K/V stage, dense walk: V and K waited for separately (``split_kv_wait``, config DqKernelConfig)
+        self.split_kv_wait = cfg.kv_stages == 1 and not cfg.block_sparse and getattr(cfg, "split_kv_wait", False)
         self.num_threads = cfg.num_warps * 32
         # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
         # ScoreHook.dropout_bits and not when it is unrolled
@@ -195,6 +197,23 @@ class FlashBwdDqSm80(KernelStateMixin):
                     load_kv(where(t + 1)[0], (t + 1) % 2)
                 n_block, masked = where(t)
                 step(n_block, masked, t % 2)
+        elif const_expr(self.split_kv_wait):
+            # one stage, V and K in their own cp.async groups: dP (V) first while K lands; once every warp is past
+            # dP, V of the next tile streams in under S, dS and dQ; K of the next tile, once every warp is past dQ,
+            # under the next dP
+            if total > 0:
+                self.load_v(seq, kv, mV, sV, copy_dv, tidx, kv_head, n_min)
+                self.load_k(seq, kv, mK, sK, copy_d, tidx, kv_head, n_min)
+            for t in cutlass.range(total, unroll=1):
+                n_block, masked = where(t)
+                cute.arch.cp_async_wait_group(1)  # V of this tile (K may be in flight)
+                cute.arch.barrier()
+                step(n_block, masked, Int32(0),
+                     after_dp=partial(self.k_ready_v_next, seq, kv, mV, sV, copy_dv, tidx, kv_head, n_block,
+                                      t + 1 < total))
+                cute.arch.barrier()  # every warp is done with K before the next tile overwrites it
+                if t + 1 < total:
+                    self.load_k(seq, kv, mK, sK, copy_d, tidx, kv_head, n_block + 1)
         else:
             for t in cutlass.range(total, unroll=1):
                 n_block, masked = where(t)
@@ -261,6 +280,29 @@ class FlashBwdDqSm80(KernelStateMixin):
         return n_min + t, True
 
     @cute.jit
+    def load_k(self, seq, kv, mK, sK, copy_d, tidx, kv_head, n_block):
+        """cp.async K of key tile ``n_block`` into the single stage, one group."""
+        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK[None, None, 0], copy_d, tidx, n_block * self.tile_n,
+                  seq.seqlen_k, (self.tile_n, self.d), True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_v(self, seq, kv, mV, sV, copy_dv, tidx, kv_head, n_block):
+        """cp.async V of key tile ``n_block`` into the single stage, one group."""
+        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV[None, None, 0], copy_dv, tidx, n_block * self.tile_n,
+                  seq.seqlen_k, (self.tile_n, self.dv), True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def k_ready_v_next(self, seq, kv, mV, sV, copy_dv, tidx, kv_head, n_block, has_next):
+        """Between the dP and S mmas of the split-wait loop: K of this tile landed and visible, every warp past
+        its reads of V, then V of the next tile issued."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if has_next:
+            self.load_v(seq, kv, mV, sV, copy_dv, tidx, kv_head, n_block + 1)
+
+    @cute.jit
     def load_kv(self, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head, n_block, stage):
         """cp.async K and V of key tile ``n_block`` into ``stage`` (rows past the sequence zero-filled)."""
         first_key = n_block * self.tile_n
@@ -273,7 +315,7 @@ class FlashBwdDqSm80(KernelStateMixin):
     @cute.jit
     def step(self, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV,
              tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head, n_block, masked,
-             stage):
+             stage, after_dp=None):
         """One KV tile (K/V in smem ``stage``): S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with
         causal/window): whether this tile gets the causal/window masks (a mask block) or only the sequence end (a
         full block)."""
@@ -282,6 +324,11 @@ class FlashBwdDqSm80(KernelStateMixin):
         drop_bits = None
         if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
             drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
+        if const_expr(after_dp is not None):  # dP first (V), then ``after_dp`` (K's wait, V's next load), then S
+            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_dP.fill(0.0)
+            cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
+            after_dp()
         acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
         acc_S.fill(0.0)
         cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], cpA, cpB, False)
@@ -292,9 +339,10 @@ class FlashBwdDqSm80(KernelStateMixin):
         if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
             hook = score.for_sparse_block(masked)
         hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
-        acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
-        acc_dP.fill(0.0)
-        cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
+        if const_expr(after_dp is None):
+            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_dP.fill(0.0)
+            cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
         if const_expr(cfg.has_dropout):
             score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
         else:

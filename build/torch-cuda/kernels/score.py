@@ -65,6 +65,9 @@ class ScoreHook(DropoutScore):
     # "full" ones, which skip it as upstream's do; ``for_sparse_block``; a mod without aux tensors is evaluated on
     # both and its verdict dropped on "full" ones, ``branches_on_gate``), None = always
     mask_gate: object = None
+    # the accumulators hold S^T (keys as the mma rows: the key-row dK/dV kernel, bwd_dkdv_kvrows.py); ``mn`` then
+    # views them as (query, key) all the same, so every method below indexes [query row, key column]
+    transposed: bool = False
 
     @staticmethod
     def create(cfg, tile_n: int, seq: SeqInfo, scale_log2, softcap_prescale, window_left, window_right,
@@ -78,6 +81,13 @@ class ScoreHook(DropoutScore):
                          rng=rng if has_dropout else None, row_loop=row_loop,
                          dropout_packed=getattr(cfg, "dropout_packed", False), group_loop=group_loop, mods=mods,
                          aux=aux if mods is not None else None)
+
+    def mn(self, acc: cute.Tensor) -> cute.Tensor:
+        """An accumulator (or its coordinates) as [query row, key column] (``acc_mn_view``, transposed for S^T)."""
+        v = acc_mn_view(acc)
+        if const_expr(self.transposed):
+            v = cute.make_tensor(v.iterator, cute.select(v.layout, mode=[1, 0]))
+        return v
 
     @cute.jit
     def for_sparse_block(self, masked) -> "ScoreHook":
@@ -151,7 +161,7 @@ class ScoreHook(DropoutScore):
         tensors, indices past the sequence ends (entries masked anyway) are clamped to the last position, so a
         mod that indexes an aux tensor by position never reads outside it."""
         mods = self.mods
-        s_mn = acc_mn_view(acc_S)
+        s_mn = self.mn(acc_S)
         nrow = const_expr(cute.size(s_mn, mode=[0]))
         ncol = const_expr(cute.size(s_mn, mode=[1]))
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
@@ -171,7 +181,7 @@ class ScoreHook(DropoutScore):
                 for j in cutlass.range_constexpr(vec):
                     x = s_mn[r, c0 + j] * self.softcap_prescale
                     if const_expr(raw_out is not None):
-                        acc_mn_view(raw_out)[r, c0 + j] = x
+                        self.mn(raw_out)[r, c0 + j] = x
                     sv[j] = x
                     k = col_base + t0ScS_mn[0, c0 + j][1]
                     if const_expr(clamp):
@@ -195,7 +205,7 @@ class ScoreHook(DropoutScore):
         tile's code, so ptxas interleaves the mod's integer work with the mma that follows (what the causal /
         window masks of ``for_sparse_block`` already get from runtime bounds).  Such a mod reads no memory, so
         running it on a "full" tile only spends a few integer instructions there."""
-        s_mn = acc_mn_view(acc_S)
+        s_mn = self.mn(acc_S)
         nrow = const_expr(cute.size(s_mn, mode=[0]))
         ncol = const_expr(cute.size(s_mn, mode=[1]))
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
@@ -243,7 +253,7 @@ class ScoreHook(DropoutScore):
         column."""
         seqlen_k = self.seq.seqlen_k
         diag = self.diag
-        s_mn = acc_mn_view(acc_S)
+        s_mn = self.mn(acc_S)
         col0 = tScS_mn[0, 0][1]
         col_base = n_block * self.tile_n + col0
         seq_hi = seqlen_k - col_base
@@ -279,7 +289,7 @@ class ScoreHook(DropoutScore):
     def backward_p(self, acc_S: cute.Tensor, lse_log2: cute.Tensor, acc_P: cute.Tensor):
         """P = exp2(S * scale_log2 - LSE_log2) from the scores after ``apply``, row-vectorised (the dK/dV kernel
         issues it before its dP mma, so the exp2 work overlaps that mma)."""
-        s_mn, p_mn = acc_mn_view(acc_S), acc_mn_view(acc_P)
+        s_mn, p_mn = self.mn(acc_S), self.mn(acc_P)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             p_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - lse_log2[r], fastmath=True))
 
@@ -287,7 +297,7 @@ class ScoreHook(DropoutScore):
     def backward_ds(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor):
         """dS = P (dP - D) * d(apply)/dS, in place of dP (P from ``backward_p``).  With a score_mod the chain
         rule through it is ``backward_mods`` (the caller runs it after this)."""
-        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        s_mn, p_mn, dp_mn = self.mn(acc_S), self.mn(acc_P), self.mn(acc_dP)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             if const_expr(self.has_softcap):
                 # d tanh = 1 - T^2; masked entries hold T = -inf and P = 0: clamp so they give 0, not NaN
@@ -303,8 +313,8 @@ class ScoreHook(DropoutScore):
                       want_pdp: cutlass.Constexpr[bool]):
         """``backward_p`` and ``backward_ds`` fused element by element (the dQ kernel, which needs P only for dS
         and the per-row sums of P dP, into pdp when ``want_pdp``; P into acc_P when ``want_p``).  Same formulas."""
-        s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        p_mn = acc_mn_view(acc_P)
+        s_mn, dp_mn = self.mn(acc_S), self.mn(acc_dP)
+        p_mn = self.mn(acc_P)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
@@ -329,7 +339,7 @@ class ScoreHook(DropoutScore):
         is 0 and stays 0 for any finite derivative; NaN from a mod evaluated at a masked entry is zeroed."""
         mods = self.mods
         if const_expr(mods is not None and mods.score_mod is not None):
-            ds_mn, raw_mn = acc_mn_view(acc_dS), acc_mn_view(acc_raw)
+            ds_mn, raw_mn = self.mn(acc_dS), self.mn(acc_raw)
             nrow = const_expr(cute.size(ds_mn, mode=[0]))
             ncol = const_expr(cute.size(ds_mn, mode=[1]))
             col_base = n_block * self.tile_n + tScS_mn[0, 0][1]

@@ -1,0 +1,219 @@
+"""Backward dK/dV kernel with keys as the mma rows (config ``kv_rows``) — KV-stationary, cp.async, SM120's 99 KB.
+
+Same algorithm, arguments and walk as bwd_dkdv.py (one CTA = ``tile_n`` keys of one KV head, every query head of
+its group and every query block that sees them; dK/dV summed over the group in registers, stored once), but S
+and dP are computed transposed, one warp per 16 keys over all ``tile_m`` queries of the block:
+
+    S^T = K Q^T, P^T = exp2(S^T c - LSE), dP^T = V dO^T, dS^T = P^T (dP^T - D)
+    dV += P^T dO, dK += dS^T Q       (P^T and dS^T straight from the accumulators into the A operand)
+
+A warp's rows of S^T are its rows of dV and dK, so P and dS never go through shared memory: no P/dS buffers (the
+space double-buffers Q and dO instead) and no barrier to change the mma partition.  Per query block the CTA
+crosses one barrier: the cp.async of block i+1 is issued right after it and has the whole of block i to land.
+The score hook sees the accumulators as [query, key] (``ScoreHook.transposed``), so masks, softcap and the
+backward's P/dS are the same code as everywhere else.
+
+Not here (bwd_dkdv.py serves them; config_bwd.bwd_problems sends such calls to the next tile of the table):
+dropout (a warp's keys of one query are 8 apart, no Philox quad), block sparsity and score/mask mods.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from dataclasses import replace
+
+from . import cute_utils as cu
+from .bwd_dkdv import FlashBwdSm80, _mma
+from .rows import load_rows, store_rows_from_acc
+
+
+class FlashBwdKvRowsSm80(FlashBwdSm80):
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        dout: cute.Tensor,
+        lse: cute.Tensor,
+        dpsum: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        seqused_q: cute.Tensor | None,
+        seqused_k: cute.Tensor | None,
+        mask_block_cnt: cute.Tensor | None,
+        mask_block_idx: cute.Tensor | None,
+        full_block_cnt: cute.Tensor | None,
+        full_block_idx: cute.Tensor | None,
+        aux_tensors,
+        scale_log2: Float32,
+        softcap_prescale: Float32,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        qheads_per_kvhead: Int32,
+        num_n_blocks: Int32,
+        num_kv_heads: Int32,
+        num_batch: Int32,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
+        rng_seed_lo: Int32 | None,
+        rng_seed_hi: Int32 | None,
+        rng_offset_lo: Int32 | None,
+        rng_offset_hi: Int32 | None,
+        rng_seed: cute.Tensor | None,
+        stream,
+    ):
+        dt = self.dtype
+        a = cu.smem_layout_atom
+        sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d, 2), (0, 1, 2))
+        sdO_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_m, self.dv, 2), (0, 1, 2))
+        sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d), (0, 1))
+        sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
+
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()
+        mma = _mma(dt, self.tile_n, self.num_warps)  # 16 keys per warp, wn = 1 (config_bwd.bwd_problems)
+        self.kernel(
+            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            sQ_l, sdO_l, sK_l, sV_l, sQ_l, mma, mma,
+            cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
+            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
+            SharedStorage,
+        ).launch(
+            grid=(num_n_blocks, num_kv_heads, num_batch),
+            block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.jit
+    def load_q_do_stage(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block, stage):
+        """cp.async Q and dO of query tile ``m_block`` of query head ``head`` into ``stage``, one group."""
+        first_q = m_block * self.tile_m
+        load_rows(lambda pos: seq.q_row(mQ, pos, head), sQ[None, None, stage], copy_d, tidx, first_q,
+                  seq.seqlen_q, (self.tile_m, self.d), True)
+        load_rows(lambda pos: seq.q_row(mdO, pos, head), sdO[None, None, stage], copy_dv, tidx, first_q,
+                  seq.seqlen_q, (self.tile_m, self.dv), True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def process(
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+        qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
+        n_block, kv_head,
+    ):
+        cfg = self.cfg
+        dt = self.dtype
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)  # (tile_m, d | dv, stage)
+        sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
+        sQt, sdOt = cu.transpose_view(sQ), cu.transpose_view(sdO)  # (d | dv, tile_m, stage)
+        score = replace(score, transposed=True)
+
+        first_key = n_block * self.tile_n
+        load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.d), True)
+        load_rows(lambda pos: kv.row(mV, pos, kv_head), sV, copy_dv, tidx, first_key, seq.seqlen_k,
+                  (self.tile_n, self.dv), True)
+        cute.arch.cp_async_commit_group()
+
+        ld = cu.ldmatrix_atom
+        thr = mma_n.get_slice(tidx)
+        # S^T = K Q^T, dP^T = V dO^T: A = K / V (this warp's 16 keys), B = Q / dO (the block's queries)
+        acc_shape_s = thr.partition_shape_C((self.tile_n, self.tile_m))
+        tSrK = thr.make_fragment_A(thr.partition_A(sK))
+        tSrQ = thr.make_fragment_B(thr.partition_B(sQ[None, None, 0]))
+        tPrV = thr.make_fragment_A(thr.partition_A(sV))
+        tPrdO = thr.make_fragment_B(thr.partition_B(sdO[None, None, 0]))
+        cpA = cute.make_tiled_copy_A(ld(dt, False), mma_n).get_slice(tidx)
+        cpB = cute.make_tiled_copy_B(ld(dt, False), mma_n).get_slice(tidx)
+        tSsK, tSsQ = cpA.partition_S(sK), cpB.partition_S(sQ)
+        tPsV, tPsdO = cpA.partition_S(sV), cpB.partition_S(sdO)
+        # dV += P^T dO, dK += dS^T Q: A from the accumulators, B = dO^T / Q^T (read transposed)
+        tVrdOt = thr.make_fragment_B(thr.partition_B(sdOt[None, None, 0]))
+        tKrQt = thr.make_fragment_B(thr.partition_B(sQt[None, None, 0]))
+        cpBt = cute.make_tiled_copy_B(ld(dt, True), mma_n).get_slice(tidx)
+        tVsdOt, tKsQt = cpBt.partition_S(sdOt), cpBt.partition_S(sQt)
+        acc_dV = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # coordinates (query, key) of this thread's / thread 0's S^T elements, viewed [query, key] like the scores
+        cSt = cu.transpose_view(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tScS_mn = score.mn(thr.partition_C(cSt))
+        t0ScS_mn = score.mn(mma_n.get_slice(0).partition_C(cSt))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        row_qpos = cute.make_rmem_tensor(num_rows, Int32)
+        lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+
+        # the walk: every query tile of the window for each head of the group (heads outer), carried from one
+        # block to the next by increment, not by dividing the block index
+        first_head = kv_head * qheads_per_kvhead
+        m_min, m_max = block.q_range(n_block)
+        num_m = cutlass.max(m_max - m_min, 0)
+        num_iters = num_m * qheads_per_kvhead
+        head, m_block = first_head, m_min
+        if num_iters > 0:
+            self.load_q_do_stage(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block, Int32(0))
+        for it in cutlass.range(num_iters, unroll=1):
+            stage = it % 2
+            first_q = m_block * self.tile_m
+            for r in cutlass.range_constexpr(num_rows):  # loads in flight while the cp.async lands
+                pos = first_q + tScS_mn[r, 0][0]
+                row_qpos[r] = pos
+                lse_log2[r] = Float32.inf
+                dpsum[r] = 0.0
+                if pos < seq.seqlen_q:
+                    idx = seq.row_stat_index(head, pos)
+                    lse_log2[r] = score.lse_log2(mLSE[idx])
+                    dpsum[r] = mDpsum[idx]
+            cute.arch.cp_async_wait_group(0)
+            # Q/dO of this block visible to all, and every warp done with the previous block's stage, which the
+            # prefetch below overwrites
+            cute.arch.barrier()
+            next_head, next_m_block = head, m_block + 1
+            if next_m_block == m_max:
+                next_head, next_m_block = head + 1, m_min
+            if it + 1 < num_iters:
+                self.load_q_do_stage(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block,
+                                     1 - stage)
+
+            acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_S.fill(0.0)
+            cu.mma_ss(mma_n, acc_S, tSrK, tSrQ, tSsK, tSsQ[None, None, None, stage], cpA, cpB, False)
+            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head)
+            acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
+            score.backward_p(acc_S, lse_log2, acc_P)
+            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
+            acc_dP.fill(0.0)
+            cu.mma_ss(mma_n, acc_dP, tPrV, tPrdO, tPsV, tPsdO[None, None, None, stage], cpA, cpB, False)
+            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            # both to 16 bits before the dV mma: the fp32 dS is not live across it (registers)
+            rP = cute.make_rmem_tensor_like(acc_P, dt)
+            rP.store(acc_P.load().to(dt))
+            rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+            rdS.store(acc_dP.load().to(dt))
+            cu.mma_rs(mma_n, acc_dV, cu.acc_as_operand_a(rP), tVrdOt, tVsdOt[None, None, None, stage], cpBt)
+            cu.mma_rs(mma_n, acc_dK, cu.acc_as_operand_a(rdS), tKrQt, tKsQt[None, None, None, stage], cpBt)
+            head, m_block = next_head, next_m_block
+
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr, first_key, seq.seqlen_k,
+                            (self.tile_n, self.d), dt)
+        store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr, first_key, seq.seqlen_k,
+                            (self.tile_n, self.dv), dt)
