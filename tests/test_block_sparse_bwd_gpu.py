@@ -308,3 +308,26 @@ def test_flex_block_mask_grads_match_flex_attention(kind, given_bwd):
     _, _, pt = _run(flex, pt_in, gr)
     for name, a, b, c in zip(("dq", "dk", "dv"), ours, ref, pt):
         _tol_check(f"{kind} {name}", a, b, c)
+
+
+def test_transposed_lists_memo_reuses_only_unmodified_lists():
+    """The KV-major lists built for a backward are reused for the same, unmodified list tensors, and rebuilt when a
+    list is written in place (its version counter moves) or for other tensors with equal values."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bst = BS.block_sparse_from_mask(torch.rand(2, 3, 4, 5, device="cuda", generator=g) < 0.5, (128, 128))
+    tensors = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=torch.device("cuda"), rows="q",
+                                arg="block_sparse_tensors")
+    first = BS._transposed_memo(tensors, 5)
+    assert BS._transposed_memo(tensors, 5) is first
+    again = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=torch.device("cuda"), rows="q",
+                              arg="block_sparse_tensors")
+    assert BS._transposed_memo(again, 5) is first  # the same objects (the no-full-block pair is shared)
+    copies = tuple(t.clone() for t in tensors)
+    fresh = BS._transposed_memo(copies, 5)
+    assert fresh is not first and all(torch.equal(a, b) for a, b in zip(fresh, first))
+    bst.mask_block_cnt.zero_()  # in place: the version counter moves
+    rebuilt = BS._transposed_memo(tensors, 5)
+    assert rebuilt is not first
+    assert torch.equal(rebuilt[0], torch.zeros_like(rebuilt[0]))
+    for a, b in zip(rebuilt, BS.transpose_block_sparse(tensors, 5)):
+        assert torch.equal(a, b)
