@@ -315,12 +315,11 @@ def test_transposed_lists_memo_reuses_only_unmodified_lists():
     list is written in place (its version counter moves) or for other tensors with equal values."""
     g = torch.Generator(device="cuda").manual_seed(3)
     bst = BS.block_sparse_from_mask(torch.rand(2, 3, 4, 5, device="cuda", generator=g) < 0.5, (128, 128))
-    tensors = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=torch.device("cuda"), rows="q",
-                                arg="block_sparse_tensors")
+    dev = bst.mask_block_cnt.device
+    tensors = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=dev, rows="q", arg="block_sparse_tensors")
     first = BS._transposed_memo(tensors, 5)
     assert BS._transposed_memo(tensors, 5) is first
-    again = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=torch.device("cuda"), rows="q",
-                              arg="block_sparse_tensors")
+    again = BS._check_tensors(bst, batch=2, heads=3, num_rows=4, device=dev, rows="q", arg="block_sparse_tensors")
     assert BS._transposed_memo(again, 5) is first  # the same objects (the no-full-block pair is shared)
     copies = tuple(t.clone() for t in tensors)
     fresh = BS._transposed_memo(copies, 5)
