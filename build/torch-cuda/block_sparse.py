@@ -35,6 +35,8 @@ refused; mask_mod/score_mod are not supported.
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -119,6 +121,25 @@ def _check_pair(name: str, cnt, idx, batch: int, heads: int, num_q_blocks: int, 
 _NAMES = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
 
 
+_NO_FULL: dict = {}
+
+
+def _no_full_blocks(device) -> tuple:
+    """The (count, index) pair of "no full blocks", one per device, never written (the kernels only read it; one
+    object, so the memo of transposed lists (``_transposed_memo``) recognises the lists of a call without them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device not in _NO_FULL or capturing:
+        pair = (torch.zeros((1, 1, 1), dtype=torch.int32, device=device),
+                torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device))
+        if capturing:  # memory of a graph's pool: not kept past the capture
+            return pair
+        _NO_FULL[device] = pair
+    return _NO_FULL[device]
+
+
 def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: str, arg: str):
     """The four tensors of ``bst`` checked (empty full tensors when none were given), last dim contiguous."""
     if not all(hasattr(bst, n) for n in _NAMES):
@@ -129,8 +150,7 @@ def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: 
     if (full_cnt is None) != (full_idx is None):
         _fail("full_block_cnt and full_block_idx must be given together (or both None)", arg)
     if full_cnt is None:
-        full_cnt = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
-        full_idx = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device)
+        full_cnt, full_idx = _no_full_blocks(device)
     else:
         _check_pair("full", full_cnt, full_idx, batch, heads, num_rows, device, rows, arg)
     # the kernel takes the last dim contiguous and int32 strides (a strided or broadcast view is copied, on the
@@ -230,7 +250,36 @@ class SparseGrad:
     def backward_tensors(self) -> tuple:
         if self.bwd_tensors is not None:
             return self.bwd_tensors
-        return transpose_block_sparse(self.fwd_tensors, self.num_kv_blocks)
+        return _transposed_memo(self.fwd_tensors, self.num_kv_blocks)
+
+
+# The KV-major lists built from a forward's lists, kept for the next backward with the same lists: a training loop
+# passes one mask every step, and building them is ~15 small launches (0.1 ms and their host cost per step, d128
+# causal S=4K).  An entry is used only for the very same tensor objects (weak references), unmodified since (their
+# version counters), on the same stream; never while a CUDA graph is being captured.
+_TRANSPOSED: OrderedDict = OrderedDict()
+_TRANSPOSED_MAX = 8
+
+
+def _transposed_memo(tensors, num_kv_blocks: int) -> tuple:
+    live = [t for t in tensors if t is not None]
+    if not live or not live[0].is_cuda or torch.cuda.is_current_stream_capturing():
+        return transpose_block_sparse(tensors, num_kv_blocks)
+    stream = torch.cuda.current_stream(live[0].device).cuda_stream
+    key = (tuple(id(t) for t in tensors), tuple(t._version if t is not None else -1 for t in tensors),
+           num_kv_blocks, stream)
+    hit = _TRANSPOSED.get(key)
+    if hit is not None:
+        refs, out = hit
+        if all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors)):
+            _TRANSPOSED.move_to_end(key)
+            return out
+        del _TRANSPOSED[key]
+    out = transpose_block_sparse(tensors, num_kv_blocks)
+    _TRANSPOSED[key] = (tuple(weakref.ref(t) if t is not None else None for t in tensors), out)
+    while len(_TRANSPOSED) > _TRANSPOSED_MAX:
+        _TRANSPOSED.popitem(last=False)
+    return out
 
 
 def prepare_backward(bst, bst_bwd, fwd_tensors, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int,

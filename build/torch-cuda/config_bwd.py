@@ -97,8 +97,8 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
 # causal at d256 (neutral at d128: kept at 16).  The key-row kernel (``kv_rows``, bwd_dkdv_kvrows.py; v5.jsonl,
 # dK/dV kernel device time against the tile it replaces): d128 32x128 -16% / -15% (S=4K non-causal / causal),
 # -18% / -17% (S=1K); d96 64x128 -21% / -26%; d64 64x128 -20% / -1% (S=4K), -18% / -1% (S=1K); at d32 it lost
-# (64x128 +19% non-causal; 64x64 with 4 warps +8% / -10%), so d32 keeps 64x64.  Calls it does not take (dropout,
-# block sparsity, mods) run the next tile.
+# (64x128 +19% non-causal; 64x64 with 4 warps +8% / -10%), so d32 keeps 64x64.  Feature sets that spill it
+# (_BWD_SPILLING) run the next tile.
 _BWD_TILES = {
     32: ((64, 64, 8),), 64: ((64, 128, 8, 16, True), (64, 128, 8, 32), (64, 64, 8)),
     96: ((64, 128, 8, 16, True), (64, 64, 8)), 128: ((32, 128, 8, 16, True), (32, 128, 8), (64, 64, 8)),
@@ -111,29 +111,34 @@ _BWD_TILES = {
 # call raises there).  (Dropout on the 128-key tiles
 # spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
 _BWD_SPILLING = {
-    ((32, 32, 4, 32), 256): {"sparse"},
-    ((32, 32, 4, 16), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
-    ((32, 128, 8, 16), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
+    ((32, 32, 4, 32, False), 256): {"sparse"},
+    ((32, 32, 4, 16, False), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
+    # the key-row tiles (255 registers at d128 without features).  32x128 (d128): dropout with softcap 2-5
+    # STL/LDL, a windowed call with a mod that reads aux tensors (document, relative bias) 4-17, mods with dropout
+    # 8 (relative bias).  64x128 (d64, d96): mods that read aux tensors 2-9 (relative bias, prefix-LM from a tensor;
+    # 26 with dropout), dropout 2-14 (d96, bf16 alone and fp16 with every flag)
+    ((32, 128, 8, 16, True), 128): {"dropout_softcap", "window_aux_mods", "mods_dropout"},
+    ((64, 128, 8, 16, True), 96): {"aux_mods", "dropout"},
+    ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
 }
 
 
 def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     problems = []
-    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows)
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows, cfg.kv_rows)
     if cfg.kv_rows:
         # one warp per 16 keys, all the block's queries: P^T / dS^T of a warp are whole A operands
         if cfg.tile_n != 16 * cfg.num_warps or cfg.kv_warp_rows != 16:
             problems.append(f"key-row tile needs tile_n = 16 x num_warps and 16 key rows per warp, got tile_n="
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
-        # not (yet) on this kernel: those calls take the next tile of the table (bwd_dkdv.py)
-        for feature, on in (("dropout", cfg.has_dropout), ("block sparsity", cfg.block_sparse),
-                            ("score/mask mods", cfg.mods is not None)):
-            if on:
-                problems.append(f"the key-row dK/dV kernel does not take {feature}")
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
     for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
-                        ("sparse_mask_mod", cfg.block_sparse and mask_mod)):
+                        ("sparse_mask_mod", cfg.block_sparse and mask_mod),
+                        ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
+                        ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
+                        ("mods_dropout", cfg.has_dropout and cfg.mods is not None)):
         if on and feature in spilling:
             problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)
@@ -276,7 +281,10 @@ def dropout_gate_worklist() -> list:
             else:
                 sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
                 flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
-                out.append(sel(dtype, d, dv, has_dropout=True, **flags))
+                cfg = sel(dtype, d, dv, has_dropout=True, **flags)
+                out.append(cfg)
+                if heavy and cfg.kv_rows != key[5]:  # the tile refuses softcap with dropout (_BWD_SPILLING)
+                    out.append(sel(dtype, d, dv, has_dropout=True, **dict(flags, has_softcap=False)))
     return out
 
 

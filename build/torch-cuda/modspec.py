@@ -288,6 +288,7 @@ def gate_worklist() -> list:
         for d in ((128, 256) if score else (128,)):
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+        out += _key_row_heaviest(full, bwd_heavy, {})
     # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
     # mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
     # sparse backward kernels at the widest head dim, 2x2 blocks
@@ -308,7 +309,28 @@ def gate_worklist() -> list:
                 continue
         out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
         out.append(config_bwd.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
+        out += _key_row_heaviest(full, bwd_heavy, sparse)
     return out + dropout_gate_worklist()
+
+
+def _key_row_heaviest(full, bwd_heavy: dict, extra: dict) -> list:
+    """The heaviest feature sets of the key-row dK/dV tiles (d = 128: 32x128; d = 96: 64x128) with the mod
+    ``full``: at d = 96 the call with every flag (``bwd_heavy``), and at both the same flags without the window
+    where the call with every flag runs another tile (config_bwd._BWD_SPILLING: at d = 128 a windowed call with an
+    aux-reading mod does; at d = 96 every call with one does, so there is nothing to add)."""
+    from . import config_bwd
+
+    out = []
+    for d in (128, 96):
+        heaviest = config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **extra)
+        if heaviest.kv_rows:
+            if d != 128:  # d128's is in the worklist already
+                out.append(heaviest)
+            continue
+        lighter = config_bwd.select_bwd_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=False), **extra)
+        if lighter.kv_rows:
+            out.append(lighter)
+    return out
 
 
 def dropout_gate_worklist() -> list:

@@ -23,6 +23,7 @@ from cutlass import Float32, Int32, const_expr
 from dataclasses import replace
 
 from . import cute_utils as cu
+from .block_sparse import SparseQList
 from .bwd_dkdv import FlashBwdSm80, _mma
 from .rows import load_rows, store_rows_from_acc
 
@@ -161,13 +162,24 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
 
-        # the walk: every query tile of the window for each head of the group (heads outer), carried from one
-        # block to the next by increment, not by dividing the block index
+        # the walk: every query tile of the window for each head of the group (heads outer), or (block sparsity)
+        # the listed query blocks of this KV block (kernels/block_sparse.py SparseQList).  The entry is carried from
+        # one block to the next (dense: by increment, not by dividing the block index; sparse: next_entry, which
+        # walks the lists only where a new block starts), and the next one is found at the top of the iteration,
+        # before the wait, so its loads overlap the cp.async in flight
         first_head = kv_head * qheads_per_kvhead
-        m_min, m_max = block.q_range(n_block)
-        num_m = cutlass.max(m_max - m_min, 0)
-        num_iters = num_m * qheads_per_kvhead
-        head, m_block = first_head, m_min
+        head, m_block, masked = first_head, Int32(0), Int32(1)
+        if const_expr(cfg.block_sparse):
+            qlist = SparseQList.create(cfg.sparse_q_ratio, cfg.sparse_kv_ratio, self.tile_m, sparse, seq.batch,
+                                       first_head, qheads_per_kvhead, n_block, seq.seqlen_q)
+            num_iters = qlist.num_tiles()
+            if num_iters > 0:
+                head, m_block, masked = qlist.locate(Int32(0))
+        else:
+            m_min, m_max = block.q_range(n_block)
+            num_m = cutlass.max(m_max - m_min, 0)
+            num_iters = num_m * qheads_per_kvhead
+            m_block = m_min
         if num_iters > 0:
             self.load_q_do_stage(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block, Int32(0))
         for it in cutlass.range(num_iters, unroll=1):
@@ -182,27 +194,45 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
                     idx = seq.row_stat_index(head, pos)
                     lse_log2[r] = score.lse_log2(mLSE[idx])
                     dpsum[r] = mDpsum[idx]
+            next_head, next_m_block, next_masked = head, m_block + 1, masked
+            if const_expr(cfg.block_sparse):
+                next_head, next_m_block, next_masked = qlist.next_entry(it + 1, head, m_block, masked)
+            else:
+                if next_m_block == m_max:
+                    next_head, next_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
             # Q/dO of this block visible to all, and every warp done with the previous block's stage, which the
             # prefetch below overwrites
             cute.arch.barrier()
-            next_head, next_m_block = head, m_block + 1
-            if next_m_block == m_max:
-                next_head, next_m_block = head + 1, m_min
             if it + 1 < num_iters:
                 self.load_q_do_stage(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block,
                                      1 - stage)
 
+            drop_bits = None
+            if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet
+                drop_bits = score.dropout_bits_keyrows(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head,
+                                                       n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_n, acc_S, tSrK, tSrQ, tSsK, tSsQ[None, None, None, stage], cpA, cpB, False)
-            score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head)
+            acc_raw = None
+            if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
+                acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
+            hook = score
+            if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
+                hook = score.for_sparse_block(masked != 0)
+            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_n, acc_dP, tPrV, tPrdO, tPsV, tPsdO[None, None, None, stage], cpA, cpB, False)
-            score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
+                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
+            else:
+                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            if const_expr(self.wants_raw_scores()):
+                score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             # both to 16 bits before the dV mma: the fp32 dS is not live across it (registers)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
             rP.store(acc_P.load().to(dt))
@@ -210,9 +240,11 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             rdS.store(acc_dP.load().to(dt))
             cu.mma_rs(mma_n, acc_dV, cu.acc_as_operand_a(rP), tVrdOt, tVsdOt[None, None, None, stage], cpBt)
             cu.mma_rs(mma_n, acc_dK, cu.acc_as_operand_a(rdS), tKrQt, tKsQt[None, None, None, stage], cpBt)
-            head, m_block = next_head, next_m_block
+            head, m_block, masked = next_head, next_m_block, next_masked
 
         acc_dK.store(acc_dK.load() * softmax_scale)
+        if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
+            acc_dV.store(acc_dV.load() * score.rng.scale)
         store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr, first_key, seq.seqlen_k,
                             (self.tile_n, self.d), dt)
         store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr, first_key, seq.seqlen_k,

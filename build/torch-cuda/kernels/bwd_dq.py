@@ -105,6 +105,11 @@ class FlashBwdDqSm80(KernelStateMixin):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.windowed or self.cfg.block_sparse):
+            # longest query tiles first (causal / window / block lists: the last query tiles see the most keys),
+            # so the heaviest CTAs do not make the tail of the grid
+            num_m, _, _ = cute.arch.grid_dim()
+            m_block = num_m - 1 - m_block
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1,
                                dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,

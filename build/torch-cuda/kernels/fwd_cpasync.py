@@ -184,8 +184,9 @@ class FlashFwdSm80(FwdKernelBase):
         bx, head_group, bz = cute.arch.block_idx()
         batch, split = self.split_coords(bz, mO)
         self.release_dependents()
-        # Causal/windowed tiles near the end of the sequence have the most work: schedule them first.
-        if const_expr(cfg.windowed):
+        # Causal/windowed tiles near the end of the sequence have the most work (and a causal-like block list's):
+        # schedule them first.
+        if const_expr(cfg.windowed or cfg.block_sparse):
             m_block = num_m_blocks - 1 - bx
         else:
             m_block = bx

@@ -184,8 +184,8 @@ class FlashFwdWsSm120(FwdKernelBase):
         batch, split = self.split_coords(bz, mO)
         self.release_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(cfg.windowed):
-            m_block = num_m_blocks - 1 - bx  # longest tiles first
+        if const_expr(cfg.windowed or cfg.block_sparse):
+            m_block = num_m_blocks - 1 - bx  # longest tiles first (block lists: a causal-like mask's last rows)
         else:
             m_block = bx
         ts = self.tile_state(batch, head_group, m_block, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,

@@ -293,6 +293,53 @@ class DropoutScore:
                 bits[i] = ~bits[i]
         return bits
 
+    @cute.jit
+    def dropout_bits_keyrows(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, bh: Int32,
+                             n_block: Int32) -> cute.Tensor:
+        """Keep bits (element ``e = r * ncols + c`` of the [query, key] view, as ``dropout_bits``) of an S^T tile of
+        the key-row dK/dV kernel (bwd_dkdv_kvrows.py), where a thread holds two keys of one Philox column group,
+        j0 + p and j0 + 8 + p (p = 0 or 1), and query pairs (i, i + 8) with i % 16 < 8: of one call it needs only
+        words p and 2 + p.  The lanes holding keys j0 + p and j0 + 1 - p (lane ^ 4) hold the same queries, so of the
+        two row pairs (i, i + 8) with i = 16 b + 2 t and 16 b + 2 t + 1, each lane makes the call of the one whose
+        parity is its key's, and hands the two words the other lane needs over by two shuffles: one Philox call per
+        8 elements, as in the other kernels."""
+        nrows = cute.size(tScS_mn, mode=[0])
+        ncols = cute.size(tScS_mn, mode=[1])
+        rows = [int(t0ScS_mn[r, 0][0]) for r in range(nrows)]
+        cols = [int(t0ScS_mn[0, c][1]) for c in range(ncols)]
+        if const_expr(cols != [0, 8] or nrows % 4 or rows != [8 * (r // 2) + r % 2 for r in range(nrows)]):
+            raise ValueError(f"dropout_bits_keyrows: thread layout of the key-row tile not as expected: query "
+                             f"offsets {rows}, key offsets {cols}")
+        if const_expr(nrows * ncols > 32):
+            raise ValueError(f"dropout_bits_keyrows: {nrows * ncols} elements per thread, at most 32")
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
+        key = n_block * self.tile_n + tScS_mn[0, 0][1]
+        odd = (key & 1) != 0
+        j0 = key - (key & 1)
+        bits = cute.make_rmem_tensor(1, Uint32)
+        bits.fill(0)
+        for b in cutlass.range_constexpr(nrows // 4):
+            # this lane's call: query row pair (4b + p, 4b + 2 + p) of the view, p its key's parity
+            qpos = row_qpos[4 * b + 1] if odd else row_qpos[4 * b]
+            w = self.rng.words(j0, qpos, bh, k0, k1)
+            send0 = w[0] if odd else w[1]
+            send1 = w[2] if odd else w[3]
+            mine0 = w[1] if odd else w[0]
+            mine1 = w[3] if odd else w[2]
+            got0 = Uint32(cute.arch.shuffle_sync_bfly(Int32(send0), offset=4))
+            got1 = Uint32(cute.arch.shuffle_sync_bfly(Int32(send1), offset=4))
+            for e in cutlass.range_constexpr(2):
+                # words of keys (j0 + p, j0 + 8 + p) for the row pair of parity e: this lane's call when e == p
+                wa = (got0 if odd else mine0) if e == 0 else (mine0 if odd else got0)
+                wb = (got1 if odd else mine1) if e == 0 else (mine1 if odd else got1)
+                for r, shift in ((4 * b + e, 0), (4 * b + 2 + e, 16)):
+                    for c, wv in ((0, wa), (1, wb)):
+                        idx = r * ncols + c
+                        x = (wv >> Uint32(shift)) if shift else (wv & Uint32(0xFFFF))
+                        bits[0] = bits[0] | (Uint32(1 << idx) if x >= t else Uint32(0))
+        return bits
+
     @staticmethod
     def _kept(bits: cute.Tensor, idx: int):
         """Element ``idx``'s keep bit (``idx`` is trace-time)."""
@@ -361,7 +408,7 @@ class DropoutScore:
                             bits: cute.Tensor):
         """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
         of dV is applied once by the caller)."""
-        s_mn, p_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_P), acc_mn_view(acc_dP)
+        s_mn, p_mn, dp_mn = self.mn(acc_S), self.mn(acc_P), self.mn(acc_dP)
         ncols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(ncols):
