@@ -1,7 +1,8 @@
 """Per-kernel CUDA times (torch.profiler) of bench_mods.py's cases: the built-in call against the block mask +
-mask_mod call, forward and backward, so a gap in the benchmark can be put on a kernel.
+mask_mod call, forward and backward, so a gap in the benchmark can be put on a kernel; and of bench_dropout.py's
+(the call without dropout against p = 0.1).
 
-    python benchmarks/profile_mods.py [--case causal4k|causal16k|document] [--iters 10]
+    python benchmarks/profile_mods.py [--case causal4k|causal16k|document|dropout|dropout_causal] [--iters 10]
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _kernel_times(fn, iters):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="causal4k", choices=["causal4k", "causal16k", "document"])
+    ap.add_argument("--case", default="causal4k", choices=["causal4k", "causal16k", "document", "dropout",
+                                                                  "dropout_causal"])
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
@@ -53,6 +55,14 @@ def main(argv=None):
         bst = fa.block_sparse_from_mask(diag, (bs, bs), full_mask=below)
         calls = {"base": lambda: fa.flash_attn_func(q, k, v, causal=True),
                  "mods": lambda: fa.flash_attn_func(q, k, v, block_sparse_tensors=bst, **mods.causal())}
+    elif args.case.startswith("dropout"):
+        causal = args.case == "dropout_causal"
+        q, k, v = (torch.randn(4, 4096, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))
+        gout = torch.randn(4, 4096, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        calls = {"base": lambda: fa.flash_attn_func(q, k, v, causal=causal, return_lse=True),
+                 "mods": lambda: fa.flash_attn_func(q, k, v, causal=causal, dropout_p=0.1, dropout_seed=1,
+                                                    return_lse=True)}
     else:
         cuts = torch.sort(torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[:7] + 1).values
         offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32).cuda()
