@@ -15,6 +15,7 @@ Layouts as bwd_dkdv.py; dq is written in q's dtype (scaled by the softmax scale)
 left to the host's zero fill.
 """
 
+from dataclasses import replace
 from functools import partial
 
 import cutlass
@@ -366,7 +367,7 @@ class FlashBwdDqSm80(KernelStateMixin):
             acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-            hook = score.for_sparse_block(masked)
+            hook = replace(score.for_sparse_block(masked), gate_branch=True)
         hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
         if const_expr(after_dp is None):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
