@@ -15,7 +15,6 @@ Layouts as bwd_dkdv.py; dq is written in q's dtype (scaled by the softmax scale)
 left to the host's zero fill.
 """
 
-from dataclasses import replace
 from functools import partial
 
 import cutlass
@@ -367,7 +366,9 @@ class FlashBwdDqSm80(KernelStateMixin):
             acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-            hook = replace(score.for_sparse_block(masked), gate_branch=True)
+            # the mod's verdict gated, no branch (ScoreHook.gate_branch measured 7% slower here, d128 S=16K causal
+            # as a block mask; 2% faster in the key-row dK/dV kernel, which keeps it)
+            hook = score.for_sparse_block(masked)
         hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
         if const_expr(after_dp is None):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
