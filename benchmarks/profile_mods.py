@@ -54,7 +54,8 @@ def main(argv=None):
         diag, below = _blocks_causal(s, bs)
         bst = fa.block_sparse_from_mask(diag, (bs, bs), full_mask=below)
         calls = {"base": lambda: fa.flash_attn_func(q, k, v, causal=True),
-                 "mods": lambda: fa.flash_attn_func(q, k, v, block_sparse_tensors=bst, **mods.causal())}
+                 "mods": lambda: fa.flash_attn_func(q, k, v, block_sparse_tensors=bst, **mods.causal()),
+                 "sparse_causal_no_mod": lambda: fa.flash_attn_func(q, k, v, block_sparse_tensors=bst, causal=True)}
     elif args.case.startswith("dropout"):
         causal = args.case == "dropout_causal"
         q, k, v = (torch.randn(4, 4096, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()

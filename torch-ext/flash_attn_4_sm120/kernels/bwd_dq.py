@@ -39,8 +39,9 @@ class FlashBwdDqSm80(KernelStateMixin):
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.num_warps = cfg.tile_m, cfg.tile_n, cfg.num_warps
         self.kv_stages = cfg.kv_stages
-        # one K/V stage, dense walk: V and K waited for separately (``split_kv_wait``, config DqKernelConfig)
-        self.split_kv_wait = cfg.kv_stages == 1 and not cfg.block_sparse and getattr(cfg, "split_kv_wait", False)
+        # one K/V stage: V and K waited for separately (``split_kv_wait``, config DqKernelConfig; dense walk and
+        # block-sparse lists, ``sparse_loop``)
+        self.split_kv_wait = cfg.kv_stages == 1 and getattr(cfg, "split_kv_wait", False)
         self.num_threads = cfg.num_warps * 32
         # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
         # ScoreHook.dropout_bits and not when it is unrolled
