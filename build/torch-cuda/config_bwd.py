@@ -215,9 +215,11 @@ def dq_problems(cfg: BwdKernelConfig) -> list[str]:
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
     tm, tn, nw, stages, *kw = _DQ_TILES[max(head_dim, head_dim_v)]
-    # not with dropout: the d128 tile with dropout and a mod spilled 2-3 STL/LDL with it (compile gate, sm_120a)
+    # not with dropout and a mod together: the d128 tile spilled 2-3 STL/LDL with it (compile gate, sm_120a);
+    # dropout alone compiles with 0 at d128 and d256, every flag included
+    drop_mods = flags.get("has_dropout") and flags.get("mods") is not None
     cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages,
-                         split_kv_wait=bool(kw and kw[0]) and not flags.get("has_dropout"), **flags)
+                         split_kv_wait=bool(kw and kw[0]) and not drop_mods, **flags)
     problems = dq_problems(cfg)
     if problems:
         raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: " + "; ".join(problems))

@@ -289,11 +289,12 @@ def gate_worklist() -> list:
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
         out += _key_row_heaviest(full, bwd_heavy, {})
-    # mods with block sparsity (the mask_mod on "mask" blocks only): the heaviest aux-reading mask mod and score
-    # mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
+    # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
+    # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
+    # aux-reading mask mod and score mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
     # sparse backward kernels at the widest head dim, 2x2 blocks
     sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)
-    for factory, args, aux_sig, score in (_GATE_MODS[2], _GATE_MODS[5]):
+    for factory, args, aux_sig, score in (_GATE_MODS[0], _GATE_MODS[2], _GATE_MODS[5]):
         fwd = _recipe_placeholder(factory, args, aux_sig, False)
         full = _recipe_placeholder(factory, args, aux_sig, score)
         for d in (256, 192, 128, 64):

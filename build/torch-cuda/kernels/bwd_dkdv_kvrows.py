@@ -220,7 +220,7 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
                 acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
             hook = score
             if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-                hook = score.for_sparse_block(masked != 0)
+                hook = replace(score.for_sparse_block(masked != 0), gate_branch=True)
             hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
