@@ -98,7 +98,7 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
         c = config_bwd.select_dq_config("bf16", d, dv, has_dropout=True)
         tiles.add(("DqKernelConfig", c.tile_m, c.tile_n, c.num_warps))
     assert tiles <= heavy and tiles <= light
-    assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt" in {c.name() for c in work}
+    assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt_kw" in {c.name() for c in work}
 
 
 def test_dropout_keeps_the_tile_except_where_it_spills():
