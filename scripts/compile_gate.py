@@ -65,7 +65,12 @@ def _worklist(pattern: str | None):
     from flash_attn_4_sm120 import modspec
 
     items += modspec.gate_worklist()
-    return [c for c in items if pattern is None or pattern in c.name()]
+    seen, unique = set(), []
+    for c in items:  # worklists may overlap (e.g. a heaviest set that is also a subset of a sweep)
+        if c.name() not in seen:
+            seen.add(c.name())
+            unique.append(c)
+    return [c for c in unique if pattern is None or pattern in c.name()]
 
 
 def _check_one(cfg, arch: str) -> dict:

@@ -118,7 +118,10 @@ _BWD_SPILLING = {
     # STL/LDL, a windowed call with a mod that reads aux tensors (document, relative bias) 4-17, mods with dropout
     # 8 (relative bias).  64x128 (d64, d96): mods that read aux tensors 2-9 (relative bias, prefix-LM from a tensor;
     # 26 with dropout), dropout 2-14 (d96, bf16 alone and fp16 with every flag)
-    ((32, 128, 8, 16, True), 128): {"dropout_softcap", "window_aux_mods", "mods_dropout"},
+    # At d128 a sweep of every subset of (window, varlen q, varlen k, seqused q, seqused k) with dropout and with the
+    # document / relative-bias / causal mods (bf16, sparse or not: 384 configurations) found spills (2-51) only where
+    # varlen k or a seqused is on without varlen q, with dropout or an aux-reading mod ("partial_varlen").
+    ((32, 128, 8, 16, True), 128): {"dropout_softcap", "window_aux_mods", "mods_dropout", "partial_varlen"},
     ((64, 128, 8, 16, True), 96): {"aux_mods", "dropout"},
     ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
 }
@@ -138,7 +141,9 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
                         ("sparse_mask_mod", cfg.block_sparse and mask_mod),
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
                         ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
-                        ("mods_dropout", cfg.has_dropout and cfg.mods is not None)):
+                        ("mods_dropout", cfg.has_dropout and cfg.mods is not None),
+                        ("partial_varlen", (cfg.has_dropout or cfg.has_aux) and not cfg.varlen_q
+                         and (cfg.varlen_k or cfg.seqused_q or cfg.seqused_k))):
         if on and feature in spilling:
             problems.append(f"backward tile spills registers with {feature} on sm_120a")
     smem = bwd_smem_bytes(cfg)

@@ -311,7 +311,28 @@ def gate_worklist() -> list:
         out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
         out.append(config_bwd.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
         out += _key_row_heaviest(full, bwd_heavy, sparse)
-    return out + dropout_gate_worklist()
+    return out + key_row_subset_worklist() + dropout_gate_worklist()
+
+
+def key_row_subset_worklist() -> list:
+    """The key-row dK/dV tile at d = 128 (bf16) with dropout (seed tensor) and with the document mask mod (sparse
+    or not), over every subset of (window, varlen q, varlen k, seqused q, seqused k) that the tile takes: on this
+    tile an intermediate feature set spilled where the heaviest did not (config_bwd._BWD_SPILLING)."""
+    import itertools
+
+    from . import config_bwd
+
+    doc = _recipe_placeholder("document", (True,), (("i32", 1),), False)
+    names = ("windowed", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+    out = []
+    for bits in itertools.product((False, True), repeat=len(names)):
+        flags = dict(zip(names, bits))
+        for extra in (dict(has_dropout=True, dropout_seed_tensor=True), dict(mods=doc),
+                      dict(mods=doc, sparse_q_ratio=1, sparse_kv_ratio=1)):
+            cfg = config_bwd.select_bwd_config("bf16", 128, 128, **flags, **extra)
+            if cfg.kv_rows:
+                out.append(cfg)
+    return out
 
 
 def _key_row_heaviest(full, bwd_heavy: dict, extra: dict) -> list:
