@@ -10,11 +10,11 @@ and dP are computed transposed, one warp per 16 keys over all ``tile_m`` queries
 A warp's rows of S^T are its rows of dV and dK, so P and dS never go through shared memory: no P/dS buffers (the
 space double-buffers Q and dO instead) and no barrier to change the mma partition.  Per query block the CTA
 crosses one barrier: the cp.async of block i+1 is issued right after it and has the whole of block i to land.
-The score hook sees the accumulators as [query, key] (``ScoreHook.transposed``), so masks, softcap and the
-backward's P/dS are the same code as everywhere else.
-
-Not here (bwd_dkdv.py serves them; config_bwd.bwd_problems sends such calls to the next tile of the table):
-dropout (a warp's keys of one query are 8 apart, no Philox quad), block sparsity and score/mask mods.
+The score hook sees the accumulators as [query, key] (``ScoreHook.transposed``), so masks, softcap, score/mask
+mods and the backward's P/dS are the same code as everywhere else.  Block sparsity walks the KV-major lists as
+bwd_dkdv.py does (``SparseQList``, the entry carried to the prefetch); dropout's keep bits come from
+``ScoreHook.dropout_bits_keyrows`` (a lane pair shares each Philox call: a thread's two keys of one call are 8
+apart).  Feature sets that spill this kernel on sm_120a run bwd_dkdv.py (config_bwd._BWD_SPILLING).
 """
 
 import cutlass
