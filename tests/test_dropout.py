@@ -60,8 +60,8 @@ def test_words_follow_the_stated_counter_layout():
         half = (i // 8) % 2
         ctr = (group, pair, ((b + 1) << 16) | h, offset & 0xFFFFFFFF)
         key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
-        assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & 0xFFFF
-    assert int(w.max()) < 1 << 16
+        assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & 0x1FFF  # low 13 bits
+    assert int(w.max()) < 1 << dropout.KEEP_BITS
 
 
 def test_one_call_decides_the_2x4_block_of_a_thread_and_no_value_is_reused():
@@ -96,7 +96,7 @@ def test_keep_rate_within_4_sigma(words_10m, p):
     assert n >= 10_000_000
     rate = keep.double().mean().item()
     q = dropout.expected_keep_rate(p)
-    assert abs(q - (1 - p)) <= 2.0 ** -17  # p quantised to a multiple of 2**-16
+    assert abs(q - (1 - p)) <= 2.0 ** -(dropout.KEEP_BITS + 1)  # p quantised to a multiple of 2**-KEEP_BITS
     sigma = math.sqrt(q * (1 - q) / n)
     assert abs(rate - q) <= 4 * sigma, f"keep rate {rate:.6f} vs {q:.6f} (4 sigma = {4 * sigma:.2e})"
 
@@ -130,17 +130,15 @@ def test_neighbours_are_uncorrelated(words_10m, what):
 
 
 def test_words_are_uniform(words_10m):
-    """Chi-square of the top byte of the 16-bit values over 256 bins (df = 255: mean 255, sd ~22.6; 400 is > 6 sd),
-    and of the low byte (the half of the word a 32-bit threshold never looked at)."""
-    for byte in (words_10m >> 8, words_10m & 0xFF):
+    """Chi-square of the top 8 bits of the 13-bit values over 256 bins (df = 255: mean 255, sd ~22.6; 400 is
+    > 6 sd), and of the low byte."""
+    top = dropout.KEEP_BITS - 8
+    for byte in (words_10m >> top, words_10m & 0xFF):
+        assert int(byte.max()) < 256
         counts = torch.bincount(byte.flatten(), minlength=256).double()
         exp = words_10m.numel() / 256
         chi2 = ((counts - exp) ** 2 / exp).sum().item()
         assert chi2 < 400, chi2
-    counts = torch.bincount((words_10m >> 8).flatten(), minlength=256).double()
-    exp = words_10m.numel() / 256
-    chi2 = ((counts - exp) ** 2 / exp).sum().item()
-    assert chi2 < 400, chi2
 
 
 def test_same_seed_same_mask_and_different_seed_or_offset_differs():
@@ -162,8 +160,8 @@ def test_mask_is_a_function_of_positions_only():
 def test_mask_p_edges():
     assert dropout.dropout_mask(1, 0, 0.0, 1, 1, 3, 5).all()
     assert not dropout.dropout_mask(1, 0, 1.0, 1, 1, 3, 5).any()
-    assert dropout.keep_threshold(0.5) == 1 << 15
-    assert dropout.keep_threshold(1 - 1e-12) == 1 << 16  # keeps none
+    assert dropout.keep_threshold(0.5) == 1 << (dropout.KEEP_BITS - 1)
+    assert dropout.keep_threshold(1 - 1e-12) == 1 << dropout.KEEP_BITS  # keeps none
     assert dropout.keep_threshold(1e-9) == 0  # keeps all
 
 
@@ -266,7 +264,7 @@ def test_dropout_with_paged_kv_raises():
 def test_kernel_values_are_int32_bit_patterns():
     a = dropout.DropoutArgs(0.5, (0xFFFFFFFE << 32) | 0x80000001, (5 << 32) | 0xFFFFFFFC)
     v = a.kernel_values()
-    assert v["dropout_threshold"] == 1 << 15
+    assert v["dropout_threshold"] == 1 << (dropout.KEEP_BITS - 1)
     assert v["rng_seed_lo"] == -(1 << 31) + 1 and v["rng_seed_hi"] == -2
     assert v["rng_offset_lo"] == -4 and v["rng_offset_hi"] == 5
     assert v["dropout_scale"] == 2.0 and v["rng_seed"] is None
@@ -317,7 +315,8 @@ def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
     """A CPU mirror of ScoreHook.dropout_bits on m16n8k16 accumulator fragments (warps wm x wn; lane 4 g + t
     holds rows g, g + 8 and columns 2t, 2t + 1 of each 16 x 8 atom): grouping columns with ``column_groups`` and
     rows with ``row_pairs`` (thread 0's offsets, as the kernels do), one Philox call per (row pair, group), low
-    halves for the first row and high halves for the second, reproduces ``random_words`` for every element of
+    halves for the first row and high halves for the second (their low KEEP_BITS bits), reproduces
+    ``random_words`` for every element of
     the tile, whichever warp layout (quads when warps are stacked along M, pairs otherwise)."""
     pytest.importorskip("cutlass")
     from flash_attn_4_sm120.kernels.philox import column_groups, row_pairs
@@ -343,9 +342,10 @@ def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
                            offset & 0xFFFFFFFF)
                     w = _philox_int(ctr, (k0, k1), 7)
                     mine = w if kind == "quad" else ((w[2], w[3]) if col & 8 else (w[0], w[1]))
+                    mask = (1 << dropout.KEEP_BITS) - 1
                     for e, c in enumerate(cs):
-                        got[rows[ra], cols[c]] = mine[e] & 0xFFFF
-                        got[rows[rb], cols[c]] = mine[e] >> 16
+                        got[rows[ra], cols[c]] = mine[e] & mask
+                        got[rows[rb], cols[c]] = (mine[e] >> 16) & mask
     want = ref[m_block * tile_m:(m_block + 1) * tile_m, n_block * tile_n:(n_block + 1) * tile_n]
     assert (got >= 0).all() and torch.equal(got, want)
 

@@ -49,7 +49,7 @@ def _close(name, ours, ref, pt, slack=None):
                                                  (1, 17, 4, 1, None, 128), (129, 511, 2, 2, False, 128),
                                                  # d <= 64 non-causal: the 256-row tile, two m16 atoms per warp
                                                  (255, 500, 2, 2, False, 64), (255, 250, 4, 2, None, 32)])
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("p", [0.002, 0.1, 0.5, 0.9, 0.998])  # the extremes: thresholds near 0 and 2**KEEP_BITS
 def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
     """q = 0 gives uniform P = 1/sk; v[j] = 2**(j // d) * e_(j % d) makes out[i, c] * sk * (1 - p) the integer
     sum_b keep[i, d b + c] 2**b (< 256 for sk <= 8 d), so the output spells the kernel's mask exactly."""
