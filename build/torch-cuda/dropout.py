@@ -9,17 +9,20 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
   ``b`` (the sequence index under varlen), query head ``h``, query position ``i`` and key position ``j`` (both
   counted from the start of their sequence), with ``group = (j // 16) * 4 + (j % 8) // 2`` and
   ``pair = (i // 16) * 8 + i % 8``.
-* One Philox call yields 4 words = 8 16-bit values for the 2 x 4 elements of its group: query rows ``i0, i0 + 8``
+* One Philox call yields 4 words = 8 16-bit halves for the 2 x 4 elements of its group: query rows ``i0, i0 + 8``
   (``i0 = 16 * (i // 16) + i % 8``) by key columns ``j0, j0 + 1, j0 + 8, j0 + 9``
   (``j0 = 16 * (j // 16) + 2 * ((j % 8) // 2)``).  Column ``j`` takes word ``2 * ((j // 8) % 2) + j % 2``; row
   ``i`` its low 16 bits when ``(i // 8) % 2 == 0``, else its high 16 bits.  These are the rows and columns one
   thread holds in an m16n8k16 accumulator, so a kernel whose rows are query positions uses all 8.  Every
   (b, h, i, j) has its own (counter, word, half): nothing depends on tiles, warps or splits, and nothing is
   reused.
-* Keep element (b, h, i, j) iff its 16-bit value ``>= threshold``, ``threshold = min(round(p * 2**16), 2**16)``:
-  the keep probability is ``1 - threshold / 2**16``, p quantised to a multiple of 2**-16 (within 2**-17 of
-  ``1 - p``; ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the
-  quantised one: the relative bias is below 2**-17 / (1 - p)).
+* An element's random value is the low ``KEEP_BITS`` = 13 bits of its 16-bit half.  Keep element (b, h, i, j) iff
+  that value ``>= threshold``, ``threshold = min(round(p * 2**13), 2**13)``: the keep probability is
+  ``1 - threshold / 2**13``, p quantised to a multiple of 2**-13 (within 2**-14 of ``1 - p``;
+  ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the quantised
+  one: the relative bias is below 2**-14 / (1 - p)).  13 bits, not 16, so that the forward can test two elements
+  at once as bf16 numbers (0x4000 | value is a normal, finite bf16 whose order is the values' order: one HSET2
+  per pair of P elements, kernels/score_dropout.py).
 * Seed and offset: given (``dropout_seed``, ``dropout_offset``), or drawn from torch's CUDA default generator of
   q's device (its seed and offset; the offset then advances by ``OFFSET_INCREMENT``), so ``torch.manual_seed``
   reproduces a run.  Under CUDA-graph capture the generator is not read: pass ``dropout_seed`` as a CUDA int64
@@ -56,7 +59,7 @@ class DropoutArgs:
         return keep_threshold(self.p)
 
     def kernel_values(self) -> dict:
-        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**16)."""
+        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**13)."""
         thr = self.threshold
         return dict(
             dropout_threshold=_s32(thr), dropout_scale=1.0 / (1.0 - self.p), rng_seed_lo=_s32(self.seed & _U32),
@@ -70,11 +73,12 @@ def _s32(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
-KEEP_BITS = 16  # each element's random value is 16 bits: one Philox call decides 8 elements
+HALF_BITS = 16  # one Philox call decides 8 elements: a 16-bit half of a word each
+KEEP_BITS = 13  # of which the low 13 bits are the element's random value
 
 
 def keep_threshold(p: float) -> int:
-    """16-bit values >= this keep their element (0 < p < 1); 2**16 keeps none."""
+    """Random values (KEEP_BITS wide) >= this keep their element (0 < p < 1); 2**KEEP_BITS keeps none."""
     return min(int(round(p * float(1 << KEEP_BITS))), 1 << KEEP_BITS)
 
 
@@ -181,8 +185,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
 
 def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *,
                  batch_start: int = 0, device=None, rounds: int = PHILOX_ROUNDS) -> torch.Tensor:
-    """The 16-bit random value of every (b, h, i, j), as int64 (batch, heads, seqlen_q, seqlen_k); batch entries
-    are numbered from ``batch_start`` (a varlen sequence: batch=1, batch_start=its index)."""
+    """The random value (KEEP_BITS wide) of every (b, h, i, j), as int64 (batch, heads, seqlen_q, seqlen_k); batch
+    entries are numbered from ``batch_start`` (a varlen sequence: batch=1, batch_start=its index)."""
     seed, offset = int(seed) & _U64, int(offset) & _U64
     if heads > _MAX_HEADS or batch_start + batch > _MAX_HEADS:
         raise ValueError(f"heads and batch entries must be < {_MAX_HEADS}")
@@ -192,7 +196,7 @@ def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     word = ((j // 8) % 2) * 2 + (j % 2)
     i = torch.arange(seqlen_q, device=dev, dtype=torch.int64)
     pair = (i // 16) * 8 + i % 8
-    shift = ((i // 8) % 2) * KEEP_BITS
+    shift = ((i // 8) % 2) * HALF_BITS
     b = torch.arange(batch_start, batch_start + batch, device=dev, dtype=torch.int64)
     h = torch.arange(heads, device=dev, dtype=torch.int64)
     bh = ((b[:, None] << 16) | h[None, :])[:, :, None, None]  # (B, H, 1, 1)
@@ -228,9 +232,10 @@ def dropout_mask(seed: int, offset: int, p: float, batch: int, heads: int, seqle
 
 
 def expected_keep_rate(p: float) -> float:
-    """Exact keep probability of ``dropout_mask`` for 0 < p < 1 (p quantised to a multiple of 2**-16)."""
+    """Exact keep probability of ``dropout_mask`` for 0 < p < 1 (p quantised to a multiple of 2**-KEEP_BITS)."""
     return ((1 << KEEP_BITS) - keep_threshold(p)) / float(1 << KEEP_BITS)
 
 
-__all__ = ["DropoutArgs", "KEEP_BITS", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold",
+__all__ = ["DropoutArgs", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask",
+           "expected_keep_rate", "keep_threshold",
            "philox4x32", "random_words", "refuse_combinations", "resolve"]

@@ -9,8 +9,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..config import copy_threads_per_row
 
@@ -195,3 +197,14 @@ __all__ = [
     "ldmatrix_atom",
     "tiled_mma_16816",
 ]
+
+
+@dsl_user_op
+def ge_mask_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Per 16-bit half: 0xFFFF where half of ``a`` >= half of ``b`` as bf16 values, else 0 (one HSET2;
+    ``set.ge.u32.bf16x2``, sm_90+).  For non-negative, finite patterns (below 0x7F80) this is the unsigned
+    integer order of the halves."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+        "set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))

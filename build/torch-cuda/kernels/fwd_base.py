@@ -142,14 +142,20 @@ class FwdKernelBase(KernelStateMixin):
                 res[r] = (ts.seq.batch << 16) | head
         return res
 
-    @cute.jit
     def dropout_bits(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
-        """Drop bits of this KV block (None without dropout; ``ScoreHook.dropout_fwd`` reads them).  Called before
-        the S mma: the Philox work then runs while S is not live (score.py)."""
-        bits = None
-        if const_expr(score.has_dropout):
-            bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block, as_drop=True)
-        return bits
+        """Trace time: this KV block's dropout, as a function ``apply(rP)`` that zeroes the dropped elements of the
+        16-bit P tile (None without dropout).  Where ``ScoreHook.fwd_direct_ok``, ``apply`` makes the keep masks
+        from the Philox words after the softmax (``dropout_fwd_direct``); elsewhere (packed GQA rows, the group
+        loop) the drop bits are made here, before the S mma, while S is not live, and ``apply`` reads them."""
+        if not score.has_dropout:
+            return None
+        # a P tile's layout: the mma accumulator ((2, 2), MMA_M, MMA_N) of this thread, in the input dtype
+        nrows, ncols = cute.size(tScS_mn, mode=[0]), cute.size(tScS_mn, mode=[1])
+        probe = cute.make_rmem_tensor(((2, 2), nrows // 2, ncols // 2), self.dtype)
+        if score.fwd_direct_ok(probe, t0ScS_mn):
+            return lambda rP: score.dropout_fwd_direct(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block, as_drop=True)
+        return lambda rP: score.dropout_fwd(rP, bits)
 
     @cute.jit
     def scores_to_p(
@@ -165,8 +171,8 @@ class FwdKernelBase(KernelStateMixin):
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        if const_expr(score.has_dropout):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
-            score.dropout_fwd(rP, drop_bits)
+        if const_expr(drop_bits is not None):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
+            drop_bits(rP)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit

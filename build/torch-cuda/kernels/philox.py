@@ -3,7 +3,7 @@
 The RNG contract (counters, key, rounds, threshold) is stated once, in ``dropout.py`` (host), whose pure-torch
 ``dropout_mask`` the tests compare against; this file implements the same function on 32-bit registers:
 one Philox call = ``PHILOX_ROUNDS`` x (2 IMAD.WIDE.U32 + 2 LOP3) + key bumps, for 8 elements (2 query rows x
-4 key columns, a 16-bit value each).
+4 key columns, a 16-bit half each, whose low KEEP_BITS bits are the element's value).
 """
 
 from dataclasses import dataclass

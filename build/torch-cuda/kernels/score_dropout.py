@@ -11,8 +11,28 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64, const_expr
 
-from .cute_utils import acc_mn_view
+from .cute_utils import acc_mn_view, ge_mask_bf16x2
+from ..dropout import KEEP_BITS
 from .philox import column_groups, row_pairs
+
+
+VALUE_MASK = (1 << KEEP_BITS) - 1  # an element's random value: the low KEEP_BITS bits of its 16-bit half
+
+
+def _lo(w: Uint32) -> Uint32:
+    """The random value of a word's low half (LOP3)."""
+    return w & Uint32(VALUE_MASK)
+
+
+def _hi(w: Uint32) -> Uint32:
+    """The random value of a word's high half, left where it is (value << 16; one LOP3): compared with
+    ``t << 16`` (``_t_hi``), which needs no shift of the value."""
+    return w & Uint32(VALUE_MASK << 16)
+
+
+def _t_hi(t: Uint32) -> Uint32:
+    """The threshold for ``_hi`` values (loop-invariant)."""
+    return t << Uint32(16)
 
 
 def _regular_step(groups):
@@ -136,9 +156,9 @@ class DropoutScore:
                     self._place(bits, ra * ncols, ncols, lo_row)
                     self._place(bits, rb * ncols, ncols, hi_row)
 
-    # The keep test of a 16-bit value x against the threshold t (<= 2**16): x - t as a 32-bit integer is negative
-    # exactly when x is dropped, so its sign bit is the drop bit (high half: (w >> 16) - t, one LEA.HI; low half:
-    # (w & 0xFFFF) - t, LOP3 + IADD3), moved into a drop word by one funnel shift per element (``_sign_word``); the
+    # The keep test of a value x (KEEP_BITS wide) against the threshold t (<= 2**KEEP_BITS): x - t as a 32-bit
+    # integer is negative exactly when x is dropped, so its sign bit is the drop bit (``_lo``/``_hi`` then one
+    # IADD3 or LEA.HI), moved into a drop word by one funnel shift per element (``_sign_word``); the
     # keep bits are the complement, one LOP3 per word (none where the caller asks for drop bits).
     @cute.jit
     def _pair_keep(self, groups, ncols: cutlass.Constexpr[int], col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32,
@@ -153,7 +173,7 @@ class DropoutScore:
             mine = self._group_values(w, kind, col_base + t0)
             for e in cutlass.range_constexpr(len(cs)):
                 col_word[cs[e]] = mine[e]
-        drop = self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word] + [(v >> Uint32(16)) - t for v in col_word])
+        drop = self._sign_word([_lo(v) - t for v in col_word] + [_hi(v) - _t_hi(t) for v in col_word])
         return self._keep_of(drop, 2 * ncols)
 
     @cute.jit
@@ -176,12 +196,12 @@ class DropoutScore:
                 hi_g = Uint32(0)
                 if const_expr(self.sign_test):
                     for e in cutlass.range_constexpr(per - 1, -1, -1):
-                        lo_g = self._shift_in(lo_g, (mine[e] & Uint32(0xFFFF)) - t)
-                        hi_g = self._shift_in(hi_g, (mine[e] >> Uint32(16)) - t)
+                        lo_g = self._shift_in(lo_g, _lo(mine[e]) - t)
+                        hi_g = self._shift_in(hi_g, _hi(mine[e]) - _t_hi(t))
                 else:  # drop bits, as the sign test's
                     for e in cutlass.range_constexpr(per):
-                        lo_g = lo_g | (Uint32(1 << e) if (mine[e] & Uint32(0xFFFF)) < t else Uint32(0))
-                        hi_g = hi_g | (Uint32(1 << e) if (mine[e] >> Uint32(16)) < t else Uint32(0))
+                        lo_g = lo_g | (Uint32(1 << e) if _lo(mine[e]) < t else Uint32(0))
+                        hi_g = hi_g | (Uint32(1 << e) if _hi(mine[e]) < _t_hi(t) else Uint32(0))
                 # shift register of drop bits: after the last group, group g's bits sit at [g * per, (g + 1) * per)
                 lo_row = (lo_row >> Uint32(per)) | (lo_g << Uint32(ncols - per))
                 hi_row = (hi_row >> Uint32(per)) | (hi_g << Uint32(ncols - per))
@@ -195,11 +215,11 @@ class DropoutScore:
                     if const_expr(self.sign_test):
                         col_word[cs[e]] = mine[e]
                     else:
-                        lo_row = lo_row | (Uint32(1 << cs[e]) if (mine[e] & Uint32(0xFFFF)) >= t else Uint32(0))
-                        hi_row = hi_row | (Uint32(1 << cs[e]) if (mine[e] >> Uint32(16)) >= t else Uint32(0))
+                        lo_row = lo_row | (Uint32(1 << cs[e]) if _lo(mine[e]) >= t else Uint32(0))
+                        hi_row = hi_row | (Uint32(1 << cs[e]) if _hi(mine[e]) >= _t_hi(t) else Uint32(0))
             if const_expr(self.sign_test):
-                lo_row = self._keep_of(self._sign_word([(v & Uint32(0xFFFF)) - t for v in col_word]), ncols)
-                hi_row = self._keep_of(self._sign_word([(v >> Uint32(16)) - t for v in col_word]), ncols)
+                lo_row = self._keep_of(self._sign_word([_lo(v) - t for v in col_word]), ncols)
+                hi_row = self._keep_of(self._sign_word([_hi(v) - _t_hi(t) for v in col_word]), ncols)
         if const_expr(self.group_loop and step is not None and len(groups) > 1):
             lo_row = self._keep_of(lo_row, ncols)
             hi_row = self._keep_of(hi_row, ncols)
@@ -222,9 +242,9 @@ class DropoutScore:
                 if const_expr(self.sign_test):
                     col_word[cs[e]] = mine[e]
                 else:
-                    row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(0xFFFF)) >= t else Uint32(0))
+                    row = row | (Uint32(1 << cs[e]) if ((mine[e] >> shift) & Uint32(VALUE_MASK)) >= t else Uint32(0))
         if const_expr(self.sign_test):
-            row = self._keep_of(self._sign_word([((v >> shift) & Uint32(0xFFFF)) - t for v in col_word]), ncols)
+            row = self._keep_of(self._sign_word([((v >> shift) & Uint32(VALUE_MASK)) - t for v in col_word]), ncols)
         return row
 
     @cute.jit
@@ -336,8 +356,8 @@ class DropoutScore:
                 for r, shift in ((4 * b + e, 0), (4 * b + 2 + e, 16)):
                     for c, wv in ((0, wa), (1, wb)):
                         idx = r * ncols + c
-                        x = (wv >> Uint32(shift)) if shift else (wv & Uint32(0xFFFF))
-                        bits[0] = bits[0] | (Uint32(1 << idx) if x >= t else Uint32(0))
+                        x, tx = (_hi(wv), _t_hi(t)) if shift else (_lo(wv), t)
+                        bits[0] = bits[0] | (Uint32(1 << idx) if x >= tx else Uint32(0))
         return bits
 
     @staticmethod
@@ -376,6 +396,54 @@ class DropoutScore:
                 for c in cutlass.range_constexpr(ncols):
                     dropped = self._kept(drop, r * ncols + c)
                     p_mn[r, c] = p_mn.element_type(0.0) if dropped else p_mn[r, c]
+
+    def fwd_direct_ok(self, acc_P: cute.Tensor, t0ScS_mn: cute.Tensor) -> bool:
+        """Trace time: whether ``dropout_fwd_direct`` serves this forward tile: rows in pairs of one head (not
+        packed GQA), column groups unrolled (not ``group_loop``), a 16-bit P whose columns (c, c + 1) share a
+        register, and every group's columns in such pairs."""
+        p_mn = acc_mn_view(acc_P)
+        nrows = cute.size(p_mn, mode=[0])
+        if self.dropout_packed or self.group_loop or acc_P.element_type.width != 16:
+            return False
+        if row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)]) is None or not self._pairs_adjacent(p_mn):
+            return False
+        return all(cs[e] % 2 == 0 and cs[e + 1] == cs[e] + 1
+                   for _, _, cs in self._dropout_groups(t0ScS_mn) for e in range(0, len(cs), 2))
+
+    @cute.jit
+    def dropout_fwd_direct(self, acc_P: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
+                           row_qpos: cute.Tensor, row_bh, n_block: Int32):
+        """Zero the dropped probabilities of a 16-bit P tile straight from the Philox words, after the online
+        softmax (no bit words; ``fwd_direct_ok`` says where it applies).  A P register holds columns (c, c + 1)
+        of one row, whose values are the same half (low for row i0, high for i0 + 8) of the words of c and c + 1:
+        one PRMT gathers them, one LOP3 keeps their KEEP_BITS bits and sets 0x4000 (a normal, finite bf16 whose
+        order is the values' order), one HSET2 against the threshold likewise formed gives the keep mask
+        (0xFFFF per kept half) and one LOP3 applies it: 4 instructions per 2 elements, where the bit words took
+        about 7 (keep test, bit packing, PRMT unpacking)."""
+        p_mn = acc_mn_view(acc_P)
+        nrows = cute.size(p_mn, mode=[0])
+        groups = self._dropout_groups(t0ScS_mn)
+        pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
+        p32 = cute.make_tensor(cute.recast_ptr(acc_P.iterator, dtype=Uint32), cute.make_layout(cute.size(acc_P) // 2))
+        k0, k1 = self.rng.key()
+        t = Uint32(self.rng.threshold)
+        tt = (t | (t << Uint32(16))) + Uint32(0x40004000)  # t <= 2**KEEP_BITS: no carry between the halves
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
+        for pi in cutlass.range_constexpr(len(pairs)):
+            ra, rb = pairs[pi]
+            bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
+            for gi in cutlass.range_constexpr(len(groups)):
+                kind, t0, cs = groups[gi]
+                w = self.rng.words(col_base + t0, row_qpos[ra], bh, k0, k1)
+                mine = self._group_values(w, kind, col_base + t0)
+                for e in cutlass.range_constexpr(0, len(cs), 2):
+                    # low halves (bytes 0-1 of each word) for row ra, high halves (bytes 2-3) for row rb
+                    for r, sel in ((ra, 0x5410), (rb, 0x7632)):
+                        z = Uint32(cute.arch.prmt(mine[e], mine[e + 1], Int32(sel)))
+                        z = (z & Uint32(VALUE_MASK * 0x10001)) | Uint32(0x40004000)
+                        i = cute.crd2idx((r, cs[e]), p_mn.layout) // 2
+                        p32[i] = p32[i] & ge_mask_bf16x2(z, tt)
 
     @staticmethod
     def _pairs_adjacent(p_mn) -> bool:
