@@ -194,6 +194,7 @@ __all__ = [
     "row_sum",
     "mma_ss",
     "mma_rs",
+    "ge_mask_bf16x2",
     "ldmatrix_atom",
     "tiled_mma_16816",
 ]

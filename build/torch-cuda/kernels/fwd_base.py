@@ -142,7 +142,7 @@ class FwdKernelBase(KernelStateMixin):
                 res[r] = (ts.seq.batch << 16) | head
         return res
 
-    def dropout_bits(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
+    def dropout_apply(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
         """Trace time: this KV block's dropout, as a function ``apply(rP)`` that zeroes the dropped elements of the
         16-bit P tile (None without dropout).  Where ``ScoreHook.fwd_direct_ok``, ``apply`` makes the keep masks
         from the Philox words after the softmax (``dropout_fwd_direct``); elsewhere (packed GQA rows, the group
@@ -159,7 +159,7 @@ class FwdKernelBase(KernelStateMixin):
 
     @cute.jit
     def scores_to_p(
-        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits, n_block,
+        self, score: ScoreHook, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, dropout, n_block,
         is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
         mask_left: cutlass.Constexpr[bool], mask_mod_on: cutlass.Constexpr[bool] = True,
     ):
@@ -171,8 +171,8 @@ class FwdKernelBase(KernelStateMixin):
         online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        if const_expr(drop_bits is not None):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
-            drop_bits(rP)
+        if const_expr(dropout is not None):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
+            dropout(rP)
         return cu.acc_as_operand_a(rP)
 
     @cute.jit

@@ -342,7 +342,7 @@ class FlashFwdSm80(FwdKernelBase):
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
-        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        dropout = self.dropout_apply(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
         v_next = n_block if const_expr(stages == 1) else n_block - 1
@@ -374,7 +374,7 @@ class FlashFwdSm80(FwdKernelBase):
         n_real = n_block
         if const_expr(kv_tile is not None):
             n_real = kv_tile(n_block)
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, dropout,
                                 n_real, is_first, mask_seqlen, mask_right, mask_left, mask_mod_on)
 
         if const_expr(stages > 1):

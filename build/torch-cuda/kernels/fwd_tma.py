@@ -322,10 +322,10 @@ class FlashFwdWsSm120(FwdKernelBase):
         the producer loaded for it; ``mask_mod_on=False`` on block-sparse "full" tiles."""
         if const_expr(kv_tile is not None):
             n_block = kv_tile(n_block)
-        drop_bits = self.dropout_bits(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        dropout = self.dropout_apply(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.qk(acc_S, state.clone(), pipe_k, tiled_mma, tSrQ, tSrK, tSsQ, tSsK, ldsm_q, ldsm_k)
-        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, drop_bits,
+        tOrP = self.scores_to_p(score, acc_S, acc_O, state_max, state_sum, tScS_mn, t0ScS_mn, row_qpos, dropout,
                                 n_block, is_first, mask_seqlen, mask_right, mask_left, mask_mod_on)
         if const_expr(mask_seqlen):
             # the block holding the end of the sequence: its V rows past seqlen_k are whatever the tensor holds
