@@ -58,7 +58,7 @@ def test_words_follow_the_stated_counter_layout():
         pair = (i // 16) * 8 + i % 8
         word = 2 * ((j // 8) % 2) + j % 2
         half = (i // 8) % 2
-        ctr = (group, pair, ((b + 1) << 16) | h, offset & 0xFFFFFFFF)
+        ctr = (((b + 1) << 16) | h, pair, offset & 0xFFFFFFFF, group)
         key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
         assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & 0x1FFF  # low 13 bits
     assert int(w.max()) < 1 << dropout.KEEP_BITS
@@ -338,8 +338,8 @@ def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
                 qa = m_block * tile_m + rows[ra]
                 for kind, c0, cs in column_groups(t0_cols, quad_ok):
                     col = n_block * tile_n + cols[0] + c0
-                    ctr = ((col // 16) * 4 + (col % 8) // 2, (qa // 16) * 8 + qa % 8, (b << 16) | h,
-                           offset & 0xFFFFFFFF)
+                    ctr = ((b << 16) | h, (qa // 16) * 8 + qa % 8, offset & 0xFFFFFFFF,
+                           (col // 16) * 4 + (col % 8) // 2)
                     w = _philox_int(ctr, (k0, k1), 7)
                     mine = w if kind == "quad" else ((w[2], w[3]) if col & 8 else (w[0], w[1]))
                     mask = (1 << dropout.KEEP_BITS) - 1

@@ -416,10 +416,12 @@ class DropoutScore:
         """Zero the dropped probabilities of a 16-bit P tile straight from the Philox words, after the online
         softmax (no bit words; ``fwd_direct_ok`` says where it applies).  A P register holds columns (c, c + 1)
         of one row, whose values are the same half (low for row i0, high for i0 + 8) of the words of c and c + 1:
-        one PRMT gathers them, one LOP3 keeps their KEEP_BITS bits and sets 0x4000 (a normal, finite bf16 whose
-        order is the values' order), one HSET2 against the threshold likewise formed gives the keep mask
-        (0xFFFF per kept half) and one LOP3 applies it: 4 instructions per 2 elements, where the bit words took
-        about 7 (keep test, bit packing, PRMT unpacking)."""
+        one PRMT gathers them, one LOP3 keeps their KEEP_BITS bits (as bf16 numbers, 0 ... 0x1FFF are +0,
+        subnormals and small normals, finite and ordered as the integers: set.bf16x2 has no flush to zero),
+        one HSET2 against the threshold likewise formed gives the keep mask (0xFFFF per kept half) and one LOP3
+        applies it: 4 instructions per 2 elements, where the bit words took about 7 (keep test, bit packing, PRMT
+        unpacking).  The column group of a call is this tile's part (n_block * tile_n / 4, its low bits zero)
+        XOR a per-thread, loop-invariant part plus a trace-time constant: one LOP3 per call."""
         p_mn = acc_mn_view(acc_P)
         nrows = cute.size(p_mn, mode=[0])
         groups = self._dropout_groups(t0ScS_mn)
@@ -427,21 +429,35 @@ class DropoutScore:
         p32 = cute.make_tensor(cute.recast_ptr(acc_P.iterator, dtype=Uint32), cute.make_layout(cute.size(acc_P) // 2))
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
-        tt = (t | (t << Uint32(16))) + Uint32(0x40004000)  # t <= 2**KEEP_BITS: no carry between the halves
-        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        tt = t | (t << Uint32(16))  # t <= 2**KEEP_BITS: both halves hold it
+        col_thr = tScS_mn[0, 0][1]  # this thread's first column in the tile: even, < 8 mod 16 (quad_ok)
+        # group(n_block * tile_n + col_thr + t0) = n_block * tile_n / 4 + (g_thr + t0 / 4) for t0 and tile_n
+        # multiples of 16; the second part is < tile_n / 4 (an in-tile column's group), so when tile_n / 4 is a
+        # power of two the sum is an XOR of disjoint bits, which Philox's first XOR absorbs (one LOP3 per call
+        # with the hoisted rest)
+        g_tile = Uint32(n_block) * Uint32(self.tile_n // 4)
+        g_thr = Uint32(((col_thr >> 4) << 2) + ((col_thr & 7) >> 1))
+        split = self.tile_n % 16 == 0
+        pow2 = split and (self.tile_n // 4) & (self.tile_n // 4 - 1) == 0
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
         for pi in cutlass.range_constexpr(len(pairs)):
             ra, rb = pairs[pi]
             bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
             for gi in cutlass.range_constexpr(len(groups)):
                 kind, t0, cs = groups[gi]
-                w = self.rng.words(col_base + t0, row_qpos[ra], bh, k0, k1)
-                mine = self._group_values(w, kind, col_base + t0)
+                w = None
+                if const_expr(split and t0 % 16 == 0):
+                    g_in = g_thr + Uint32(t0 // 4)
+                    w = self.rng.group_words(g_tile ^ g_in if const_expr(pow2) else g_tile + g_in, row_qpos[ra], bh,
+                                             k0, k1)
+                else:
+                    w = self.rng.words(n_block * self.tile_n + col_thr + t0, row_qpos[ra], bh, k0, k1)
+                mine = self._group_values(w, kind, n_block * self.tile_n + col_thr + t0)
                 for e in cutlass.range_constexpr(0, len(cs), 2):
                     # low halves (bytes 0-1 of each word) for row ra, high halves (bytes 2-3) for row rb
                     for r, sel in ((ra, 0x5410), (rb, 0x7632)):
                         z = Uint32(cute.arch.prmt(mine[e], mine[e + 1], Int32(sel)))
-                        z = (z & Uint32(VALUE_MASK * 0x10001)) | Uint32(0x40004000)
+                        z = z & Uint32(VALUE_MASK * 0x10001)
                         i = cute.crd2idx((r, cs[e]), p_mn.layout) // 2
                         p32[i] = p32[i] & ge_mask_bf16x2(z, tt)
 
