@@ -24,8 +24,8 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
   ``1 - threshold / 2**13``, p quantised to a multiple of 2**-13 (within 2**-14 of ``1 - p``;
   ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the quantised
   one: the relative bias is below 2**-14 / (1 - p)).  13 bits, not 16, so that the forward can test two elements
-  at once as bf16 numbers (0x4000 | value is a normal, finite bf16 whose order is the values' order: one HSET2
-  per pair of P elements, kernels/score_dropout.py).
+  at once as bf16 numbers (0 ... 0x1FFF are finite, non-negative bf16 numbers, subnormals included, ordered as
+  the integers: one HSET2 per pair of P elements, kernels/score_dropout.py).
 * Seed and offset: given (``dropout_seed``, ``dropout_offset``), or drawn from torch's CUDA default generator of
   q's device (its seed and offset; the offset then advances by ``OFFSET_INCREMENT``), so ``torch.manual_seed``
   reproduces a run.  Under CUDA-graph capture the generator is not read: pass ``dropout_seed`` as a CUDA int64
