@@ -85,8 +85,8 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     k = align(cfg.tile_n * cfg.head_dim * elem_bytes)
     v = align(cfg.tile_n * cfg.head_dim_v * elem_bytes)
     p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
-    if getattr(cfg, "kv_rows", False):  # two stages of Q and dO, no P / dS
-        return 2 * (q + do) + k + v
+    if getattr(cfg, "kv_rows", False):  # two stages of Q and dO, no P / dS; with dropout two blocks' dP sums
+        return 2 * (q + do) + k + v + (align(2 * cfg.tile_m * 4) if cfg.has_dropout else 0)
     return q + do + k + v + 2 * p
 
 
@@ -292,6 +292,12 @@ def dropout_gate_worklist() -> list:
                 out.append(cfg)
                 if heavy and cfg.kv_rows != key[5]:  # the tile refuses softcap with dropout (_BWD_SPILLING)
                     out.append(sel(dtype, d, dv, has_dropout=True, **dict(flags, has_softcap=False)))
+                if heavy and key[5] and dtype == "bf16":
+                    # the causal training call (window, int seed): on the key-row tile an intermediate set, which
+                    # spilled where the heavier ones did not
+                    win = sel(dtype, d, dv, has_dropout=True, windowed=True)
+                    if win.kv_rows:
+                        out.append(win)
     return out
 
 

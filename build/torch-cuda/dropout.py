@@ -5,10 +5,13 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
 
 * Generator: Philox4x32 with ``PHILOX_ROUNDS`` = 7 rounds (Salmon et al., SC'11; constants M0 = 0xD2511F53,
   M1 = 0xCD9E8D57, Weyl key bumps W0 = 0x9E3779B9, W1 = 0xBB67AE85 between rounds).
-* Key: ``(seed_lo, seed_hi ^ offset_hi)``; counter ``(group, pair, (b << 16) | h, offset_lo)`` for batch entry
+* Key: ``(seed_lo, seed_hi ^ offset_hi)``; counter ``((b << 16) | h, pair, offset_lo, group)`` for batch entry
   ``b`` (the sequence index under varlen), query head ``h``, query position ``i`` and key position ``j`` (both
   counted from the start of their sequence), with ``group = (j // 16) * 4 + (j % 8) // 2`` and
   ``pair = (i // 16) * 8 + i % 8``.
+* Counter order: the constant words (b, h) and offset_lo enter round 1's multiplies, the row pair and the column
+  group only its XORs, so rounds 1-3 split into a part of the row pair and a part of the group: a kernel whose
+  calls share the rows (forward, dQ) or the keys (key-row dK/dV) makes 10 multiplies per call, not 12.
 * One Philox call yields 4 words = 8 16-bit halves for the 2 x 4 elements of its group: query rows ``i0, i0 + 8``
   (``i0 = 16 * (i // 16) + i % 8``) by key columns ``j0, j0 + 1, j0 + 8, j0 + 9``
   (``j0 = 16 * (j // 16) + 2 * ((j % 8) // 2)``).  Column ``j`` takes word ``2 * ((j // 8) % 2) + j % 2``; row
@@ -21,8 +24,8 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
   ``1 - threshold / 2**13``, p quantised to a multiple of 2**-13 (within 2**-14 of ``1 - p``;
   ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the quantised
   one: the relative bias is below 2**-14 / (1 - p)).  13 bits, not 16, so that the forward can test two elements
-  at once as bf16 numbers (0x4000 | value is a normal, finite bf16 whose order is the values' order: one HSET2
-  per pair of P elements, kernels/score_dropout.py).
+  at once as bf16 numbers (0 ... 0x1FFF are finite, non-negative bf16 numbers, subnormals included, ordered as
+  the integers: one HSET2 per pair of P elements, kernels/score_dropout.py).
 * Seed and offset: given (``dropout_seed``, ``dropout_offset``), or drawn from torch's CUDA default generator of
   q's device (its seed and offset; the offset then advances by ``OFFSET_INCREMENT``), so ``torch.manual_seed``
   reproduces a run.  Under CUDA-graph capture the generator is not read: pass ``dropout_seed`` as a CUDA int64
@@ -205,7 +208,7 @@ def random_words(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     shape = (batch, heads, seqlen_q, seqlen_k)
     k0 = seed & _U32
     k1 = (seed >> 32) ^ (offset >> 32)
-    out = philox4x32(c0.expand(shape), c1.expand(shape), bh.expand(shape), offset & _U32, k0, k1, rounds)
+    out = philox4x32(bh.expand(shape), c1.expand(shape), offset & _U32, c0.expand(shape), k0, k1, rounds)
     w = word.expand(shape)
     res = torch.where(w == 0, out[0], out[1])
     res = torch.where(w == 2, out[2], res)

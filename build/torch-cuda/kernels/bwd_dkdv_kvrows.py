@@ -81,6 +81,16 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
 
+        if const_expr(self.cfg.has_dropout):  # and the dP sums of two query blocks (see ``kernel``)
+
+            @cute.struct
+            class SharedStorage:  # noqa: F811
+                sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+                sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
+                sDps: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_m], 16]
+
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         mma = _mma(dt, self.tile_n, self.num_warps)  # 16 keys per warp, wn = 1 (config_bwd.bwd_problems)
         self.kernel(
@@ -121,6 +131,9 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)  # (tile_m, d | dv, stage)
         sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
+        sDps = None
+        if const_expr(cfg.has_dropout):
+            sDps = storage.sDps.get_tensor(cute.make_layout(2 * self.tile_m))
         sQt, sdOt = cu.transpose_view(sQ), cu.transpose_view(sdO)  # (d | dv, tile_m, stage)
         score = replace(score, transposed=True)
 
@@ -204,6 +217,15 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             # Q/dO of this block visible to all, and every warp done with the previous block's stage, which the
             # prefetch below overwrites
             cute.arch.barrier()
+            dps = dpsum
+            if const_expr(cfg.has_dropout):
+                # with dropout the dP sums wait in shared memory (two blocks' worth, by stage) from here to dS, not
+                # in registers across the keep bits, the S mma and the score hook: with the Philox counter of
+                # dropout.py the d128 tile was 2-3 registers short with window + dropout.  A thread reads back only
+                # rows it wrote itself (other threads write the same values), so no barrier is needed
+                for r in cutlass.range_constexpr(num_rows):
+                    sDps[stage * self.tile_m + tScS_mn[r, 0][0]] = dpsum[r]
+                dps = cu.SmemRows(sDps, stage * self.tile_m, [tScS_mn[r, 0][0] for r in range(num_rows)])
             if it + 1 < num_iters:
                 self.load_q_do_stage(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block,
                                      1 - stage)
@@ -228,7 +250,7 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             acc_dP.fill(0.0)
             cu.mma_ss(mma_n, acc_dP, tPrV, tPrdO, tPsV, tPsdO[None, None, None, stage], cpA, cpB, False)
             if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
+                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dps, drop_bits)
             else:
                 score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
             if const_expr(self.wants_raw_scores()):

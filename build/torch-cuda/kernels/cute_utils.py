@@ -209,3 +209,16 @@ def ge_mask_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
         "set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class SmemRows:
+    """Per-row values read from shared memory on use (``rows[r]`` = ``smem[base + offsets[r]]``, r a trace-time
+    int): values that would otherwise hold a register per row across a loop body."""
+
+    def __init__(self, smem, base, offsets):
+        self.smem = smem
+        self.base = base
+        self.offsets = list(offsets)
+
+    def __getitem__(self, r: int):
+        return self.smem[self.base + self.offsets[r]]

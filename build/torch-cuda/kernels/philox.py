@@ -66,8 +66,13 @@ class DropoutRng:
         0/1 for columns j0, j0 + 1 and 2/3 for j0 + 8, j0 + 9; in each, the low 16 bits for the query row i0 =
         16 (qpos // 16) + qpos % 8 and the high 16 bits for i0 + 8 (dropout.py)."""
         group = (col0 >> 4) * 4 + ((col0 & 7) >> 1)
+        return self.group_words(Uint32(group), qpos, bh, k0, k1)
+
+    @cute.jit
+    def group_words(self, group: Uint32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32):
+        """``words`` of column group ``group`` ((j // 16) * 4 + (j % 8) // 2, given by the caller)."""
         pair = (qpos >> 4) * 8 + (qpos & 7)
-        return philox4x32(Uint32(group), Uint32(pair), Uint32(bh), Uint32(self.offset_lo), k0, k1)
+        return philox4x32(Uint32(bh), Uint32(pair), Uint32(self.offset_lo), group, k0, k1)
 
 
 def row_pairs(t0_rows):
