@@ -5,6 +5,7 @@
   <!-- bench-bwd:begin --> ... <!-- bench-bwd:end -->  backward table from benchmarks/results/bwd_h100.jsonl
   <!-- bench-host:begin --> ... <!-- bench-host:end --> per-call host cost from benchmarks/results/host_h100.jsonl
   <!-- bench-decode:begin --> ... <!-- bench-decode:end --> decode bandwidth from benchmarks/results/decode_h100.jsonl
+  <!-- bench-dropout:begin --> ... <!-- bench-dropout:end --> dropout cost from benchmarks/results/dropout_h100.jsonl
 
     python scripts/readme_sections.py          # rewrite README.md
     python scripts/readme_sections.py --check  # exit 1 when README.md drifted (CI)
@@ -24,6 +25,8 @@ FWD_RESULTS = ROOT / "benchmarks" / "results" / "fwd_h100.jsonl"
 BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h100.jsonl"
 HOST_RESULTS = ROOT / "benchmarks" / "results" / "host_h100.jsonl"
 DECODE_RESULTS = ROOT / "benchmarks" / "results" / "decode_h100.jsonl"
+DROPOUT_RESULTS = ROOT / "benchmarks" / "results" / "dropout_h100.jsonl"
+DROPOUT_RUNS = 3  # the README reports the last three bench_dropout runs
 
 
 def _features_module():
@@ -146,8 +149,32 @@ def bench_decode_section() -> str:
     return "\n".join(out) + "\n"
 
 
+def bench_dropout_section() -> str:
+    """The last DROPOUT_RUNS runs of bench_dropout.py (each: fwd/bwd x causal or not, appended in that order)."""
+    rows = [json.loads(line) for line in DROPOUT_RESULTS.read_text().splitlines() if line.strip()]
+    keys = sorted({(r["direction"], r["causal"]) for r in rows}, key=lambda k: (k[0] != "fwd", k[1]))
+    last = rows[-DROPOUT_RUNS * len(keys):]
+    head = last[0]
+    out = [f"`python benchmarks/bench_dropout.py` on {head.get('device', '?')} (the SM120 proxy), torch "
+           f"{head.get('torch', '?')}, bf16, d{head['head_dim']}, B={head['batch']}, {head['heads']} heads, "
+           f"S={head['seqlen']}, p={head['dropout_p']}: time of the call without dropout ÷ time with it (issue 10 "
+           f"asks >= {head['target']}), CUDA-event medians, the last {DROPOUT_RUNS} runs ({last[0]['time']} to "
+           f"{last[-1]['time']}); backward TFLOPS count 2.5x the forward FLOPs.",
+           "",
+           "| direction | causal | ms without | ms with | TFLOPS with | ratio (median) | runs |",
+           "|---|---|---|---|---|---|---|"]
+    for direction, causal in keys:
+        sel = [r for r in last if (r["direction"], r["causal"]) == (direction, causal)]
+        med = sorted(sel, key=lambda r: r["ratio"])[len(sel) // 2]
+        runs = ", ".join(f"{r['ratio']:.3f}" for r in sel)
+        out.append(f"| {direction} | {'yes' if causal else 'no'} | {med['ms_no_dropout']:.3f} | "
+                   f"{med['ms_dropout']:.3f} | {med['tflops_dropout']:.0f} | {med['ratio']:.3f} | {runs} |")
+    return "\n".join(out) + "\n"
+
+
 SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
-            "bench-host": bench_host_section, "bench-decode": bench_decode_section}
+            "bench-host": bench_host_section, "bench-decode": bench_decode_section,
+            "bench-dropout": bench_dropout_section}
 
 
 def render(text: str) -> str:
