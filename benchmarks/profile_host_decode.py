@@ -97,7 +97,7 @@ def micro(fa, calls):
     lse_c = torch.empty((b, s, h), device="cuda", dtype=torch.float32)
     l_part_c = l_part.contiguous()
     CB.launch_combine(o_part, l_part, out, lse)
-    from flash_attn_4_sm120.config import combine_split_groups
+    from flash_attn_4_sm120.config_combine import combine_split_groups
     from flash_attn_4_sm120.launch import sm_count
 
     groups = combine_split_groups(b * s * h, n, d, sm_count(out.device))

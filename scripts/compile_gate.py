@@ -12,7 +12,7 @@ combine and the backward preprocess kernels have no matmul and must have none), 
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
 lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
 config.sparse_gate_worklist, config.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
-plus the combine kernel's (config.combine_gate_configs), the backward preprocess kernel's
+plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 """
 
@@ -47,7 +47,7 @@ def _package():
 
 def _worklist(pattern: str | None):
     _package()
-    from flash_attn_4_sm120 import config, config_bwd
+    from flash_attn_4_sm120 import config, config_bwd, config_combine
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
@@ -60,7 +60,7 @@ def _worklist(pattern: str | None):
         for d, dv in config.supported_head_dim_pairs():
             items += config_bwd.bwd_gate_configs(dtype, d, dv)
     items += config_bwd.dropout_gate_worklist()
-    items += config.combine_gate_configs()
+    items += config_combine.combine_gate_configs()
     items += config_bwd.bwd_pre_gate_configs()
     from flash_attn_4_sm120 import modspec
 
@@ -81,16 +81,17 @@ def _check_one(cfg, arch: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(dir=os.environ.get("FA4_GATE_DUMP_PARENT")))
     _package()
     sys.path.insert(0, str(ROOT))
-    from flash_attn_4_sm120 import config, config_bwd, jit
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, jit
     from scripts.sass_check import inspect_cubin
 
     t0 = time.time()
     row = {"config": cfg.name(), "arch": arch}
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
-        no_mma = isinstance(cfg, (config.CombineKernelConfig, config_bwd.BwdPreKernelConfig))  # elementwise/reductions
-        if isinstance(cfg, config.CombineKernelConfig):
-            expected_smem = config.combine_smem_bytes(cfg)
+        # elementwise / reductions: no matmul
+        no_mma = isinstance(cfg, (config_combine.CombineKernelConfig, config_bwd.BwdPreKernelConfig))
+        if isinstance(cfg, config_combine.CombineKernelConfig):
+            expected_smem = config_combine.combine_smem_bytes(cfg)
         elif no_mma:
             expected_smem = 0
         elif isinstance(cfg, config_bwd.DqKernelConfig):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, interface
+from flash_attn_4_sm120 import arguments, config, config_combine, interface
 from flash_attn_4_sm120.combine import check_combine
 from reference import attention_ref, combine_ref, split_partials
 
@@ -110,10 +110,11 @@ def test_combine_check_picks_the_output_dtype():
 
 
 def test_combine_threads_per_row():
-    assert [config.combine_threads_per_row(d) for d in (32, 64, 96, 128, 192, 256, 512)] == [8, 16, 8, 32, 16, 32, 32]
+    tprs = [config_combine.combine_threads_per_row(d) for d in (32, 64, 96, 128, 192, 256, 512)]
+    assert tprs == [8, 16, 8, 32, 16, 32, 32]
     for d in range(8, 513, 8):
-        tpr = config.combine_threads_per_row(d)
-        assert 32 % tpr == 0 and (d // config.COMBINE_VEC) % tpr == 0
+        tpr = config_combine.combine_threads_per_row(d)
+        assert 32 % tpr == 0 and (d // config_combine.COMBINE_VEC) % tpr == 0
 
 
 def test_combine_kernel_call_matches_its_record():
@@ -132,7 +133,7 @@ def test_combine_fake_args_follow_the_record():
     from flash_attn_4_sm120 import jit
 
     for has_lse in (False, True):
-        cfg = config.CombineKernelConfig("fp32", "bf16", 128, has_lse)
+        cfg = config_combine.CombineKernelConfig("fp32", "bf16", 128, has_lse)
         fakes = dict(zip(arguments.COMBINE_ARGS.names, jit.fake_args(arguments.COMBINE_ARGS, cfg)))
         assert (fakes["lse"] is None) == (not has_lse)
         assert fakes["out_partial"].element_type.__name__ == "Float32"
@@ -144,7 +145,7 @@ def test_combine_compiles_for_sm120(monkeypatch):
     from flash_attn_4_sm120 import jit
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
-    fn, kernel = jit.compile_kernel(config.CombineKernelConfig("fp32", "bf16", 64, True), with_kernel=True)
+    fn, kernel = jit.compile_kernel(config_combine.CombineKernelConfig("fp32", "bf16", 64, True), with_kernel=True)
     assert fn is not None and kernel.launch_smem_bytes == 0
 
 
@@ -165,15 +166,15 @@ def test_split_forward_fake_args_are_fp32_partials():
 
 def test_combine_split_groups_rule():
     # few rows with many splits: groups share a row's splits (MQA decode B=1: 32 rows x 64 splits on 132 SMs)
-    assert config.combine_split_groups(32, 64, 128, 132) == config.COMBINE_SPLIT_GROUPS
+    assert config_combine.combine_split_groups(32, 64, 128, 132) == config_combine.COMBINE_SPLIT_GROUPS
     # few splits: one unrolled batch per row already; many rows: the GPU is full with one group per row
-    assert config.combine_split_groups(32, 8, 128, 132) == 1
-    assert config.combine_split_groups(32 * 132 * 8, 64, 128, 132) == 1
+    assert config_combine.combine_split_groups(32, 8, 128, 132) == 1
+    assert config_combine.combine_split_groups(32 * 132 * 8, 64, 128, 132) == 1
     # the compile key and the kernel name tell the two apart
-    a = config.CombineKernelConfig("fp32", "bf16", 128, True)
-    b = config.CombineKernelConfig("fp32", "bf16", 128, True, config.COMBINE_SPLIT_GROUPS)
-    assert a != b and a.name() != b.name() and b.name().endswith(f"_g{config.COMBINE_SPLIT_GROUPS}")
+    a = config_combine.CombineKernelConfig("fp32", "bf16", 128, True)
+    b = config_combine.CombineKernelConfig("fp32", "bf16", 128, True, config_combine.COMBINE_SPLIT_GROUPS)
+    assert a != b and a.name() != b.name() and b.name().endswith(f"_g{config_combine.COMBINE_SPLIT_GROUPS}")
     # every head dim the combine takes fits a whole number of row groups in the CTA
-    for d in range(8, config.COMBINE_MAX_HEAD_DIM + 1, 8):
-        groups_per_cta = config.COMBINE_THREADS // config.combine_threads_per_row(d)
-        assert groups_per_cta % config.COMBINE_SPLIT_GROUPS == 0, d
+    for d in range(8, config_combine.COMBINE_MAX_HEAD_DIM + 1, 8):
+        groups_per_cta = config_combine.COMBINE_THREADS // config_combine.combine_threads_per_row(d)
+        assert groups_per_cta % config_combine.COMBINE_SPLIT_GROUPS == 0, d

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
-from flash_attn_4_sm120 import config, features, launch as L, splitkv as SK
+from flash_attn_4_sm120 import config, config_combine, features, launch as L, splitkv as SK
 
 CPU = torch.device("cpu")
 
@@ -42,8 +42,8 @@ def test_num_splits_must_be_an_int(bad):
 
 
 def test_forced_splits_above_the_combine_limit_raise():
-    with pytest.raises(ValueError, match=f"maximum {config.COMBINE_MAX_SPLITS}"):
-        _resolve(config.COMBINE_MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match=f"maximum {config_combine.COMBINE_MAX_SPLITS}"):
+        _resolve(config_combine.COMBINE_MAX_SPLITS + 1)
 
 
 def test_batch_times_splits_beyond_grid_z_raises():
