@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch
+from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch_bwd
 from reference import dpsum_ref
 
 
@@ -83,7 +83,7 @@ class _FakeKernel:
         assert record is arguments.BWD_PRE_ARGS and set(values) == set(record.names)
         dout, out, dpsum, dlse = values["dout"], values["out"], values["dpsum"], values["dlse"]
         assert dout.dim() == out.dim() == 4 and dpsum.dim() == 3 and dpsum.stride(-1) == 1
-        assert values["num_rows"] == dpsum.numel() <= dispatch.PRE_MAX_ROWS
+        assert values["num_rows"] == dpsum.numel() <= dispatch_bwd.PRE_MAX_ROWS
         assert torch.isnan(dpsum).all(), "a row written twice"
         d, _ = dpsum_ref(dout, out, dlse)
         dpsum.copy_(d)
@@ -93,9 +93,9 @@ class _FakeKernel:
 @pytest.fixture
 def fake_kernel(monkeypatch):
     fake = _FakeKernel()
-    monkeypatch.setattr(dispatch, "_kernel", lambda cfg, dev: ("compiled", cfg))
-    monkeypatch.setattr(dispatch, "_launch", fake.launch)
-    monkeypatch.setattr(dispatch, "_PRE_KERNELS", {})
+    monkeypatch.setattr(dispatch_bwd, "_kernel", lambda cfg, dev: ("compiled", cfg))
+    monkeypatch.setattr(dispatch_bwd, "_launch", fake.launch)
+    monkeypatch.setattr(dispatch_bwd, "_PRE_KERNELS", {})
     real_empty = torch.empty
     # a fresh dpsum starts as NaN, so a row no launch wrote (or one written twice) shows
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(math.nan))
@@ -107,7 +107,7 @@ def fake_kernel(monkeypatch):
 @pytest.mark.parametrize("max_rows", [None, 7, 40, 1000])
 def test_host_launch_plan(fake_kernel, monkeypatch, varlen, dlse_kind, max_rows):
     if max_rows is not None:
-        monkeypatch.setattr(dispatch, "PRE_MAX_ROWS", max_rows)
+        monkeypatch.setattr(dispatch_bwd, "PRE_MAX_ROWS", max_rows)
     g = torch.Generator().manual_seed(0)
     shape = (23, 3, 16) if varlen else (2, 11, 3, 16)
     out = torch.randn(*shape, generator=g).bfloat16()
@@ -118,19 +118,19 @@ def test_host_launch_plan(fake_kernel, monkeypatch, varlen, dlse_kind, max_rows)
         dlse = torch.randn(*lse_shape, generator=g)
     elif dlse_kind == "expanded":  # the gradient of lse.sum(): stride 0, read in place
         dlse = torch.ones(()).expand(lse_shape)
-    got = dispatch.bwd_dpsum(dout, out, dlse, varlen)
+    got = dispatch_bwd.bwd_dpsum(dout, out, dlse, varlen)
     ref, _ = dpsum_ref(dout, out, dlse, varlen)
     assert got.shape == ref.shape and got.is_contiguous() and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     sizes = [math.prod(s) for s in fake_kernel.launches]
-    assert sum(sizes) == ref.numel() and max(sizes) <= dispatch.PRE_MAX_ROWS
+    assert sum(sizes) == ref.numel() and max(sizes) <= dispatch_bwd.PRE_MAX_ROWS
     assert (len(sizes) == 1) == (max_rows is None or max_rows >= ref.numel())
 
 
 @pytest.mark.parametrize("shape", [(0, 5, 2, 64), (2, 0, 2, 64), (2, 5, 0, 64), (0, 2, 64)])
 def test_empty_tensors_launch_nothing(fake_kernel, shape):
     t = torch.zeros(shape, dtype=torch.float16)
-    got = dispatch.bwd_dpsum(t, t, None, len(shape) == 3)
+    got = dispatch_bwd.bwd_dpsum(t, t, None, len(shape) == 3)
     assert got.numel() == 0 and fake_kernel.launches == []
     assert got.shape == ((shape[1], shape[0]) if len(shape) == 3 else (shape[0], shape[2], shape[1]))
 
@@ -150,5 +150,5 @@ def test_reference_is_rowsum_in_the_lse_layout():
 
 
 def test_backward_uses_the_kernel_not_the_torch_expression():
-    src = inspect.getsource(dispatch.run_backward)
+    src = inspect.getsource(dispatch_bwd.run_backward)
     assert "bwd_dpsum(dout, out, dlse, varlen_q)" in src and ".float()" not in src

@@ -13,13 +13,13 @@ from reference import dpsum_ref
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 fa = pytest.importorskip("flash_attn_4_sm120")
-from flash_attn_4_sm120 import dispatch  # noqa: E402
+from flash_attn_4_sm120 import dispatch_bwd  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _check(dout, out, dlse, varlen):
-    got = dispatch.bwd_dpsum(dout, out, dlse, varlen)
+    got = dispatch_bwd.bwd_dpsum(dout, out, dlse, varlen)
     torch.cuda.synchronize()
     ref, mag = dpsum_ref(dout, out, dlse, varlen, dtype=torch.float64)
     assert got.dtype == torch.float32 and got.shape == ref.shape and got.is_contiguous()
@@ -98,7 +98,7 @@ def test_non_finite_values_reach_their_row_only(dv):
 
 @pytest.mark.parametrize("max_rows", [7, 100])
 def test_chunked_launches(monkeypatch, max_rows):
-    monkeypatch.setattr(dispatch, "PRE_MAX_ROWS", max_rows)  # as if B * H * S overflowed int32
+    monkeypatch.setattr(dispatch_bwd, "PRE_MAX_ROWS", max_rows)  # as if B * H * S overflowed int32
     gen = torch.Generator(device="cuda").manual_seed(max_rows)
     out, dout = (_rand((3, 41, 4, 64), torch.bfloat16, gen) for _ in range(2))
     _check(dout, out, torch.randn(3, 4, 41, device="cuda", generator=gen), False)
@@ -109,7 +109,7 @@ def test_chunked_launches(monkeypatch, max_rows):
 @pytest.mark.parametrize("shape", [(0, 5, 2, 64), (2, 0, 2, 64), (0, 2, 64)])
 def test_empty(shape):
     t = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
-    assert dispatch.bwd_dpsum(t, t, None, len(shape) == 3).numel() == 0
+    assert dispatch_bwd.bwd_dpsum(t, t, None, len(shape) == 3).numel() == 0
 
 
 def test_large_rows_throughput_shape():
