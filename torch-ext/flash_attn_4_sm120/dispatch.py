@@ -320,6 +320,12 @@ def _log2_scales(meta: FwdMeta) -> tuple[float, float]:
     return meta.scale * _LOG2_E, 1.0
 
 
+def _sparse_bwd_key(meta: FwdMeta) -> tuple:
+    """The backward's block-sparse plan key (the dQ and dK/dV ratios; zeros without block sparsity)."""
+    sg = meta.sparse
+    return (0, 0, 0, 0) if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
+
+
 # ---- forward ---------------------------------------------------------------------------------------------------
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table=None):
     """Rank/dtype/device/stride/shape checks of one call (raise before any launch); returns batch."""

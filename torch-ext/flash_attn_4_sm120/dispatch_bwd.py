@@ -14,13 +14,8 @@ from . import block_sparse as BS
 from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS
 from .config_bwd import BwdPreKernelConfig
-from .dispatch import FwdMeta, _log2_scales, _nograd, _plan, _rng_args
+from .dispatch import FwdMeta, _log2_scales, _nograd, _plan, _rng_args, _sparse_bwd_key
 from .launch import compiled_kernel as _kernel, launch as _launch
-
-
-def _sparse_bwd_key(meta: FwdMeta) -> tuple:
-    sg = meta.sparse
-    return (0, 0, 0, 0) if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
 
 
 def _row_valid(lse, cu_q, used_q):
