@@ -1,12 +1,13 @@
 """Autograd for the attention: the forward saves (q, k, v, out, lse) and the metadata, the backward runs the two
-backward kernels through dispatch.run_backward.  Gradients are always bitwise reproducible (no atomics), so
+backward kernels through dispatch_bwd.run_backward.  Gradients are always bitwise reproducible (no atomics), so
 there is no ``deterministic`` switch to carry here."""
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import run_backward, run_forward
+from .dispatch import run_forward
+from .dispatch_bwd import run_backward
 
 
 class FlashAttnFunction(torch.autograd.Function):

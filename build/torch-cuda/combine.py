@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .arguments import COMBINE_ARGS
-from .config import (COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem,
+from .config_combine import (COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem,
                      combine_split_groups)
 
 COMBINE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .arguments import ArgRecord
-from .config import COMBINE_VEC, CombineKernelConfig
+from .config_combine import COMBINE_VEC, CombineKernelConfig
 from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")

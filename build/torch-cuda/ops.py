@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import torch
 
-from .dispatch import forward_meta, run_backward, run_forward
+from .dispatch import forward_meta, run_forward
+from .dispatch_bwd import run_backward
 from .dropout import DropoutArgs, check_p
 
 _U64 = (1 << 64) - 1

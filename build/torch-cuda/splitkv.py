@@ -20,7 +20,7 @@ import functools
 import torch
 
 from .combine import launch_combine
-from .config import COMBINE_MAX_SPLITS, combine_head_dim_problem
+from .config_combine import COMBINE_MAX_SPLITS, combine_head_dim_problem
 from .launch import sm_count
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits

@@ -14,11 +14,11 @@ An empty split (l_i = -inf) contributes exactly 0 and its O_i is never read (it 
 splits are all empty gets O = 0 and LSE = -inf.  NaN is not hidden: a NaN LSE makes the row's LSE and O NaN, and a
 NaN in the O_i of a non-empty split reaches O.
 
-Work split: ``tpr`` threads (a power of two <= 32, config.combine_threads_per_row) form a group; each holds
+Work split: ``tpr`` threads (a power of two <= 32, config_combine.combine_threads_per_row) form a group; each holds
 ``D / (4 * tpr)`` 4-element vectors of a row.  A group reads the row's split LSEs strided and reduces max and sum
 with butterfly shuffles.  With ``split_groups`` G = 1 one group owns a row and walks all its splits ``UNROLL`` at a
 time (independent loads in flight), scaling and adding the partial vectors.  With G > 1 (few rows, many splits:
-config.combine_split_groups) G groups share a row: group g walks splits g*UNROLL.. in strides of G*UNROLL, the
+config_combine.combine_split_groups) G groups share a row: group g walks splits g*UNROLL.. in strides of G*UNROLL, the
 groups' sums meet in shared memory and group 0 adds them in group order (a fixed order: reproducible) and stores.
 Rows past the end are clamped to the last row (so every lane joins the shuffles and barriers) and not stored.  No
 atomics; the number of splits is a runtime value.
@@ -36,7 +36,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import COMBINE_ARGS
-from ..config import (COMBINE_THREADS, COMBINE_UNROLL, COMBINE_VEC, CombineKernelConfig, combine_smem_bytes,
+from ..config_combine import (COMBINE_THREADS, COMBINE_UNROLL, COMBINE_VEC, CombineKernelConfig, combine_smem_bytes,
                       combine_threads_per_row)
 from .cute_utils import LN_2, LOG2_E
 
