@@ -13,6 +13,32 @@ from flash_attn_4_sm120 import arguments, config, dispatch, dispatch_bwd, valida
 PKG = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn_4_sm120"
 
 
+def test_no_undefined_names():
+    """Every name the package's code uses is defined (pyflakes): the launch paths run only on a GPU, so a name a
+    refactor left behind would otherwise first fail there."""
+    from pyflakes import api, messages, reporter
+
+    class Collect(reporter.Reporter):
+        def __init__(self):
+            super().__init__(None, None)
+            self.found = []
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)):
+                self.found.append(str(message))
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.found.append(f"{filename}:{lineno}: {msg}")
+
+        def unexpectedError(self, filename, msg):
+            self.found.append(f"{filename}: {msg}")
+
+    rep = Collect()
+    for path in sorted(PKG.rglob("*.py")):
+        api.check(path.read_text(), str(path), rep)
+    assert not rep.found, "\n".join(rep.found)
+
+
 def _module_imports() -> dict[str, set[str]]:
     """Package-internal imports of every module (relative imports resolved), by dotted name under the package."""
     graph = {}
