@@ -74,22 +74,13 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
         sK_l = cute.tile_to_shape(a(dt, self.d), (self.tile_n, self.d), (0, 1))
         sV_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_n, self.dv), (0, 1))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
+        def smem(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
+        fields = {"sQ": smem(dt, sQ_l), "sdO": smem(dt, sdO_l), "sK": smem(dt, sK_l), "sV": smem(dt, sV_l)}
         if const_expr(self.cfg.has_dropout):  # and the dP sums of two query blocks (see ``kernel``)
-
-            @cute.struct
-            class SharedStorage:  # noqa: F811
-                sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
-                sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
-                sDps: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_m], 16]
+            fields["sDps"] = cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_m], 16]
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         mma = _mma(dt, self.tile_n, self.num_warps)  # 16 keys per warp, wn = 1 (config_bwd.bwd_problems)
