@@ -63,17 +63,17 @@ class DropoutScore:
         ncols = cute.size(t0ScS_mn, mode=[1])
         return column_groups([t0ScS_mn[0, c][1] for c in range(ncols)], self.quad_ok)
 
-    def _group_fn(self, n_block: Int32, col_thr: Int32, fold: bool = True):
+    def _group_fn(self, n_block: Int32, col_thr: Int32):
         """Trace time: ``t0 -> (words of the Philox call of column n_block * tile_n + col_thr + t0)`` as a function
         of (qpos, bh, k0, k1).  For t0 and tile_n multiples of 16 the column group is n_block * tile_n / 4 plus
         (g_thr + t0 / 4), the group of an in-tile column (< tile_n / 4); when tile_n / 4 is a power of two that sum
         is an XOR of disjoint bits, which Philox's first XOR absorbs: the per-call group costs one LOP3 with the
-        loop-invariant rest, not a shift-and-add chain from the column.  ``fold=False``: the group from the column
-        in every call (the backward kernels: in the windowed dQ kernel the folded form's loop-invariant parts
-        took registers, 242 -> 255, and its loop grew by 11 instructions on sm_120a)."""
+        loop-invariant rest, not a shift-and-add chain from the column.  The forward's (``dropout_fwd_direct``);
+        the keep-bit paths form the group from the column (folded in the windowed dQ kernel, its loop-invariant
+        parts took registers, 242 -> 255, and its loop grew by 11 instructions on sm_120a)."""
         g_tile = Uint32(n_block) * Uint32(self.tile_n // 4)
         g_thr = Uint32(((col_thr >> 4) << 2) + ((col_thr & 7) >> 1))
-        split = fold and self.tile_n % 16 == 0
+        split = self.tile_n % 16 == 0
         pow2 = split and (self.tile_n // 4) & (self.tile_n // 4 - 1) == 0
 
         def words(t0: int, qpos, bh, k0, k1):
@@ -132,7 +132,7 @@ class DropoutScore:
         return ~drop if n == 32 else ~drop & Uint32((1 << n) - 1)
 
     @cute.jit
-    def _paired_bits(self, bits: cute.Tensor, pairs, groups, ncols: int, col_base: Int32, call, row_qpos: cute.Tensor,
+    def _paired_bits(self, bits: cute.Tensor, pairs, groups, ncols: int, col_base: Int32, row_qpos: cute.Tensor,
                      row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32, t: Uint32):
         """Keep bits of the thread's row pairs (mn rows r, r + 1 = tile rows g, g + 8 of an m16 atom), which are
         query positions i, i + 8 (i % 16 < 8) of one head: one Philox call per column group gives both rows (low
@@ -159,7 +159,7 @@ class DropoutScore:
                 # in this loop the forward's PRMT application (dropout_fwd) zeroed wrong elements of the first
                 # pair's rows on the H100 (d64 256x64 tile, two m16 atoms per warp; either part alone was exact,
                 # test_kernel_mask_is_the_emulated_mask), a cause not found
-                lo_row, hi_row = replace(self, sign_test=False)._pair_rows(groups, col_base, call, qpos, bh, k0, k1, t)
+                lo_row, hi_row = replace(self, sign_test=False)._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
                 acc = (acc >> Uint64(2 * ncols)) | (Uint64(lo_row) << Uint64(total - 2 * ncols)) | (
                     Uint64(hi_row) << Uint64(total - ncols))
             bits[0] = Uint32(acc)
@@ -170,10 +170,10 @@ class DropoutScore:
                 ra, rb = pairs[pi]
                 bh = row_bh if const_expr(scalar_bh) else row_bh[ra]
                 if const_expr(rb == ra + 1 and 2 * ncols <= 32 and self.sign_test):
-                    both = self._pair_keep(groups, ncols, col_base, call, row_qpos[ra], bh, k0, k1, t)
+                    both = self._pair_keep(groups, ncols, col_base, row_qpos[ra], bh, k0, k1, t)
                     self._place(bits, ra * ncols, 2 * ncols, both)
                 else:
-                    lo_row, hi_row = self._pair_rows(groups, col_base, call, row_qpos[ra], bh, k0, k1, t)
+                    lo_row, hi_row = self._pair_rows(groups, col_base, row_qpos[ra], bh, k0, k1, t)
                     self._place(bits, ra * ncols, ncols, lo_row)
                     self._place(bits, rb * ncols, ncols, hi_row)
 
@@ -182,7 +182,7 @@ class DropoutScore:
     # IADD3 or LEA.HI), moved into a drop word by one funnel shift per element (``_sign_word``); the
     # keep bits are the complement, one LOP3 per word (none where the caller asks for drop bits).
     @cute.jit
-    def _pair_keep(self, groups, ncols: cutlass.Constexpr[int], col_base: Int32, call, qpos: Int32, bh: Int32,
+    def _pair_keep(self, groups, ncols: cutlass.Constexpr[int], col_base: Int32, qpos: Int32, bh: Int32,
                    k0: Uint32, k1: Uint32, t: Uint32) -> Uint32:
         """Keep bits of query rows qpos (i % 16 < 8) at bits [0, ncols) and qpos + 8 at [ncols, 2 ncols) (bit c
         of each for mn-view column c; 2 ncols <= 32): the Philox calls unrolled, as in ``_pair_rows``, and one
@@ -190,7 +190,7 @@ class DropoutScore:
         col_word = [None] * ncols
         for gi in cutlass.range_constexpr(len(groups)):
             kind, t0, cs = groups[gi]
-            w = call(t0, qpos, bh, k0, k1)
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
             mine = self._group_values(w, kind, col_base + t0)
             for e in cutlass.range_constexpr(len(cs)):
                 col_word[cs[e]] = mine[e]
@@ -198,7 +198,7 @@ class DropoutScore:
         return self._keep_of(drop, 2 * ncols)
 
     @cute.jit
-    def _pair_rows(self, groups, col_base: Int32, call, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32, t: Uint32):
+    def _pair_rows(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32, t: Uint32):
         """Keep bits (bit c for mn-view column c) of query rows qpos (i % 16 < 8) and qpos + 8.  With
         ``group_loop`` (a kernel choice, where the unrolled calls spill) and evenly spaced groups, the column
         groups are a loop that is not unrolled: one Philox call in flight, bits shifted in per group."""
@@ -230,7 +230,7 @@ class DropoutScore:
             col_word = [None] * ncols
             for gi in cutlass.range_constexpr(len(groups)):
                 kind, t0, cs = groups[gi]
-                w = call(t0, qpos, bh, k0, k1)
+                w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
                 mine = self._group_values(w, kind, col_base + t0)
                 for e in cutlass.range_constexpr(len(cs)):
                     if const_expr(self.sign_test):
@@ -247,7 +247,7 @@ class DropoutScore:
         return lo_row, hi_row
 
     @cute.jit
-    def _row_bits(self, groups, col_base: Int32, call, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
+    def _row_bits(self, groups, col_base: Int32, qpos: Int32, bh: Int32, k0: Uint32, k1: Uint32,
                   t: Uint32) -> Uint32:
         """Keep bits of one row on its own (bit c for mn-view column c, ncols <= 32): the row's half of each
         Philox call, the other half unused (rows that do not pair up: packed GQA in the forward)."""
@@ -257,7 +257,7 @@ class DropoutScore:
         shift = Uint32((qpos & 8) << 1)  # 0 for i % 16 < 8 (low half), 16 otherwise
         for gi in cutlass.range_constexpr(len(groups)):
             kind, t0, cs = groups[gi]
-            w = call(t0, qpos, bh, k0, k1)
+            w = self.rng.words(col_base + t0, qpos, bh, k0, k1)
             mine = self._group_values(w, kind, col_base + t0)
             for e in cutlass.range_constexpr(len(cs)):
                 if const_expr(self.sign_test):
@@ -269,7 +269,7 @@ class DropoutScore:
         return row
 
     @cute.jit
-    def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32, call,
+    def _single_row_bits(self, bits: cute.Tensor, groups, nrows: int, ncols: int, col_base: Int32,
                          row_qpos: cute.Tensor, row_bh, scalar_bh: cutlass.Constexpr, k0: Uint32, k1: Uint32,
                          t: Uint32):
         """Keep bits row by row (one Philox call per row and column group).  The rows are a loop that is not
@@ -290,7 +290,7 @@ class DropoutScore:
                     bh = row_bh[0]
                     for rr in cutlass.range_constexpr(1, nrows):
                         bh = row_bh[rr] if r == rr else bh
-                row = self._row_bits(groups, col_base, call, qpos, bh, k0, k1, t)
+                row = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
                 # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
                 acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
             bits[0] = Uint32(acc)
@@ -299,7 +299,7 @@ class DropoutScore:
         else:
             for r in cutlass.range_constexpr(nrows):
                 bh = row_bh if const_expr(scalar_bh) else row_bh[r]
-                self._place(bits, r * ncols, ncols, self._row_bits(groups, col_base, call, row_qpos[r], bh, k0, k1, t))
+                self._place(bits, r * ncols, ncols, self._row_bits(groups, col_base, row_qpos[r], bh, k0, k1, t))
 
     @cute.jit
     def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
@@ -323,13 +323,12 @@ class DropoutScore:
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
-        call = self._group_fn(n_block, tScS_mn[0, 0][1], fold=False)
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
         hook = replace(self, sign_test=as_drop)
         if const_expr(pairs is None or self.dropout_packed):
-            hook._single_row_bits(bits, groups, nrows, ncols, col_base, call, row_qpos, row_bh, scalar_bh, k0, k1, t)
+            hook._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         else:
-            hook._paired_bits(bits, pairs, groups, ncols, col_base, call, row_qpos, row_bh, scalar_bh, k0, k1, t)
+            hook._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         if const_expr(as_drop):
             for i in cutlass.range_constexpr(cute.size(bits)):
                 bits[i] = ~bits[i]
