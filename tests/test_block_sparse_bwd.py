@@ -7,7 +7,7 @@ import torch
 
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch
+from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch, dispatch_bwd
 
 
 def _transpose_ref(cnt, idx, num_kv_blocks):
@@ -288,8 +288,9 @@ def recorded_launches(monkeypatch):
 
     calls = []
     monkeypatch.setattr(V, "check_tensor", check_tensor)
-    monkeypatch.setattr(dispatch, "_kernel", lambda cfg, dev: cfg)
-    monkeypatch.setattr(dispatch, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
+    for mod in (dispatch, dispatch_bwd):  # the forward and the backward path
+        monkeypatch.setattr(mod, "_kernel", lambda cfg, dev: cfg)
+        monkeypatch.setattr(mod, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
     dispatch._PLANS.clear()
     yield calls
     dispatch._PLANS.clear()

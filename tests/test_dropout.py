@@ -203,13 +203,14 @@ def test_capture_without_seed_tensor_raises():
 @pytest.fixture
 def no_launch(monkeypatch):
     """Any kernel compile or launch fails the test: the refusals must come before."""
-    from flash_attn_4_sm120 import dispatch
+    from flash_attn_4_sm120 import dispatch, dispatch_bwd
 
     def boom(*a, **k):
         raise AssertionError("a kernel was compiled or launched")
 
-    monkeypatch.setattr(dispatch, "_kernel", boom)
-    monkeypatch.setattr(dispatch, "_launch", boom)
+    for mod in (dispatch, dispatch_bwd):
+        monkeypatch.setattr(mod, "_kernel", boom)
+        monkeypatch.setattr(mod, "_launch", boom)
 
 
 @pytest.mark.parametrize("num_splits", [2, 0, -1, 256])
