@@ -31,6 +31,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
     from flash_attn_4_sm120 import config as C
+    from flash_attn_4_sm120 import config_decode as CD
     from flash_attn_4_sm120 import dispatch as D
 
     copy_bw = None if args.ncu else copy_gbps()
@@ -50,7 +51,7 @@ def main(argv=None):
                 if variant == "contiguous_cpasync":
                     D.select_fwd_tile = lambda d, dv, w, paged=False: orig(d, dv, w, True)
                 if variant.endswith("_decode"):  # the decode tile on unsplit calls too
-                    D.select_fwd_tile = lambda d, dv, w, paged=False: C.decode_tile(d, dv)
+                    D.select_fwd_tile = lambda d, dv, w, paged=False: CD.decode_tile(d, dv)
                 if variant in ("paged_cpasync", "paged_decode"):  # never the TMA kernel
                     D.paged_eligible_for_tma = lambda *a, **kw: False
                 paged_tma = table is not None and D.paged_eligible_for_tma(kc, vc, 128, 128, sq > 1)

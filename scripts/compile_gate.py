@@ -11,7 +11,7 @@ combine and the backward preprocess kernels have no matmul and must have none), 
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
 lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
-config.sparse_gate_worklist, config.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
+config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
 plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 """
@@ -47,14 +47,14 @@ def _package():
 
 def _worklist(pattern: str | None):
     _package()
-    from flash_attn_4_sm120 import config, config_bwd, config_combine
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
         items += config.gate_configs(dtype, d, dv, tile)
     items += config.paged_gate_worklist()
     items += config.sparse_gate_worklist()
-    items += config.decode_gate_worklist()
+    items += config_decode.decode_gate_worklist()
     items += config_bwd.sparse_bwd_gate_worklist()
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():

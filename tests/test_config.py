@@ -250,3 +250,63 @@ def test_non_tensor_inputs_get_a_clear_error():
     q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs CUDA tensors"):  # CPU tensors: refused before any launch
         interface.flash_attn_func(q, q, q, learnable_sink=[0.0, 0.0])
+
+
+# ---- decode tiles (config_decode) ----------------------------------------------------------------------------------
+def test_decode_tiles_by_rows_and_the_key_split_switch(monkeypatch):
+    from flash_attn_4_sm120 import config_decode as CD
+
+    monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", False)  # the release default: the 64-row tiles for every bucket
+    config.clear_caches()
+    for rows in (1, 4, 16, 17, 32, 64):
+        assert CD.decode_tile(128, 128, rows) == FwdTile(64, 64, 4, 2)
+        assert CD.decode_tile(256, 256, rows) == FwdTile(64, 32, 4, 2)
+    assert CD.decode_tile(128, 128) == FwdTile(64, 64, 4, 2)
+    monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", True)
+    config.clear_caches()
+    picks = {rows: CD.decode_tile(128, 128, rows) for rows in (1, 16, 17, 32, 33, 64)}
+    assert picks[1] == picks[16] == FwdTile(16, 64, 4, 2, kv_groups=4)
+    assert picks[17] == picks[32] == FwdTile(32, 64, 4, 2, kv_groups=2)
+    assert picks[33] == picks[64] == FwdTile(64, 64, 4, 2)
+    assert CD.decode_tile(256, 256, 4) == CD.decode_tile(192, 128, 32) == FwdTile(32, 32, 4, 2, kv_groups=2)
+    assert CD.decode_tile(256, 256, 40) == FwdTile(64, 32, 4, 2)
+    assert CD.decode_tile(128, 128, 65) is None
+
+
+def test_key_split_tiles_fit_their_merge_and_name_their_groups():
+    from flash_attn_4_sm120 import config_decode as CD
+
+    seen = set()
+    for d, dv in config.supported_head_dim_pairs():
+        for tile in CD.decode_tiles(d, dv):
+            seen.add(tile.kv_groups)
+            assert config.fwd_tile_problems(d, dv, tile) == []
+            assert config.fwd_smem_bytes(d, dv, tile) <= config.SMEM_LIMIT_BYTES
+            if tile.kv_groups > 1:  # the merge reuses the K/V stages
+                assert config.key_split_merge_bytes(dv, tile) <= tile.num_stages * tile.tile_n * (d + dv) * 2
+    assert seen == {1, 2, 4}
+    assert FwdTile(32, 64, 4, 2, kv_groups=2).name() == "32x64w4s2k2"
+    assert FwdTile(64, 64, 4, 2).name() == "64x64w4s2"
+    # 3 groups do not divide 4 warps; TMA tiles have no key split; 16 keys per group at least
+    assert "kv_groups=3" in "; ".join(config.fwd_tile_problems(128, 128, FwdTile(16, 64, 4, 2, kv_groups=3)))
+    assert any("cp.async" in p for p in config.fwd_tile_problems(128, 128, FwdTile(32, 64, 8, 2, False, True, 2)))
+    assert any("16 * kv_groups" in p for p in config.fwd_tile_problems(256, 256, FwdTile(16, 32, 4, 2, kv_groups=4)))
+    # two groups at d256 with one stage of 32-key tiles: the merge (64 threads x 132 words) exceeds the K/V stages
+    assert any("merge" in p for p in config.fwd_tile_problems(256, 256, FwdTile(32, 32, 4, 1, kv_groups=2)))
+
+
+def test_decode_plan_runs_the_key_split_tile_of_its_row_bucket(monkeypatch):
+    pytest.importorskip("cutlass")
+    from flash_attn_4_sm120 import config_decode as CD
+    from flash_attn_4_sm120 import jit
+
+    monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", True)
+    config.clear_caches()
+    for bucket, groups in ((16, 4), (32, 2), (64, 1)):
+        cfg = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
+                             decode=bucket).fwd_cfg
+        assert cfg.tile.kv_groups == groups and cfg.tile.tile_m == bucket
+        assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecodeSm80" if groups > 1 else "FlashFwdSm80")
+        split = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
+                               decode=bucket, split=True).fwd_cfg
+        assert split.split_kv and split.tile == cfg.tile

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
-from flash_attn_4_sm120 import arguments, config, validate as V
+from flash_attn_4_sm120 import arguments, config, config_decode, validate as V
 
 CPU = torch.device("cpu")
 
@@ -215,7 +215,7 @@ def test_paged_split_and_decode_keep_their_cpasync_tiles(page_size):
     decode = _paged_plan(k, v, 128, False, decode=True).fwd_cfg
     assert split.paged and split.split_kv and not split.tile.tma
     assert split.tile == config.split_tile(config.select_fwd_tile(128, 128, False, paged=True))
-    assert decode.paged and not decode.tile.tma and decode.tile == config.decode_tile(128, 128)
+    assert decode.paged and not decode.tile.tma and decode.tile == config_decode.decode_tile(128, 128)
 
 
 def test_paged_tma_tile_per_head_dim():

@@ -105,7 +105,7 @@ def test_device_code_lives_in_kernels_folder():
 
 
 @pytest.mark.parametrize("cls_path", [
-    "fwd_tma.FlashFwdWsSm120", "fwd_cpasync.FlashFwdSm80", "bwd_dkdv.FlashBwdSm80", "bwd_dkdv_kvrows.FlashBwdKvRowsSm80",
+    "fwd_tma.FlashFwdWsSm120", "fwd_cpasync.FlashFwdSm80", "fwd_decode.FlashFwdDecodeSm80", "bwd_dkdv.FlashBwdSm80", "bwd_dkdv_kvrows.FlashBwdKvRowsSm80",
     "bwd_dq.FlashBwdDqSm80",
     "bwd_preprocess.FlashBwdPreprocess", "combine.FlashCombine"])
 def test_kernel_call_matches_its_record(cls_path):
