@@ -1,6 +1,7 @@
 """Host-only configuration layer: tile table, resource budgets, and the frozen compile key of the forward kernel
-(decode and split-KV included).  The backward kernels' configuration is in ``config_bwd`` and the split-KV combine
-kernel's in ``config_combine`` (both import from this module, never the other way).
+(split-KV included).  The decode tiles are in ``config_decode``, the backward kernels' configuration in
+``config_bwd`` and the split-KV combine kernel's in ``config_combine`` (all import from this module, never the
+other way).
 
 Nothing here imports CuTe-DSL, so it is cheap to import and fully testable on a CPU.
 
@@ -54,15 +55,24 @@ class FwdTile:
     num_stages: int
     q_in_regs: bool = False
     tma: bool = False  # warp-specialised: a TMA producer warp feeds the mma warps (kernels/fwd_tma.py)
+    # key split (decode tiles, kernels/fwd_decode.py): the warps form ``kv_groups`` groups of num_warps / kv_groups
+    # warps stacked along M; group g takes keys [g, g + 1) * tile_n / kv_groups of every K/V tile for all tile_m
+    # rows, and the groups' softmax states are merged once, in the epilogue.  1 = every warp sees every key.
+    kv_groups: int = 1
 
     @property
     def num_threads(self) -> int:
         """Threads that own accumulators (the CTA has one more warp when ``tma``)."""
         return self.num_warps * 32
 
+    @property
+    def mma_warps(self) -> int:
+        """Warps that share one group's keys, stacked along M (all of them without a key split)."""
+        return self.num_warps // self.kv_groups
+
     def name(self) -> str:
         return (f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}{'q' if self.q_in_regs else ''}"
-                f"{'t' if self.tma else ''}")
+                f"{'t' if self.tma else ''}{f'k{self.kv_groups}' if self.kv_groups > 1 else ''}")
 
 
 @dataclass(frozen=True)
@@ -146,9 +156,17 @@ def fwd_smem_bytes(head_dim: int, head_dim_v: int, tile: FwdTile, elem_bytes: in
     return mbarriers + q + k + v
 
 
+def key_split_merge_bytes(head_dim_v: int, tile: FwdTile) -> int:
+    """Shared memory the key-split merge takes (aliasing the K/V stages): each group but the first parks its
+    threads' O accumulators and row max / row sum (2 rows per thread) in fp32."""
+    group_threads = tile.mma_warps * 32
+    per_thread = tile.tile_m * head_dim_v // group_threads + 4
+    return (tile.kv_groups - 1) * group_threads * per_thread * 4
+
+
 def fwd_register_estimate(head_dim: int, head_dim_v: int, tile: FwdTile) -> int:
     threads = tile.num_threads
-    acc_o = tile.tile_m * head_dim_v // threads
+    acc_o = tile.tile_m * head_dim_v // (threads // tile.kv_groups)
     acc_s = tile.tile_m * tile.tile_n // threads
     q_regs = tile.tile_m * head_dim // (2 * threads) if tile.q_in_regs else 0
     # P in 16-bit (half of acc_s) lives while acc_s is reused; fragments of K/V for one k-step are small.
@@ -167,10 +185,15 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
     problems = []
     if tile.num_warps not in (4, 8):
         problems.append(f"num_warps={tile.num_warps} (supported: 4, 8)")
-    if tile.tile_m % (16 * tile.num_warps) != 0:
-        problems.append(f"tile_m={tile.tile_m} is not a multiple of 16*num_warps={16 * tile.num_warps}")
-    if tile.tile_n % 16 != 0 or tile.tile_n < 16:
-        problems.append(f"tile_n={tile.tile_n} is not a positive multiple of 16")
+    if tile.kv_groups not in (1, 2, 4) or tile.num_warps % tile.kv_groups:
+        problems.append(f"kv_groups={tile.kv_groups} (supported: 1, 2, 4, dividing num_warps={tile.num_warps})")
+        return problems
+    if tile.kv_groups > 1 and (tile.tma or tile.q_in_regs):
+        problems.append("a key split (kv_groups > 1) runs on the cp.async kernel with Q read from shared memory")
+    if tile.tile_m % (16 * tile.mma_warps) != 0:
+        problems.append(f"tile_m={tile.tile_m} is not a multiple of 16 * the warps along M ({16 * tile.mma_warps})")
+    if tile.tile_n % (16 * tile.kv_groups) != 0 or tile.tile_n < 16:
+        problems.append(f"tile_n={tile.tile_n} is not a positive multiple of 16 * kv_groups={16 * tile.kv_groups}")
     if tile.num_stages not in (1, 2):
         problems.append(f"num_stages={tile.num_stages} (supported: 1, 2)")
     for dim in (head_dim, head_dim_v):
@@ -183,6 +206,11 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
         problems.append("the O staging tile does not fit in the kernel's shared memory")
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
+    if tile.kv_groups > 1:
+        kv_bytes = tile.num_stages * tile.tile_n * (head_dim + head_dim_v) * 2
+        if key_split_merge_bytes(head_dim_v, tile) > kv_bytes:
+            problems.append(f"the key-split merge needs {key_split_merge_bytes(head_dim_v, tile)} B > the "
+                            f"{kv_bytes} B of K/V stages it reuses")
     regs = fwd_register_estimate(head_dim, head_dim_v, tile)
     if regs > fwd_register_budget(tile):
         problems.append(f"needs ~{regs} registers per thread (budget {fwd_register_budget(tile)})")
@@ -398,33 +426,6 @@ def split_tile(tile: FwdTile) -> FwdTile:
     return SPLIT_TILE_FALLBACK.get(tile, tile)
 
 
-# Decode tiles: a call whose M tile holds few query rows (q_len x the packed GQA group <= DECODE_MAX_ROWS: decode
-# and speculative decode), split or not, runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
-# of the prefill tile, whose 128 rows would be mostly padding (unsplit B=64 KV 2K: 210 -> 183 us).  Measured on the H100 proxy (benchmarks/results/
-# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
-# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
-# (page 64) 99 us -> 78 us.
-DECODE_MAX_ROWS = 64
-_DECODE_TILES: dict[int, FwdTile] = {
-    32: FwdTile(64, 64, 4, 2), 64: FwdTile(64, 64, 4, 2), 96: FwdTile(64, 64, 4, 2), 128: FwdTile(64, 64, 4, 2),
-    192: FwdTile(64, 32, 4, 2), 256: FwdTile(64, 32, 4, 2),
-}
-
-
-def decode_tile(head_dim: int, head_dim_v: int) -> FwdTile | None:
-    """The tile of a split-KV call with at most DECODE_MAX_ROWS query rows per CTA, or None (use split_tile).
-    Memoised like select_fwd_tile."""
-    return _decode_tile(head_dim, head_dim_v, _TABLE_VERSION[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_tile(head_dim: int, head_dim_v: int, _version: int) -> FwdTile | None:
-    tile = _DECODE_TILES.get(max(head_dim, head_dim_v))
-    if tile is None or fwd_tile_problems(head_dim, head_dim_v, tile):
-        return None
-    return tile
-
-
 # Score/mask mods on the d=256 cp.async tiles (255 registers without them) spilled on sm_120a with aux tensors and
 # the heaviest feature set (64x64: 12-27 STL/LDL, 64x32: 2-4; document, ALiBi, relative bias; compile gate
 # 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).  16 key rows do not divide
@@ -503,23 +504,6 @@ def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[Fwd
 def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
     """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
     return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
-
-
-def decode_gate_worklist() -> list[FwdKernelConfig]:
-    """The decode tiles' configurations the compile gate builds: bf16, dv == d at the largest head dim of each
-    decode tile (and d=192, the other user of the 64x32 one): contiguous and paged, the lightest feature set and
-    the heaviest with and without split-KV."""
-    out = []
-    for d in (128, 192, 256):
-        tile = decode_tile(d, d)
-        if tile is None:
-            continue
-        base = FwdKernelConfig("bf16", d, d, tile, seqused_k=True)
-        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
-                        seqused_q=True)
-        out += [base, heavy, replace(heavy, varlen_k=False, split_kv=True), replace(base, paged=True),
-                replace(heavy, varlen_k=False, paged=True, split_kv=True)]
-    return out
 
 
 def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:

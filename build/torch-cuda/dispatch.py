@@ -34,8 +34,6 @@ from .config import (
     dropout_fwd_tile,
     select_fwd_tile,
     split_tile,
-    decode_tile,
-    DECODE_MAX_ROWS,
     mods_dropout_fwd_tile,
     mods_tile,
     paged_tma_tile,
@@ -43,6 +41,7 @@ from .config import (
     table_version,
 )
 from .config_bwd import select_bwd_config, select_dq_config
+from .config_decode import DECODE_MAX_ROWS, decode_tile
 
 _LOG2_E = math.log2(math.e)
 PAGED_GRAD_ERROR = (
@@ -111,11 +110,12 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
-          sparse: tuple = (0, 0), decode: bool = False, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
+          sparse: tuple = (0, 0), decode: int = 0, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
           seed_tensor: bool = False, dropout_packed: bool = False, mods=None, paged_tma: bool = False) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio, q_block, kv_block) of block sparsity,
     (0, 0) when off (it runs config.select_sparse_tile of the block size, the first tile when it is left out);
-    ``decode``: a call with few query rows per CTA, which runs config.decode_tile;
+    ``decode``: a call with at most that many query rows per CTA (the tile_m of its decode tile; True: up to
+    DECODE_MAX_ROWS), which runs config_decode.decode_tile of them, 0 otherwise;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
     seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
@@ -133,7 +133,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
         if paged_tma:  # the contiguous call's TMA tile (paged_eligible_for_tma checked its tile_n)
             tile = paged_tma_tile(d, dv, windowed) or tile
         if decode:
-            tile = decode_tile(d, dv)
+            tile = decode_tile(d, dv, DECODE_MAX_ROWS if decode is True else decode)
         elif split:
             tile = split_tile(tile)
         if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
@@ -470,12 +470,15 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)
     # (not with in-kernel dropout: its tiles are gated on the prefill tiles)
     # (not with mods either: the d256 decode tile is not among the tiles gated with mods, config.MODS_TILE_FALLBACK)
-    decode = (not sparse and not in_kernel and mods is None and meta.max_q * pack <= DECODE_MAX_ROWS
-              and decode_tile(d, dv) is not None)
+    # (the fewer rows, the more warp groups split each K/V tile's keys: config_decode.py, kernels/fwd_decode.py)
+    decode = 0
+    if not sparse and not in_kernel and mods is None and meta.max_q * pack <= DECODE_MAX_ROWS:
+        dtile = decode_tile(d, dv, meta.max_q * pack)
+        decode = 0 if dtile is None else dtile.tile_m  # the plan key: the row bucket, not the row count
     plan_args = (V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
     if decode:
-        plan = _plan(*plan_args, needs_grad, dev.index, paged=page_table is not None, decode=True)
+        plan = _plan(*plan_args, needs_grad, dev.index, paged=page_table is not None, decode=decode)
     num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
     splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
                                    ctas=num_m_blocks * (hq // pack) * meta.batch,

@@ -229,6 +229,10 @@ def kernel_class(cfg):
         from .kernels.fwd_tma import FlashFwdWsSm120
 
         return FlashFwdWsSm120
+    if cfg.tile.kv_groups > 1:  # decode tiles with the keys split between warp groups
+        from .kernels.fwd_decode import FlashFwdDecodeSm80
+
+        return FlashFwdDecodeSm80
     from .kernels.fwd_cpasync import FlashFwdSm80
 
     return FlashFwdSm80

@@ -4,6 +4,8 @@ package import.
 Kernels:
     fwd_tma.py      forward, warp-specialised: a TMA producer warp + 8 mma.sync warps (d <= 192)
     fwd_cpasync.py  forward, all warps load (cp.async) and compute (d = 256, paged K/V, and the fallback)
+    fwd_decode.py   forward for decode tiles with few rows: the cp.async kernel with each K/V tile's keys split
+                    between warp groups, merged in the epilogue
     bwd_dkdv.py     backward dK/dV, KV-stationary
     bwd_dq.py       backward dQ, Q-stationary (no atomics)
     bwd_preprocess.py  backward D = rowsum(dO * O) - dLSE in fp32 (no matmul)

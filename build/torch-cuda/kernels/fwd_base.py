@@ -55,6 +55,9 @@ class FwdKernelBase(KernelStateMixin):
         t = cfg.tile
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         self.num_warps, self.num_stages, self.q_in_regs = t.num_warps, t.num_stages, t.q_in_regs
+        # key split (fwd_decode.py): warps along M per group, and the keys of a K/V tile each group's S tile holds
+        self.kv_groups, self.mma_warps = t.kv_groups, t.mma_warps
+        self.s_tile_n = t.tile_n // t.kv_groups
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
         # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
@@ -120,14 +123,19 @@ class FwdKernelBase(KernelStateMixin):
     def row_coords(self, tiled_mma, tidx, m_block, pack):
         """This thread's accumulator coordinates (and thread 0's, for compile-time column offsets) and the query
         position of each of its rows."""
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = cu.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
+        cS = cute.make_identity_tensor((self.tile_m, self.s_tile_n))
+        tScS_mn = cu.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(self.group_cols(cS)))
         t0ScS_mn = cu.acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
         num_rows = cute.size(tScS_mn, mode=[0])
         row_qpos = cute.make_rmem_tensor(num_rows, Int32)
         for r in cutlass.range_constexpr(num_rows):
             row_qpos[r] = (m_block * self.tile_m + tScS_mn[r, 0][0]) // pack
         return tScS_mn, t0ScS_mn, row_qpos
+
+    def group_cols(self, cS):
+        """The (row, key column) coordinates of this thread's S tile: a key-split kernel's groups start at their
+        first key."""
+        return cS
 
     @cute.jit
     def row_bh(self, ts: TileState, tScS_mn):
@@ -196,7 +204,7 @@ class FwdKernelBase(KernelStateMixin):
             acc_O.store(acc_O.load() * ts.score.rng.scale)
         softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
         self.store_lse(ts, self.split_slice(mLSE), lse, tScS_mn)
-        if const_expr(not cfg.split_kv):  # split-KV stores from registers: smem is not reused
+        if const_expr(self.o_via_smem()):  # split-KV stores from registers: smem is not reused
             self.compute_sync()  # every warp is done reading Q/K/V smem before O overwrites it
         self.store_o(ts, self.split_slice(mO), acc_O, sO, tiled_mma, copy_o, tidx)
 
@@ -267,11 +275,18 @@ class FwdKernelBase(KernelStateMixin):
     def store_o(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):
         """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores.  Split-KV: fp32 partials,
         stored straight from the accumulators (decode tiles have few rows)."""
-        if const_expr(self.cfg.split_kv):
+        if const_expr(not self.o_via_smem()):
             store_row_pairs_from_acc(lambda row: ts.q_row(mO, row), acc_O, tiled_mma.get_slice(tidx),
-                                     ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv), Float32)
+                                     ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv),
+                                     Float32 if self.cfg.split_kv else self.dtype)
         else:
             self.store_o_smem(ts, mO, acc_O, sO, tiled_mma, copy_o, tidx)
+
+    def o_via_smem(self) -> bool:
+        """Whether O leaves through shared memory (16-byte row stores after a CTA barrier), or straight from the
+        accumulators: split-KV partials (fp32, decode tiles have few rows) and key-split tiles, whose epilogue
+        runs in one warp group only."""
+        return not self.cfg.split_kv and self.kv_groups == 1
 
     @cute.jit
     def store_o_smem(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):

@@ -92,7 +92,7 @@ class FlashFwdSm80(FwdKernelBase):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
-        tiled_mma = cu.tiled_mma_16816(dt, self.num_warps)
+        tiled_mma = cu.tiled_mma_16816(dt, self.mma_warps)
         copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
         copy_v = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=True)
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
@@ -207,6 +207,8 @@ class FlashFwdSm80(FwdKernelBase):
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
         sVt = cu.transpose_view(sV)
+        # the mma's thread index and the K / V^T stages it reads (a key-split kernel: its group's keys)
+        mma_tidx, sK_mma, sVt_mma = self.mma_operands(tidx, sK, sVt)
 
         kv_head = (ts.head_group * ts.pack) // qheads_per_kvhead
         thr_copy_k = copy_q.get_slice(tidx)
@@ -223,20 +225,20 @@ class FlashFwdSm80(FwdKernelBase):
         tVcV, t0VcV = thr_copy_v.partition_S(cV), copy_v.get_slice(0).partition_S(cV)
 
         # ---- mma partitions
-        thr_mma = tiled_mma.get_slice(tidx)
+        thr_mma = tiled_mma.get_slice(mma_tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_mma[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_mma[None, None, 0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
         acc_O.fill(0.0)
-        ldsm_copy_q = cute.make_tiled_copy_A(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
-        ldsm_copy_k = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
-        ldsm_copy_v = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
+        ldsm_copy_q = cute.make_tiled_copy_A(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+        ldsm_copy_k = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+        ldsm_copy_v = cute.make_tiled_copy_B(cu.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(mma_tidx)
         tSsQ = ldsm_copy_q.partition_S(sQ)
-        tSsK = ldsm_copy_k.partition_S(sK)
-        tOsVt = ldsm_copy_v.partition_S(sVt)
+        tSsK = ldsm_copy_k.partition_S(sK_mma)
+        tOsVt = ldsm_copy_v.partition_S(sVt_mma)
 
-        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, tidx, ts.m_block, ts.pack)
+        tScS_mn, t0ScS_mn, row_qpos = self.row_coords(tiled_mma, mma_tidx, ts.m_block, ts.pack)
         row_bh = self.row_bh(ts, tScS_mn)
         num_my_rows = cute.size(row_qpos)
         state_max = cute.make_rmem_tensor(num_my_rows, Float32)
@@ -314,6 +316,18 @@ class FlashFwdSm80(FwdKernelBase):
 
         # ---- epilogue
         sO = cute.make_tensor(sQ.iterator, sO_layout)
+        self.tile_epilogue(storage, ts, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
+                           mma_tidx, tScS_mn)
+
+    def mma_operands(self, tidx, sK, sVt):
+        """(mma thread index, K stages, V^T stages) of this thread's mma: every thread sees the whole tiles here;
+        a key-split kernel (fwd_decode.py) gives each warp group its share of the keys."""
+        return tidx, sK, sVt
+
+    @cute.jit
+    def tile_epilogue(self, storage, ts, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx,
+                      mma_tidx, tScS_mn):
+        """After the last K/V tile: the epilogue (a key-split kernel first merges its groups' states)."""
         self.epilogue(ts, acc_O, state_max, state_sum, mLSE, mSink, mO, sO, tiled_mma, copy_o, tidx, tScS_mn)
 
     @cute.jit
@@ -343,7 +357,8 @@ class FlashFwdSm80(FwdKernelBase):
         rd = stage if const_expr(stages > 1) else 0
         wr = (1 - stage) if const_expr(stages > 1) else 0
         dropout = self.dropout_apply(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
-        acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.s_tile_n)),
+                                     Float32)
         acc_S.fill(0.0)
         v_next = n_block if const_expr(stages == 1) else n_block - 1
         k_next = n_block - 1 if const_expr(stages == 1) else n_block - 2

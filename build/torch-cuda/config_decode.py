@@ -1,0 +1,72 @@
+"""Host-only configuration of the decode tiles: calls whose M tile holds few query rows (q_len x the packed GQA
+group <= DECODE_MAX_ROWS: decode and speculative decode), split-KV or not, and the key-split variant
+(``FwdTile.kv_groups``, kernels/fwd_decode.py).  Split from ``config``, whose names it uses; nothing here imports
+CuTe-DSL.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from . import config
+from .config import FwdKernelConfig, FwdTile
+
+# A call whose M tile holds few query rows runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
+# of the prefill tile, whose 128 rows would be mostly padding (unsplit B=64 KV 2K: 210 -> 183 us).  Measured on the H100 proxy (benchmarks/results/
+# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
+# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
+# (page 64) 99 us -> 78 us.
+DECODE_MAX_ROWS = 64
+# Few rows: the same K/V tile and pipeline, the keys split between warp groups (kernels/fwd_decode.py), so no warp
+# computes padding rows and every warp streams its share of each tile: rows <= 32 (MQA's 32 packed heads) two
+# groups of two warps, rows <= 16 (GQA 4:1 decode) four groups of one warp.  Entries: (most rows, tile), the first
+# that holds the call's rows per CTA and fits wins; key-split entries only while DECODE_KEY_SPLIT is on.
+#
+# DECODE_KEY_SPLIT is off in this release: the key-split kernel compiles for sm_120a with 0 spills (the compile gate
+# builds every key-split decode configuration) but has not run on a GPU yet (2026-11-26: no device time left in
+# that session).  Until tests/test_decode_gpu.py and benchmarks/probe_decode_tiles.py have run, every decode call
+# takes the 64-row tiles, as before.  Tests and the probe turn it on (then ``config.clear_caches()``).
+DECODE_KEY_SPLIT = False
+_DECODE_TILES: dict[int, tuple[tuple[int, FwdTile], ...]] = {
+    **{d: ((16, FwdTile(16, 64, 4, 2, kv_groups=4)), (32, FwdTile(32, 64, 4, 2, kv_groups=2)),
+           (64, FwdTile(64, 64, 4, 2))) for d in (32, 64, 96, 128)},
+    **{d: ((32, FwdTile(32, 32, 4, 2, kv_groups=2)), (64, FwdTile(64, 32, 4, 2))) for d in (192, 256)},
+}
+
+
+def decode_tile(head_dim: int, head_dim_v: int, rows: int = DECODE_MAX_ROWS) -> FwdTile | None:
+    """The tile of a call with at most ``rows`` (<= DECODE_MAX_ROWS) query rows per CTA, split or not, or None
+    (use the prefill tile).  Memoised like config.select_fwd_tile (``config.clear_caches()`` resets it)."""
+    return _decode_tile(head_dim, head_dim_v, rows, DECODE_KEY_SPLIT, config.table_version())
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tile(head_dim: int, head_dim_v: int, rows: int, key_split: bool, _version: int) -> FwdTile | None:
+    for most, tile in _DECODE_TILES.get(max(head_dim, head_dim_v), ()):
+        if (rows <= most and (key_split or tile.kv_groups == 1)
+                and not config.fwd_tile_problems(head_dim, head_dim_v, tile)):
+            return tile
+    return None
+
+
+def decode_tiles(head_dim: int, head_dim_v: int) -> tuple[FwdTile, ...]:
+    """Every decode tile of this head-dim pair's table that fits, key-split ones included whether DECODE_KEY_SPLIT
+    is on or not (the compile gate builds them all)."""
+    return tuple(tile for _, tile in _DECODE_TILES.get(max(head_dim, head_dim_v), ())
+                 if not config.fwd_tile_problems(head_dim, head_dim_v, tile))
+
+
+def decode_gate_worklist() -> list[FwdKernelConfig]:
+    """The decode tiles' configurations the compile gate builds: bf16, dv == d at the largest head dim of each
+    decode tile (and d=192, the other user of the 64x32 one): contiguous and paged, the lightest feature set and
+    the heaviest with and without split-KV."""
+    out = []
+    for d in (128, 192, 256):
+        for tile in decode_tiles(d, d):
+            base = FwdKernelConfig("bf16", d, d, tile, seqused_k=True)
+            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
+                            seqused_q=True)
+            out += [base, heavy, replace(heavy, varlen_k=False, split_kv=True), replace(base, paged=True),
+                    replace(heavy, varlen_k=False, paged=True, split_kv=True)]
+    return out
