@@ -2,7 +2,7 @@
 sm_120a from the working tree and from a git revision, and compare their SASS (addresses stripped).  No GPU needed.
 
     python scripts/sass_compare.py --base HEAD --filter 64x64w4s2        # exit 0: every kernel identical
-    python scripts/sass_compare.py --base HEAD~3 --filter d128v128 --limit 12
+    python scripts/sass_compare.py --base HEAD~3 --filter bwd_bf16_d128 dq_bf16_d128 --limit 6
 
 A configuration the base revision cannot build (a new one) is reported, not compared.
 """
@@ -62,13 +62,18 @@ def _run_dump(root: Path, names: list[str]) -> dict[str, str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare against")
-    ap.add_argument("--filter", default=None, help="substring of the configuration names")
-    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--filter", nargs="*", default=None,
+                    help="substrings of the configuration names (a configuration matching any is taken)")
+    ap.add_argument("--limit", type=int, default=16, help="configurations per filter")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import scripts.compile_gate as gate
 
-    names = [c.name() for c in gate._worklist(args.filter)][: args.limit]
+    every = [c.name() for c in gate._worklist(None)]
+    names = []
+    for pattern in args.filter or [None]:
+        names += [n for n in every if pattern is None or pattern in n][: args.limit]
+    names = list(dict.fromkeys(names))
     if not names:
         print("sass_compare: no configuration matches", file=sys.stderr)
         return 2
