@@ -103,6 +103,29 @@ class FlashBwdSm80(KernelStateMixin):
         stream,
     ):
         dt = self.dtype
+        (sQ_l, sdO_l, sK_l, sV_l, sP_l), SharedStorage = self.smem_plan()
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(
+            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
+            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            sQ_l, sdO_l, sK_l, sV_l, sP_l, *self.tiled_mmas(),
+            cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
+            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
+            SharedStorage,
+        ).launch(
+            grid=(num_n_blocks, num_kv_heads, num_batch),
+            block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def smem_plan(self):
+        """Trace time: the shared-memory layouts (Q, dO, K, V, P/dS) and the SharedStorage struct of this kernel:
+        one block of Q and dO, K and V of the CTA's keys, P and dS to change the mma partition."""
+        dt = self.dtype
         a = cu.smem_layout_atom
         sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d), (0, 1))
         sdO_l = cute.tile_to_shape(a(dt, self.dv), (self.tile_m, self.dv), (0, 1))
@@ -119,24 +142,12 @@ class FlashBwdSm80(KernelStateMixin):
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_l)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_l)], 1024]
 
-        self.launch_smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(
-            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
-            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
-            sQ_l, sdO_l, sK_l, sV_l, sP_l, _mma(dt, self.tile_m, self.num_warps),
-            _mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows),
-            cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
-            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
-            SharedStorage,
-        ).launch(
-            grid=(num_n_blocks, num_kv_heads, num_batch),
-            block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        return (sQ_l, sdO_l, sK_l, sV_l, sP_l), SharedStorage
+
+    def tiled_mmas(self):
+        """Trace time: (mma over query rows: S, dP, dQ-like; mma over key rows: dV, dK)."""
+        dt = self.dtype
+        return _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows)
 
     @cute.kernel
     def kernel(

@@ -29,44 +29,10 @@ from .rows import load_rows, store_rows_from_acc
 
 
 class FlashBwdKvRowsSm80(FlashBwdSm80):
-    @cute.jit
-    def __call__(
-        self,
-        q: cute.Tensor,
-        k: cute.Tensor,
-        v: cute.Tensor,
-        dout: cute.Tensor,
-        lse: cute.Tensor,
-        dpsum: cute.Tensor,
-        dk: cute.Tensor,
-        dv: cute.Tensor,
-        cu_seqlens_q: cute.Tensor | None,
-        cu_seqlens_k: cute.Tensor | None,
-        seqused_q: cute.Tensor | None,
-        seqused_k: cute.Tensor | None,
-        mask_block_cnt: cute.Tensor | None,
-        mask_block_idx: cute.Tensor | None,
-        full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None,
-        aux_tensors,
-        scale_log2: Float32,
-        softcap_prescale: Float32,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        qheads_per_kvhead: Int32,
-        num_n_blocks: Int32,
-        num_kv_heads: Int32,
-        num_batch: Int32,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None,
-        rng_offset_lo: Int32 | None,
-        rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
-        stream,
-    ):
+    def smem_plan(self):
+        """Two stages of Q and dO (no P / dS buffers: P^T and dS^T stay in registers), K and V of the CTA's keys,
+        and with dropout the dP sums of two query blocks (see ``process``).  The P/dS layout slot of the
+        parent's kernel signature gets Q's (unused)."""
         dt = self.dtype
         a = cu.smem_layout_atom
         sQ_l = cute.tile_to_shape(a(dt, self.d), (self.tile_m, self.d, 2), (0, 1, 2))
@@ -78,28 +44,14 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
         fields = {"sQ": smem(dt, sQ_l), "sdO": smem(dt, sdO_l), "sK": smem(dt, sK_l), "sV": smem(dt, sV_l)}
-        if const_expr(self.cfg.has_dropout):  # and the dP sums of two query blocks (see ``kernel``)
+        if const_expr(self.cfg.has_dropout):
             fields["sDps"] = cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_m], 16]
-        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return (sQ_l, sdO_l, sK_l, sV_l, sQ_l), cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-        self.launch_smem_bytes = SharedStorage.size_in_bytes()
-        mma = _mma(dt, self.tile_n, self.num_warps)  # 16 keys per warp, wn = 1 (config_bwd.bwd_problems)
-        self.kernel(
-            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
-            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
-            sQ_l, sdO_l, sK_l, sV_l, sQ_l, mma, mma,
-            cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
-            cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
-            SharedStorage,
-        ).launch(
-            grid=(num_n_blocks, num_kv_heads, num_batch),
-            block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+    def tiled_mmas(self):
+        """One mma over key rows for every product: 16 keys per warp, wn = 1 (config_bwd.bwd_problems)."""
+        mma = _mma(self.dtype, self.tile_n, self.num_warps)
+        return mma, mma
 
     @cute.jit
     def load_q_do_stage(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block, stage):
