@@ -20,7 +20,9 @@ run_step() {
     decode) timeout 420 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
               tests/test_decode_gpu.py tests/test_split_gpu.py 2>&1 | tail -n 60 | tee "$out/decode_test.log"
             timeout 300 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit \
-              --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log" ;;
+              --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log"
+            timeout 200 python3 benchmarks/probe_decode_tiles.py --only mqa --variants keysplit --splits 32 64 128 \
+              --out "$out/decode_tiles.jsonl" 2>&1 | tee -a "$out/decode_tiles.log" ;;
     lies) SANITIZE_TIMEOUT=500 bash benchmarks/sanitize_lying_metadata.sh 2>&1 | tee "$out/sanitize_lies.log" ;;
     sanitize) timeout 540 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
             tests/test_fwd_gpu.py -k "varlen or seqused or zero_length" 2>&1 | tail -n 60 | tee "$out/sanitize.log" ;;
