@@ -273,8 +273,8 @@ class FwdKernelBase(KernelStateMixin):
 
     @cute.jit
     def store_o(self, ts: TileState, mO, acc_O, sO, tiled_mma, copy_o, tidx):
-        """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores.  Split-KV: fp32 partials,
-        stored straight from the accumulators (decode tiles have few rows)."""
+        """acc_O -> bf16/fp16 -> smem (swizzled) -> 16-byte coalesced row stores; or (``o_via_smem`` false:
+        split-KV's fp32 partials, key-split tiles) straight from the accumulators, two columns per store."""
         if const_expr(not self.o_via_smem()):
             store_row_pairs_from_acc(lambda row: ts.q_row(mO, row), acc_O, tiled_mma.get_slice(tidx),
                                      ts.m_block * self.tile_m, ts.num_rows, (self.tile_m, self.dv),
