@@ -4,7 +4,7 @@
     python benchmarks/probe_decode_tiles.py [--variants rows64 keysplit ...] [--splits 0 128] [--out F]
 
 Variants: ``rows64`` (config_decode.DECODE_KEY_SPLIT off: every decode call on the 64-row tiles), ``keysplit``
-(on: the key-split tiles for <= 32 rows), ``keysplit_n128`` (on, with 128-key K/V tiles at d <= 128).
+(on: the key-split tiles for <= 32 rows), ``keysplit_2g`` (on, two groups also for <= 16 rows at d <= 128).
 Per case and variant: ms per call in an 8-call graph (each call over its own copy of the cache, as
 bench_decode's ``layers`` column), ms of a single-call graph, % of a 1 GiB device copy.  Every output is checked
 against the unsplit call on the 64-row tile first.
@@ -37,11 +37,10 @@ def set_variant(config, config_decode, shipped, name):
         config_decode.DECODE_KEY_SPLIT = False
     elif name == "keysplit":
         config_decode.DECODE_KEY_SPLIT = True
-    elif name == "keysplit_n128":
+    elif name == "keysplit_2g":  # two groups for every few-row call (no 16-row, four-group tile)
         config_decode.DECODE_KEY_SPLIT = True
         config_decode._DECODE_TILES.update(
-            {d: ((16, F(16, 128, 4, 2, kv_groups=4)), (32, F(32, 128, 4, 2, kv_groups=2)), (64, F(64, 64, 4, 2)))
-             for d in (32, 64, 96, 128)})
+            {d: ((32, F(32, 64, 4, 2, kv_groups=2)), (64, F(64, 64, 4, 2))) for d in (32, 64, 96, 128)})
     else:
         raise SystemExit(f"unknown variant {name}")
     config.clear_caches()

@@ -19,7 +19,7 @@ run_step() {
     jit) timeout 300 python3 benchmarks/bench_jit.py 2>&1 | tee "$out/jit.log" ;;
     decode) timeout 420 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
               tests/test_decode_gpu.py tests/test_split_gpu.py 2>&1 | tail -n 60 | tee "$out/decode_test.log"
-            timeout 300 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit \
+            timeout 300 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit keysplit_2g \
               --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log"
             timeout 200 python3 benchmarks/probe_decode_tiles.py --only mqa --variants keysplit --splits 32 64 128 \
               --out "$out/decode_tiles.jsonl" 2>&1 | tee -a "$out/decode_tiles.log" ;;
