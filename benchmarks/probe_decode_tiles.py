@@ -4,7 +4,10 @@
     python benchmarks/probe_decode_tiles.py [--variants rows64 keysplit ...] [--splits 0 128] [--out F]
 
 Variants: ``rows64`` (config_decode.DECODE_KEY_SPLIT off: every decode call on the 64-row tiles), ``keysplit``
-(on: the key-split tiles for <= 32 rows), ``keysplit_2g`` (on, two groups also for <= 16 rows at d <= 128).
+(on: the key-split tiles for <= 32 rows), ``keysplit_2g`` (on, two groups also for <= 16 rows at d <= 128),
+``deep4`` / ``deep5`` (the 32-row key-split tile with 4 / 5 stages of 32 keys instead of 2 of 64: more K/V
+bytes in flight per CTA), ``deep4_all`` (4-stage 32-key tiles for every decode call at d <= 128).
+``--profile``: kernel times (torch.profiler) of each MQA call, forward and combine apart.
 Per case and variant: ms per call in an 8-call graph (each call over its own copy of the cache, as
 bench_decode's ``layers`` column), ms of a single-call graph, % of a 1 GiB device copy.  Every output is checked
 against the unsplit call on the 64-row tile first.
@@ -41,9 +44,37 @@ def set_variant(config, config_decode, shipped, name):
         config_decode.DECODE_KEY_SPLIT = True
         config_decode._DECODE_TILES.update(
             {d: ((32, F(32, 64, 4, 2, kv_groups=2)), (64, F(64, 64, 4, 2))) for d in (32, 64, 96, 128)})
+    elif name in ("deep4", "deep5"):  # the 32-row tile with 32-key stages, 4 or 5 of them: more bytes in flight
+        config_decode.DECODE_KEY_SPLIT = True
+        s = int(name[-1])
+        config_decode._DECODE_TILES.update(
+            {d: ((16, F(16, 64, 4, 2, kv_groups=4)), (32, F(32, 32, 4, s, kv_groups=2)), (64, F(64, 64, 4, 2)))
+             for d in (32, 64, 96, 128)})
+    elif name == "deep4_all":  # every decode call on 4-stage 32-key tiles (16-row calls on the 32-row tile)
+        config_decode.DECODE_KEY_SPLIT = True
+        config_decode._DECODE_TILES.update(
+            {d: ((32, F(32, 32, 4, 4, kv_groups=2)), (64, F(64, 32, 4, 4))) for d in (32, 64, 96, 128)})
     else:
         raise SystemExit(f"unknown variant {name}")
     config.clear_caches()
+
+
+def profile_kernels(call, iters: int = 20) -> dict[str, float]:
+    """Mean GPU time (us) per launch of each kernel a call runs (torch.profiler, eager calls after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if ev.count and t:
+            out[ev.key[:60]] = round(t / ev.count, 2)
+    return out
 
 
 def main(argv=None):
@@ -52,6 +83,7 @@ def main(argv=None):
     ap.add_argument("--splits", nargs="*", type=int, default=[0])
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
     from flash_attn_4_sm120 import config, config_decode
@@ -86,6 +118,8 @@ def main(argv=None):
                                pct_copy_8call=kv_bytes / ms8 / 1e6 / copy_bw,
                                pct_copy_1call=kv_bytes / ms1 / 1e6 / copy_bw, copy_gbps=copy_bw,
                                device=torch.cuda.get_device_name())
+                    if args.profile:
+                        row["kernels_us"] = profile_kernels(call)
                     rows.append(row)
                     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                           flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps for the H100 proxy (see README "Running the GPU tests").  Run from the repo root on the device after
 # `source /tmp/gpu-site/env.sh` (or `.gpu/p2/env.sh`).  Steps: smoke | test | bench | host | jit | sanitize | lies | decode | all.
-# decode: the key-split decode tiles' GPU tests (config_decode.DECODE_KEY_SPLIT) and their A/B against the 64-row tiles.
+# decode: the decode tiles' GPU tests (key split, deep K/V pipelines, split, paged) and the A/B of decode tile tables.
 # Logs go to $OUT (the device tool's folder) when set, else ./out.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
@@ -17,12 +17,13 @@ run_step() {
     bench) timeout 540 python3 benchmarks/bench_fwd.py --out "$out/fwd_bench.jsonl" 2>&1 | tee "$out/bench.log" ;;
     host) timeout 300 python3 benchmarks/bench_host.py --out "$out/host_bench.jsonl" 2>&1 | tee "$out/host.log" ;;
     jit) timeout 300 python3 benchmarks/bench_jit.py 2>&1 | tee "$out/jit.log" ;;
-    decode) timeout 420 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
-              tests/test_decode_gpu.py tests/test_split_gpu.py 2>&1 | tail -n 60 | tee "$out/decode_test.log"
-            timeout 300 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit keysplit_2g \
+    decode) timeout 300 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
+              tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py 2>&1 | tail -n 60 \
+              | tee "$out/decode_test.log"
+            timeout 200 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit deep4 deep5 deep4_all \
               --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log"
-            timeout 200 python3 benchmarks/probe_decode_tiles.py --only mqa --variants keysplit --splits 32 64 128 \
-              --out "$out/decode_tiles.jsonl" 2>&1 | tee -a "$out/decode_tiles.log" ;;
+            timeout 100 python3 benchmarks/probe_decode_tiles.py --only mqa --variants keysplit deep4 deep5 \
+              --splits 0 32 96 --profile --out "$out/decode_tiles.jsonl" 2>&1 | tee -a "$out/decode_tiles.log" ;;
     lies) SANITIZE_TIMEOUT=500 bash benchmarks/sanitize_lying_metadata.sh 2>&1 | tee "$out/sanitize_lies.log" ;;
     sanitize) timeout 540 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
             tests/test_fwd_gpu.py -k "varlen or seqused or zero_length" 2>&1 | tail -n 60 | tee "$out/sanitize.log" ;;

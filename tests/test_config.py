@@ -256,7 +256,8 @@ def test_non_tensor_inputs_get_a_clear_error():
 def test_decode_tiles_by_rows_and_the_key_split_switch(monkeypatch):
     from flash_attn_4_sm120 import config_decode as CD
 
-    monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", False)  # the release default: the 64-row tiles for every bucket
+    assert CD.DECODE_KEY_SPLIT  # the release default: the key split on (measured, config_decode)
+    monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", False)  # switched off: the 64-row tiles for every bucket
     config.clear_caches()
     for rows in (1, 4, 16, 17, 32, 64):
         assert CD.decode_tile(128, 128, rows) == FwdTile(64, 64, 4, 2)
@@ -271,6 +272,16 @@ def test_decode_tiles_by_rows_and_the_key_split_switch(monkeypatch):
     assert CD.decode_tile(256, 256, 4) == CD.decode_tile(192, 128, 32) == FwdTile(32, 32, 4, 2, kv_groups=2)
     assert CD.decode_tile(256, 256, 40) == FwdTile(64, 32, 4, 2)
     assert CD.decode_tile(128, 128, 65) is None
+
+
+def test_decode_rows_leave_a_full_grid_on_the_64_row_tile():
+    from flash_attn_4_sm120 import config_decode as CD
+
+    assert CD.decode_rows(4, 64, 132) == 4  # B=8 x Hkv 8: SMs idle, the key split takes the call (then splits)
+    assert CD.decode_rows(32, 104, 132) == 32  # just under the auto-split test (4/5 of the SMs)
+    assert CD.decode_rows(32, 106, 132) == CD.DECODE_MAX_ROWS
+    assert CD.decode_rows(4, 512, 132) == CD.DECODE_MAX_ROWS  # B=64 x Hkv 8
+    assert CD.decode_tile(128, 128, CD.decode_rows(4, 512, 132)).kv_groups == 1
 
 
 def test_key_split_tiles_fit_their_merge_and_name_their_groups():
@@ -293,6 +304,16 @@ def test_key_split_tiles_fit_their_merge_and_name_their_groups():
     assert any("16 * kv_groups" in p for p in config.fwd_tile_problems(256, 256, FwdTile(16, 32, 4, 2, kv_groups=4)))
     # two groups at d256 with one stage of 32-key tiles: the merge (64 threads x 132 words) exceeds the K/V stages
     assert any("merge" in p for p in config.fwd_tile_problems(256, 256, FwdTile(32, 32, 4, 1, kv_groups=2)))
+
+
+def test_deep_kv_pipelines_run_on_cp_async_only():
+    """The cp.async kernel takes 1 to 5 K/V stages (tests/test_decode_gpu.py runs 3, 4 and 5); the TMA kernel's
+    mbarrier pipeline 1 or 2; the budget still binds (3 stages of 64-key d128 tiles: 112 KB)."""
+    assert config.fwd_tile_problems(128, 128, FwdTile(32, 32, 4, 5, kv_groups=2)) == []
+    assert config.fwd_tile_problems(128, 128, FwdTile(64, 32, 4, 4)) == []
+    assert any("num_stages=6" in p for p in config.fwd_tile_problems(128, 128, FwdTile(32, 16, 4, 6)))
+    assert any("num_stages=3" in p for p in config.fwd_tile_problems(64, 64, FwdTile(128, 64, 8, 3, False, True)))
+    assert any("shared memory" in p for p in config.fwd_tile_problems(128, 128, FwdTile(64, 64, 4, 3)))
 
 
 def test_decode_plan_runs_the_key_split_tile_of_its_row_bucket(monkeypatch):

@@ -20,8 +20,8 @@ fa = pytest.importorskip("flash_attn_4_sm120")
 
 @pytest.fixture(autouse=True)
 def key_split_on(monkeypatch):
-    """The key-split decode tiles are off by default until this file has passed on a GPU
-    (config_decode.DECODE_KEY_SPLIT): turn them on for every test here."""
+    """Every test here runs with the key-split decode tiles on (config_decode.DECODE_KEY_SPLIT, the release
+    default), whatever the switch says."""
     from flash_attn_4_sm120 import config, config_decode
 
     monkeypatch.setattr(config_decode, "DECODE_KEY_SPLIT", True)
@@ -148,3 +148,79 @@ def test_decode_key_split_matches_the_64_row_tile(hq, hkv, monkeypatch, ran_tile
     _expect_groups(ran_tiles, 1)
     assert (out.float() - out64.float()).abs().max().item() <= 1e-2
     assert (lse - lse64).abs().max().item() <= 1e-4
+
+
+# K/V pipelines deeper than two stages (kernels/fwd_cpasync.py: block n_first - i in stage i % num_stages; V of
+# block n - S + 1 loads during S = QK^T of block n, K of block n - S during its softmax and PV).  Key counts give
+# fewer blocks than stages (1, 17, 33 at 32 keys per block), exactly S and S + 1 blocks, and many; splits cut the
+# blocks into runs of every length.
+DEEP_TILES = [(32, 32, 4, 3, 2), (32, 32, 4, 4, 2), (32, 32, 4, 5, 2), (64, 32, 4, 4, 1)]
+
+
+@pytest.fixture
+def deep_table(monkeypatch):
+    """Put one deep-pipeline tile in the d128 decode table (every row bucket) and return it."""
+    from flash_attn_4_sm120 import config, config_decode
+
+    def put(spec):
+        tile = config.FwdTile(*spec[:4], kv_groups=spec[4])
+        assert not config.fwd_tile_problems(128, 128, tile)
+        monkeypatch.setitem(config_decode._DECODE_TILES, 128, ((tile.tile_m, tile),))
+        config.clear_caches()
+        return tile
+
+    yield put
+    config.clear_caches()
+
+
+@pytest.mark.parametrize("spec", DEEP_TILES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("sk", [1, 33, 96, 128, 160, 1023])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_decode_deep_pipeline_contiguous(spec, sk, num_splits, deep_table, ran_tiles):
+    tile = deep_table(spec)
+    hq, hkv = (32, 1) if tile.tile_m == 32 else (64, 1)
+    g = torch.Generator(device="cuda").manual_seed(sk + spec[3])
+    lens = [sk, 0, max(sk - 17, 0)]
+    q = _rand(3, 1, hq, 128, dtype=torch.bfloat16, gen=g)
+    k = _rand(3, sk, hkv, 128, dtype=torch.bfloat16, gen=g)
+    v = _rand(3, sk, hkv, 128, dtype=torch.bfloat16, gen=g)
+    used = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = fa.flash_attn_varlen_func(q, k, v, seqused_k=used, num_splits=num_splits, return_lse=True)
+    _dense_check(out, lse, q, k, v, lens=lens)
+    assert ran_tiles and all(c.tile == tile for c in ran_tiles if hasattr(c, "tile")), [c.name() for c in ran_tiles]
+
+
+@pytest.mark.parametrize("spec", DEEP_TILES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", ["causal", "win_64_0", "causal_left_77"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_decode_deep_pipeline_paged(spec, mask, page_size, deep_table, ran_tiles):
+    tile = deep_table(spec)
+    hq, sq = (32, 1) if tile.tile_m == 32 else (16, 4)
+    window = {"causal": (None, None), "win_64_0": (64, 0), "causal_left_77": (77, None)}[mask]
+    lens = [333, 17, 0, 1000]
+    pg = Paged(lens, page_size, 1, 128, 128, seed=page_size + spec[3])
+    g = torch.Generator(device="cuda").manual_seed(page_size * 7 + spec[3])
+    q = _rand(4, sq, hq, 128, dtype=torch.bfloat16, gen=g)
+    s = torch.randn(hq, device="cuda", generator=g)
+    out, lse = fa.flash_attn_varlen_func(q, pg.kp, pg.vp, seqused_k=pg.seqused, page_table=pg.table, causal=True,
+                                         window_size=window, softcap=20.0, learnable_sink=s, num_splits=5,
+                                         return_lse=True)
+    check_dense_q(out, lse, q, pg, causal=True, window=window, softcap=20.0, sink=s)
+    assert ran_tiles and all(c.tile == tile for c in ran_tiles if hasattr(c, "tile")), [c.name() for c in ran_tiles]
+
+
+def test_decode_full_grid_keeps_the_64_row_tile(ran_tiles):
+    """A decode grid that already fills the GPU (config_decode.decode_rows) runs the 64-row tile, no key split."""
+    from flash_attn_4_sm120.launch import sm_count
+
+    b = -(-sm_count(torch.device("cuda")) // 8) + 1  # x 8 KV heads: more CTAs than SMs
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = _rand(b, 1, 32, 128, dtype=torch.bfloat16, gen=g)
+    k = _rand(b, 300, 8, 128, dtype=torch.bfloat16, gen=g)
+    v = _rand(b, 300, 8, 128, dtype=torch.bfloat16, gen=g)
+    out, lse = fa.flash_attn_func(q, k, v, return_lse=True)
+    _dense_check(out, lse, q, k, v)
+    _expect_groups(ran_tiles, 1)
+    ran_tiles.clear()
+    out, lse = fa.flash_attn_func(q[:2], k[:2], v[:2], return_lse=True)  # 16 CTAs: the key split
+    _expect_groups(ran_tiles, 4)
