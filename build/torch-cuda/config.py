@@ -194,8 +194,8 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
         problems.append(f"tile_m={tile.tile_m} is not a multiple of 16 * the warps along M ({16 * tile.mma_warps})")
     if tile.tile_n % (16 * tile.kv_groups) != 0 or tile.tile_n < 16:
         problems.append(f"tile_n={tile.tile_n} is not a positive multiple of 16 * kv_groups={16 * tile.kv_groups}")
-    if tile.num_stages not in (1, 2):
-        problems.append(f"num_stages={tile.num_stages} (supported: 1, 2)")
+    if tile.num_stages not in ((1, 2) if tile.tma else (1, 2, 3, 4, 5)):
+        problems.append(f"num_stages={tile.num_stages} (supported: 1 or 2 on the TMA kernel, 1 to 5 on cp.async)")
     for dim in (head_dim, head_dim_v):
         rows_per_pass = tile.num_threads // copy_threads_per_row(dim, 16)
         for rows, what in ((tile.tile_m, "tile_m"), (tile.tile_n, "tile_n")):

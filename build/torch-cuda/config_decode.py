@@ -23,16 +23,28 @@ DECODE_MAX_ROWS = 64
 # groups of two warps, rows <= 16 (GQA 4:1 decode) four groups of one warp.  Entries: (most rows, tile), the first
 # that holds the call's rows per CTA and fits wins; key-split entries only while DECODE_KEY_SPLIT is on.
 #
-# DECODE_KEY_SPLIT is off in this release: the key-split kernel compiles for sm_120a with 0 spills (the compile gate
-# builds every key-split decode configuration) but has not run on a GPU yet (2026-11-26: no device time left in
-# that session).  Until tests/test_decode_gpu.py and benchmarks/probe_decode_tiles.py have run, every decode call
-# takes the 64-row tiles, as before.  Tests and the probe turn it on (then ``config.clear_caches()``).
-DECODE_KEY_SPLIT = False
+# Measured on the H100 proxy (benchmarks/results/decode_tiles_h100_s25.jsonl, 8-call graphs, % of copy bandwidth,
+# 64-row tiles -> key split): MQA B=1 KV 32K 34.6 -> 38.5%, B=8 55.3 -> 56.6%, B=64 72.0 -> 73.4%, MQA d256 B=8
+# 58.0 -> 65.8%, paged MQA (page 64) 26.9 -> 29.3%, GQA 4:1 d128 B=1 86.7 -> 88.3% (paged, page 16: 79.7 -> 83.3%);
+# no case slower (d128 B=64: 180.2 vs 180.4 us).  Two groups for <= 16 rows too (H200, same session) tie with four groups overall (B=64 +5%,
+# paged B=1 -6%).  Deeper K/V pipelines for the 32-row tile (4 or 5 stages of 32 keys, 1.5-2x the bytes in
+# flight) measured 1-8% slower than two stages of 64 keys: the MQA calls are not bound by loads in flight.
+# ``False`` puts every decode call back on the 64-row tiles (tests and the probe flip it).
+DECODE_KEY_SPLIT = True
 _DECODE_TILES: dict[int, tuple[tuple[int, FwdTile], ...]] = {
     **{d: ((16, FwdTile(16, 64, 4, 2, kv_groups=4)), (32, FwdTile(32, 64, 4, 2, kv_groups=2)),
            (64, FwdTile(64, 64, 4, 2))) for d in (32, 64, 96, 128)},
     **{d: ((32, FwdTile(32, 32, 4, 2, kv_groups=2)), (64, FwdTile(64, 32, 4, 2))) for d in (192, 256)},
 }
+
+
+def decode_rows(rows: int, grid_ctas: int, num_sms: int) -> int:
+    """The row count to pick a decode tile by: the call's ``rows`` per CTA while its grid (``grid_ctas`` CTAs on
+    the 64-row tile, splits included) leaves SMs idle, else DECODE_MAX_ROWS: a grid that already fills the GPU
+    (the test of splitkv.auto_num_splits) runs the 64-row tile, no key split.  There the key split gains nothing
+    and costs paged calls (H100, d128 GQA 4:1 B=64 KV 2K, 512 CTAs: contiguous 180.2 vs 180.4 us; paged page 16
+    or 64: 94% -> 84% of copy bandwidth, benchmarks/results/decode_h100.jsonl, session 25)."""
+    return DECODE_MAX_ROWS if grid_ctas * 5 >= num_sms * 4 else rows
 
 
 def decode_tile(head_dim: int, head_dim_v: int, rows: int = DECODE_MAX_ROWS) -> FwdTile | None:

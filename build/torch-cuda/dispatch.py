@@ -27,7 +27,7 @@ from . import dropout as D
 from . import splitkv as SK
 from . import validate as V
 from .arguments import FWD_ARGS
-from .launch import compiled_kernel as _kernel, launch as _launch
+from .launch import compiled_kernel as _kernel, launch as _launch, sm_count
 from .config import (
     FwdKernelConfig,
     MAX_SEQLEN,
@@ -41,7 +41,7 @@ from .config import (
     table_version,
 )
 from .config_bwd import select_bwd_config, select_dq_config
-from .config_decode import DECODE_MAX_ROWS, decode_tile
+from .config_decode import DECODE_MAX_ROWS, decode_rows, decode_tile
 
 _LOG2_E = math.log2(math.e)
 PAGED_GRAD_ERROR = (
@@ -474,6 +474,9 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     decode = 0
     if not sparse and not in_kernel and mods is None and meta.max_q * pack <= DECODE_MAX_ROWS:
         dtile = decode_tile(d, dv, meta.max_q * pack)
+        if dtile is not None and dtile.kv_groups > 1:  # a key split, unless the grid fills the GPU without it
+            grid = meta.batch * (hq // pack) * max(num_splits, 1)  # one 64-row tile per (batch, head group)
+            dtile = decode_tile(d, dv, decode_rows(meta.max_q * pack, grid, sm_count(dev)))
         decode = 0 if dtile is None else dtile.tile_m  # the plan key: the row bucket, not the row count
     plan_args = (V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)

@@ -11,8 +11,9 @@ Algorithm (FlashAttention-2 on mma.sync m16n8k16):
     one CTA = one tile of ``tile_m`` query rows of one (batch, head group); warps are stacked along M.
     Q is loaded once (cp.async) and, if ``q_in_regs``, kept in registers as mma A fragments.
     KV blocks stream through ``num_stages`` smem stages with cp.async, last block first (paged K/V: row by row,
-    each row's address from the page table, so a block may span pages of any size); V(j) loads while
-    S = Q K(j)^T runs, K(j-1) loads while softmax and O += P V(j) run.  P stays in registers (the S accumulator
+    each row's address from the page table, so a block may span pages of any size); with S >= 2 stages,
+    V(j-S+1) loads while S = Q K(j)^T runs, K(j-S) loads while softmax and O += P V(j) run (one stage: V(j), then
+    K(j-1)).  P stays in registers (the S accumulator
     is re-read as the A operand).  Only boundary blocks are masked (see masking.py).  The epilogue stages O in
     smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the natural-log LSE.
     Packed GQA (runtime ``pack`` = 1 or Hq/Hkv): tile rows enumerate (position, head-in-group) pairs.
@@ -332,10 +333,13 @@ class FlashFwdSm80(FwdKernelBase):
 
     @cute.jit
     def next_stage(self, stage: Int32) -> Int32:
+        """The stage of the next (lower) K/V block: block n_first - i sits in stage i % num_stages."""
         if const_expr(self.num_stages == 1):
             return stage
-        else:
+        elif const_expr(self.num_stages == 2):
             return 1 - stage
+        else:
+            return (stage + 1) % self.num_stages
 
     @cute.jit
     def kv_step(
@@ -355,13 +359,18 @@ class FlashFwdSm80(FwdKernelBase):
         None, or (block sparsity) the map from the schedule's virtual index ``n_block`` to the real KV tile."""
         stages = self.num_stages
         rd = stage if const_expr(stages > 1) else 0
-        wr = (1 - stage) if const_expr(stages > 1) else 0
+        # V(n - stages + 1) goes to the stage V(n + 1) left (every warp passed its PV: the barrier below)
+        wr = 0
+        if const_expr(stages == 2):
+            wr = 1 - stage
+        elif const_expr(stages > 2):
+            wr = (stage + stages - 1) % stages
         dropout = self.dropout_apply(score, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.s_tile_n)),
                                      Float32)
         acc_S.fill(0.0)
-        v_next = n_block if const_expr(stages == 1) else n_block - 1
-        k_next = n_block - 1 if const_expr(stages == 1) else n_block - 2
+        v_next = n_block if const_expr(stages == 1) else n_block - (stages - 1)
+        k_next = n_block - 1 if const_expr(stages == 1) else n_block - stages
         if const_expr(prefetch_v is not None):  # paged: this step's page numbers, read before the waits
             load_v = prefetch_v(load_v, v_next)
             load_k = prefetch_k(load_k, k_next)
@@ -372,8 +381,8 @@ class FlashFwdSm80(FwdKernelBase):
         if const_expr(stages == 1):
             load_v(n_block, 0, is_first)
         else:
-            if n_block - 1 >= n_min:
-                load_v(n_block - 1, wr, False)
+            if v_next >= n_min:
+                load_v(v_next, wr, False)
         cute.arch.cp_async_commit_group()
 
         cu.mma_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, rd], ldsm_copy_q, ldsm_copy_k,
@@ -394,9 +403,9 @@ class FlashFwdSm80(FwdKernelBase):
 
         if const_expr(stages > 1):
             cute.arch.cp_async_wait_group(stages * 2 - 2)  # V(n) landed
-            cute.arch.barrier()  # all warps done with K(n): its stage takes K(n-2)
-            if n_block - 2 >= n_min:
-                load_k(n_block - 2, rd, False)
+            cute.arch.barrier()  # all warps done with K(n): its stage takes K(n - stages)
+            if k_next >= n_min:
+                load_k(k_next, rd, False)
             cute.arch.cp_async_commit_group()
 
         cu.mma_rs(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, rd], ldsm_copy_v)
