@@ -223,13 +223,13 @@ def test_zero_length_inputs():
 def test_no_recompile_for_new_lengths():
     from flash_attn_4_sm120 import jit
 
-    # two kernels per configuration: the prefill tile and the decode tile (<= DECODE_MAX_ROWS query rows per CTA);
-    # once both are built, no length in either regime compiles anything
-    for s in (100, 1):
+    # at most four kernels per configuration: the prefill tile and the decode tiles of <= 16, <= 32 and <= 64 query
+    # rows per CTA (config_decode); once those are built, no length in either regime compiles anything
+    for s in (100, 1, 17, 33):
         q, k, v = _inputs(1, s, 100, 2, 2, 64, 64, torch.bfloat16)
         fa.flash_attn_func(q, k, v)
     n = len(jit._MEMORY)
-    for s in (1, 17, 64, 65, 77, 513):
+    for s in (1, 16, 17, 32, 64, 65, 77, 513):
         q, k, v = _inputs(3, s, s + 5, 2, 2, 64, 64, torch.bfloat16)
         fa.flash_attn_func(q, k, v)
     assert len(jit._MEMORY) == n
