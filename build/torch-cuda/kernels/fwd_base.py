@@ -14,6 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import FWD_ARGS
+from .. import config as _config
 from ..config import FwdKernelConfig, fwd_smem_bytes
 from . import cute_utils as cu
 from .kernel_state import KernelState, KernelStateMixin
@@ -66,9 +67,34 @@ class FwdKernelBase(KernelStateMixin):
         # measured on sm_120a (compile gate): the d192 TMA tile reading Q from shared memory (128x64, one stage)
         # spilled 10 STL/LDL in its lightest dropout set (d192/dv192) with a row pair's four Philox calls unrolled
         self.dropout_group_loop = t.tma and t.tile_m == 128 and t.tile_n == 64 and t.num_stages == 1 and not t.q_in_regs
+        # causal / windowed tiles: every (head group, batch)'s longest tile launches before any second-longest one
+        # (``cta_coords``; config.FWD_LPT_ORDER)
+        self.lpt_order = _config.FWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse and not cfg.split_kv
 
     def compute_sync(self):
         raise NotImplementedError
+
+    @cute.jit
+    def cta_coords(self):
+        """(grid column, head group, grid z) of this CTA.  The grid is (tile columns, head groups, batch); CTAs
+        launch with x varying fastest.  With ``lpt_order``, on grids of config.FWD_LPT_MIN_COLUMNS to
+        FWD_LPT_MAX_COLUMNS columns, the same set of coordinates is dealt in another order: the CTA that launches
+        k-th takes column k // (head groups x batch), so every causal or windowed (head group, batch)'s first
+        column (its longest tile: the run_tile kernels reverse the columns) launches before any second column, and
+        the shortest tiles fill the tail (longest-processing-time order).  The varlen extra column, past the tile
+        columns, launches last.  Other grids keep a head's tiles together (their K/V stays in L2).  Warp-uniform."""
+        bx, by, bz = cute.arch.block_idx()
+        col, head_group, z = bx, by, bz
+        if const_expr(self.lpt_order):
+            gx, gy, gz = cute.arch.grid_dim()
+            if gx >= _config.FWD_LPT_MIN_COLUMNS and gx <= _config.FWD_LPT_MAX_COLUMNS:
+                lin = bx + gx * (by + gy * bz)
+                per = gy * gz
+                col = cute.arch.make_warp_uniform(lin // per)
+                rest = lin - col * per
+                z = cute.arch.make_warp_uniform(rest // gy)
+                head_group = cute.arch.make_warp_uniform(rest - z * gy)
+        return col, head_group, z
 
     @property
     def grid_x_extra(self) -> int:
@@ -232,7 +258,7 @@ class FwdKernelBase(KernelStateMixin):
         cfg = self.cfg
         if const_expr(cfg.varlen_q or cfg.seqused_q):
             tidx, _, _ = cute.arch.thread_idx()
-            _, head_group, bz = cute.arch.block_idx()
+            _, head_group, bz = self.cta_coords()
             _, _, num_batch = cute.arch.grid_dim()
             batch, _ = self.split_coords(bz, mO)
             if const_expr(cfg.split_kv):

@@ -160,7 +160,7 @@ class FlashFwdSm80(FwdKernelBase):
     ):
         # thread and block indices are read inside each branch: live across the branch they would be spilled
         # around the producer's setmaxnreg
-        bx, _, _ = cute.arch.block_idx()
+        bx, _, _ = self.cta_coords()
         rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
         sparse = (mMaskCnt, mMaskIdx, mFullCnt, mFullIdx)
         tile = partial(
@@ -182,7 +182,7 @@ class FlashFwdSm80(FwdKernelBase):
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, bz = cute.arch.block_idx()
+        bx, head_group, bz = self.cta_coords()
         batch, split = self.split_coords(bz, mO)
         self.release_dependents()
         # Causal/windowed tiles near the end of the sequence have the most work (and a causal-like block list's):

@@ -160,7 +160,7 @@ class FlashFwdWsSm120(FwdKernelBase):
     ):
         # thread and block indices are read inside each branch: live across the branch they would be spilled
         # around the producer's setmaxnreg
-        bx, _, _ = cute.arch.block_idx()
+        bx, _, _ = self.cta_coords()
         tile = partial(
             self.run_tile, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
             sparse, mAux,
@@ -180,7 +180,7 @@ class FlashFwdWsSm120(FwdKernelBase):
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head_group, bz = cute.arch.block_idx()
+        bx, head_group, bz = self.cta_coords()
         batch, split = self.split_coords(bz, mO)
         self.release_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
