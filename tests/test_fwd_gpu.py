@@ -303,3 +303,47 @@ def test_nan_in_unused_kv_rows_never_reaches_the_output(d, causal):
                                          max_seqlen_k=150, causal=causal, return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     _varlen_compare(out, lse, q, k, v, cu_q, cu_k, causal=causal)
+
+
+@pytest.fixture
+def lpt_on_every_grid(monkeypatch):
+    """The longest-first launch order (kernels/fwd_base.py ``cta_coords``) on grids of any column count: the
+    limits are read when a kernel is traced and are not part of the compile key, so this test compiles its own
+    kernels (a fresh memory cache, no disk cache)."""
+    from flash_attn_4_sm120 import config, jit
+
+    monkeypatch.setattr(config, "FWD_LPT_MIN_COLUMNS", 1)
+    monkeypatch.setattr(config, "FWD_LPT_MAX_COLUMNS", 1 << 30)
+    monkeypatch.setattr(jit, "_MEMORY", {})
+    monkeypatch.setenv("FA4_SM120_DISK_CACHE", "0")
+    config.clear_caches()
+    yield
+    config.clear_caches()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_lpt_order_dense_and_varlen(d, mask, lpt_on_every_grid):
+    """Every (tile column, head group, batch) runs exactly once in the dealt order: dense with packed GQA, and
+    varlen with empty sequences (varlen q adds the grid's extra column, which must still launch once)."""
+    kw = dict(causal=True) if mask == "causal" else dict(window_size=(100, 30))
+    q, k, v = _inputs(3, 700, 777, 8, 2, d, d, torch.bfloat16, seed=d)
+    out, lse = fa.flash_attn_func(q, k, v, return_lse=True, **kw)
+    assert_close(out, lse, q, k, v, **kw)
+    lens_q = [300, 0, 1, 513, 77]
+    lens_k = [300, 9, 40, 600, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 6, 3, d, d, torch.bfloat16, seed=d + 1)
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=513,
+                                         max_seqlen_k=600, return_lse=True, **kw)
+    _varlen_compare(out, lse, q, k, v, cu_q, cu_k, **kw)
+
+
+def test_lpt_order_at_its_own_column_count():
+    """The shipped limits: a causal grid of 32 tile columns (S = 4096 on the d64 128-row tile) deals its CTAs."""
+    from flash_attn_4_sm120 import config
+
+    q, k, v = _inputs(1, 4096, 4096, 2, 2, 64, 64, torch.bfloat16, seed=3)
+    columns = -(-4096 // config.select_fwd_tile(64, 64, True).tile_m)
+    assert config.FWD_LPT_MIN_COLUMNS <= columns <= config.FWD_LPT_MAX_COLUMNS
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert_close(out, lse, q, k, v, causal=True)
