@@ -57,6 +57,16 @@ def time_fn(fn, warmup=3, iters=20) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def append_jsonl(path: Path | None, rows: list[dict]) -> None:
+    """Append ``rows`` to ``path`` as JSON lines (nothing when ``path`` is None); the probes' ``--out``."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def flops(b, hq, s, d, causal):
     f = 4.0 * b * hq * s * s * d
     return f / 2 if causal else f

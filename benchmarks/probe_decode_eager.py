@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd import append_jsonl  # noqa: E402
+
 CASES = (("mqa", 8, 8192, 32, 1, 128), ("gqa", 8, 8192, 32, 8, 128), ("mqa", 1, 32768, 32, 1, 128))
 
 
@@ -62,10 +65,7 @@ def main(argv=None):
                    device=torch.cuda.get_device_name())
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        with args.out.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, rows)
     return 0
 
 

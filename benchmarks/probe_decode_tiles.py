@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import LAYERS, copy_gbps, make_cache, time_graph, time_graph_layers  # noqa: E402
+from bench_fwd import append_jsonl  # noqa: E402
 
 CASES = (("mqa", 1, 32768, 32, 1, 128, 0), ("mqa", 8, 8192, 32, 1, 128, 0), ("mqa", 64, 2048, 32, 1, 128, 0),
          ("d128", 1, 32768, 32, 8, 128, 0), ("d128", 8, 8192, 32, 8, 128, 0), ("d128", 64, 2048, 32, 8, 128, 0),
@@ -129,11 +130,7 @@ def main(argv=None):
     config_decode._DECODE_TILES.update(shipped)
     config_decode.DECODE_KEY_SPLIT = shipped_flag
     config.clear_caches()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, rows)
     return 0
 
 

@@ -23,7 +23,7 @@ os.environ["FA4_SM120_DISK_CACHE"] = "0"  # the order is not part of the compile
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import SEQLENS, SHAPES, TOKENS, flops, time_fn  # noqa: E402
+from bench_fwd import SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
 
 def main(argv=None):
@@ -84,11 +84,7 @@ def main(argv=None):
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)
     set_order(True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, rows)
     return 0
 
 
