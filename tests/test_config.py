@@ -79,7 +79,7 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
     """Every tile of every kernel that dropout can run gets its lightest and heaviest dropout set in the gate, and
     the list stays small (CI time)."""
     work = config_bwd.dropout_gate_worklist()
-    assert all(c.has_dropout for c in work) and len(work) <= 80
+    assert all(c.has_dropout for c in work) and len(work) <= 90  # 86: +1 per forward tile for dropout_high_p
     assert len({c.name() for c in work}) == len(work)
 
     def tile_of(c):

@@ -60,7 +60,8 @@ def test_words_follow_the_stated_counter_layout():
         half = (i // 8) % 2
         ctr = (((b + 1) << 16) | h, pair, offset & 0xFFFFFFFF, group)
         key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
-        assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & 0x1FFF  # low 13 bits
+        low_bits = (1 << dropout.KEEP_BITS) - 1
+        assert int(w[b, h, i, j]) == (_philox_int(ctr, key, 7)[word] >> (16 * half)) & low_bits
     assert int(w.max()) < 1 << dropout.KEEP_BITS
 
 
@@ -130,7 +131,7 @@ def test_neighbours_are_uncorrelated(words_10m, what):
 
 
 def test_words_are_uniform(words_10m):
-    """Chi-square of the top 8 bits of the 13-bit values over 256 bins (df = 255: mean 255, sd ~22.6; 400 is
+    """Chi-square of the top 8 bits of the KEEP_BITS-bit values over 256 bins (df = 255: mean 255, sd ~22.6; 400 is
     > 6 sd), and of the low byte."""
     top = dropout.KEEP_BITS - 8
     for byte in (words_10m >> top, words_10m & 0xFF):
@@ -363,3 +364,23 @@ def test_packed_gqa_dropout_has_its_own_forward_config():
     assert "_dpack" in packed.name() and "_dpack" not in plain.name()
     fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
     assert {c.tile for c in fwd if c.dropout_packed} == {c.tile for c in fwd}
+
+
+def test_high_p_forward_config_from_the_threshold():
+    """The forward's direct keep test compares the 15-bit values as fp16 numbers, exact for thresholds up to 0x7C00
+    (+inf; p <= 0.96875); above, the dispatcher runs the forward compiled with ``dropout_high_p`` (the complement
+    test), on the same tile, and the compile gate builds it for every forward dropout tile."""
+    from flash_attn_4_sm120 import dispatch
+
+    assert dropout.keep_threshold(0.96875) == dropout.F16_DIRECT_MAX_THRESHOLD == 0x7C00
+    assert not dropout.DropoutArgs(0.96875, 1, 0).high_p
+    assert dropout.DropoutArgs(0.97, 1, 0).high_p and dropout.DropoutArgs(1 - 2.0 ** -17, 1, 0).high_p
+    assert dropout.keep_threshold(1 - 2.0 ** -17) == 1 << dropout.KEEP_BITS  # keeps none: the complement's 0
+    args = ("bf16", 128, 128, True, False, False, False, False, False, False, False, 0)
+    plain = dispatch._plan(*args, dropout=True).fwd_cfg
+    high = dispatch._plan(*args, dropout=True, dropout_high_p=True).fwd_cfg
+    assert not plain.dropout_high_p and high.dropout_high_p and high.tile == plain.tile
+    assert "_dhi" in high.name() and "_dhi" not in plain.name()
+    fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
+    assert {c.tile for c in fwd if c.dropout_high_p} == {c.tile for c in fwd}
+

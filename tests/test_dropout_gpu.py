@@ -49,7 +49,9 @@ def _close(name, ours, ref, pt, slack=None):
                                                  (1, 17, 4, 1, None, 128), (129, 511, 2, 2, False, 128),
                                                  # d <= 64 non-causal: the 256-row tile, two m16 atoms per warp
                                                  (255, 500, 2, 2, False, 64), (255, 250, 4, 2, None, 32)])
-@pytest.mark.parametrize("p", [0.002, 0.1, 0.5, 0.9, 0.998])  # the extremes: thresholds near 0 and 2**KEEP_BITS
+# the extremes: thresholds near 0 and 2**KEEP_BITS; 0.96875 is the direct fp16 test's last threshold (0x7C00), above it
+# the forward tests the complement (dropout_high_p), and 1 - 2**-17 has the threshold 2**KEEP_BITS (keeps none)
+@pytest.mark.parametrize("p", [0.002, 0.1, 0.5, 0.9, 0.96875, 0.97, 0.998, 1 - 2.0 ** -17])
 def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
     """q = 0 gives uniform P = 1/sk; v[j] = 2**(j // d) * e_(j % d) makes out[i, c] * sk * (1 - p) the integer
     sum_b keep[i, d b + c] 2**b (< 256 for sk <= 8 d), so the output spells the kernel's mask exactly."""
@@ -71,6 +73,24 @@ def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
     bad = (code.permute(0, 2, 1, 3) != want).nonzero()
     assert bad.numel() == 0, (f"the kernel's keep mask differs from dropout_mask at {bad.shape[0]} (b, h, row, col) "
                               f"entries, first {bad[:8].tolist()}")
+
+
+def test_high_p_runs_the_complement_forward(monkeypatch):
+    """p above 0.96875 reaches the plan as ``dropout_high_p``; p at or below it does not."""
+    from flash_attn_4_sm120 import dispatch
+
+    seen = []
+    real = dispatch._plan
+
+    def spy(*a, **kw):
+        seen.append(kw.get("dropout_high_p", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dispatch, "_plan", spy)
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    for p in (0.5, 0.96875, 0.97):
+        fa.flash_attn_func(q, q, q, dropout_p=p, dropout_seed=1, dropout_offset=0)
+    assert seen == [False, False, True], seen
 
 
 def _d_slack(out, ref_out, ref_lse, ref_in, g):
