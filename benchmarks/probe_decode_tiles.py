@@ -34,10 +34,16 @@ CASES = (("mqa", 1, 32768, 32, 1, 128, 0), ("mqa", 8, 8192, 32, 1, 128, 0), ("mq
 
 def set_variant(config, config_decode, shipped, name):
     """Put the decode table and switch of variant ``name`` in place (and forget memoised tiles)."""
+    import flash_attn_4_sm120.dispatch as dispatch
+
     F = config.FwdTile
     config_decode._DECODE_TILES.clear()
     config_decode._DECODE_TILES.update(shipped)
-    if name == "rows64":
+    dispatch.decode_rows = config_decode.decode_rows
+    if name == "keysplit_always":  # the key split even where the grid fills the GPU (config_decode.decode_rows)
+        config_decode.DECODE_KEY_SPLIT = True
+        dispatch.decode_rows = lambda rows, grid_ctas, num_sms: rows
+    elif name == "rows64":
         config_decode.DECODE_KEY_SPLIT = False
     elif name == "keysplit":
         config_decode.DECODE_KEY_SPLIT = True
