@@ -99,6 +99,9 @@ class FwdKernelConfig:
     # dropout with packed GQA rows (pack > 1): a thread's rows g, g + 8 are not query positions i, i + 8 of one
     # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
     dropout_packed: bool = False
+    # p > 0.96875 (threshold above dropout.F16_DIRECT_MAX_THRESHOLD): the forward's direct keep test compares the
+    # values' complement (kernels/score_dropout.py dropout_fwd_direct); the keep-bit paths need no variant
+    dropout_high_p: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
     # block sparsity (kernels/block_sparse.py; the tile from select_sparse_tile): a user block is sparse_q_ratio
     # query tiles by sparse_kv_ratio KV tiles; 0 = off
@@ -131,6 +134,7 @@ class FwdKernelConfig:
                 ("drop", self.has_dropout),
                 ("seedt", self.dropout_seed_tensor),
                 ("dpack", self.dropout_packed),
+                ("dhi", self.dropout_high_p),
                 ("split", self.split_kv),
                 (f"sparse{self.sparse_q_ratio}x{self.sparse_kv_ratio}", self.block_sparse),
                 (f"mods{self.mods.tag() if self.mods is not None else ''}", self.mods is not None),

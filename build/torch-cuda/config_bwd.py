@@ -259,7 +259,8 @@ def dropout_gate_worklist() -> list:
     tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
     (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
     also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
-    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows.  Dropout adds the same Philox code to every
+    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows and with the
+    complement keep test of p > 0.96875 (``dropout_high_p``).  Dropout adds the same Philox code to every
     pair of a tile, so the pairs between these add nothing the gate would not see."""
     groups: dict[tuple, list] = {}
     for dtype, d, dv, tile in all_fwd_tile_configs():
@@ -276,12 +277,14 @@ def dropout_gate_worklist() -> list:
         thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
         picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
         if key[0] == "fwd":
-            picks.append(("bf16", big, "packed"))
+            picks += [("bf16", big, "packed"), ("bf16", big, "high_p")]
         if thin != big:
             picks.append(("bf16", thin, True))
         for dtype, (d, dv, tile), heavy in picks:
             if key[0] == "fwd" and heavy == "packed":
                 out.append(dropout_packed_gate_config(dtype, d, dv, tile))
+            elif key[0] == "fwd" and heavy == "high_p":  # the complement keep test (p > 0.96875)
+                out.append(replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_high_p=True))
             elif key[0] == "fwd":
                 light, hv = dropout_gate_configs(dtype, d, dv, tile)
                 out.append(hv if heavy else light)

@@ -81,4 +81,6 @@ def combine_gate_configs() -> list[CombineKernelConfig]:
               CombineKernelConfig("bf16", "bf16", 128, True)]
     items += [CombineKernelConfig("fp32", "bf16", d, True, COMBINE_SPLIT_GROUPS) for d in (64, 128, 256)]
     items += [CombineKernelConfig("fp32", "fp32", 32, False, COMBINE_SPLIT_GROUPS)]
+    # a head dim of few 16-byte vectors (2 threads per row): the LSE walk that does not fit registers
+    items += [CombineKernelConfig("fp32", "bf16", 40, True)]
     return items

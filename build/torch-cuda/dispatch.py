@@ -111,21 +111,22 @@ _PLANS: dict[tuple, _Plan] = {}
 def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool, vq: bool, vk: bool, uq: bool,
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
           sparse: tuple = (0, 0), decode: int = 0, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
-          seed_tensor: bool = False, dropout_packed: bool = False, mods=None, paged_tma: bool = False) -> _Plan:
+          seed_tensor: bool = False, dropout_packed: bool = False, dropout_high_p: bool = False, mods=None,
+          paged_tma: bool = False) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio, q_block, kv_block) of block sparsity,
     (0, 0) when off (it runs config.select_sparse_tile of the block size, the first tile when it is left out);
     ``decode``: a call with at most that many query rows per CTA (the tile_m of its decode tile; True: up to
     DECODE_MAX_ROWS), which runs config_decode.decode_tile of them, 0 otherwise;
     ``sparse_bwd``: the block ratios of the dQ kernel (forward lists) and of the dK/dV kernel (KV-major lists),
-    (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``: Philox dropout,
-    seed from a device tensor, packed GQA rows (never with split, sparse or decode: the callers refuse or avoid
+    (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``/``dropout_high_p``:
+    Philox dropout, seed from a device tensor, packed GQA rows, p > 0.96875 (the forward's keep test; never with split, sparse or decode: the callers refuse or avoid
     those pairs); ``mods``: modspec.ModSpec or None (the forward kernel keys on its forward part; never with
     decode or sparse; with dropout, packed or not); ``paged_tma``: a paged prefill call whose pages hold whole K/V
     tiles of the TMA tile (``paged_eligible_for_tma``; ignored with split or decode, which keep the cp.async
     tiles).  Every argument after ``device_index`` is passed by keyword."""
     paged_tma = paged_tma and paged and not (split or decode)
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, mods, paged_tma, table_version())
+           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, dropout_high_p, mods, paged_tma, table_version())
     plan = _PLANS.get(key)
     if plan is None:
         tile = (select_sparse_tile(d, dv, windowed, mods is not None, block_size=tuple(sparse[2:4]) or None)
@@ -145,7 +146,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
                                      sparse_kv_ratio=sparse[1], has_dropout=dropout,
                                      dropout_seed_tensor=seed_tensor, dropout_packed=dropout_packed,
-                                     mods=None if mods is None else mods.forward_part()))
+                                     dropout_high_p=dropout_high_p, mods=None if mods is None else mods.forward_part()))
         if needs_grad:
             flags = dict(windowed=windowed, has_softcap=softcap, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                          seqused_k=uk, has_dropout=dropout, dropout_seed_tensor=seed_tensor, mods=mods)
@@ -439,7 +440,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
-                 seed_tensor=in_kernel and drop.seed_tensor is not None, mods=mods,
+                 seed_tensor=in_kernel and drop.seed_tensor is not None,
+                 dropout_high_p=in_kernel and drop.high_p, mods=mods,
                  paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods))
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
@@ -464,7 +466,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                      paged=page_table is not None, sparse=ratios, dropout=True,
-                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True, mods=mods)
+                     seed_tensor=drop.seed_tensor is not None, dropout_packed=True, dropout_high_p=drop.high_p,
+                     mods=mods)
     scale_log2, prescale = _log2_scales(meta)
     # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
     # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)

@@ -19,13 +19,16 @@ RNG contract (the kernels implement exactly this; ``dropout_mask`` reproduces it
   thread holds in an m16n8k16 accumulator, so a kernel whose rows are query positions uses all 8.  Every
   (b, h, i, j) has its own (counter, word, half): nothing depends on tiles, warps or splits, and nothing is
   reused.
-* An element's random value is the low ``KEEP_BITS`` = 13 bits of its 16-bit half.  Keep element (b, h, i, j) iff
-  that value ``>= threshold``, ``threshold = min(round(p * 2**13), 2**13)``: the keep probability is
-  ``1 - threshold / 2**13``, p quantised to a multiple of 2**-13 (within 2**-14 of ``1 - p``;
+* An element's random value is the low ``KEEP_BITS`` = 15 bits of its 16-bit half.  Keep element (b, h, i, j) iff
+  that value ``>= threshold``, ``threshold = min(round(p * 2**15), 2**15)``: the keep probability is
+  ``1 - threshold / 2**15``, p quantised to a multiple of 2**-15 (within 2**-16 of ``1 - p``;
   ``expected_keep_rate``).  Kept probabilities are scaled by ``1 / (1 - p)`` (the requested p, not the quantised
-  one: the relative bias is below 2**-14 / (1 - p)).  13 bits, not 16, so that the forward can test two elements
-  at once as bf16 numbers (0 ... 0x1FFF are finite, non-negative bf16 numbers, subnormals included, ordered as
-  the integers: one HSET2 per pair of P elements, kernels/score_dropout.py).
+  one: the relative bias is below 2**-16 / (1 - p)).  15 bits, not 16, so that the forward can test two elements
+  at once as fp16 numbers with one HSET2 whose operand takes the absolute value (the sign bit, the 16th, ignored):
+  0 ... 0x7BFF are finite, non-negative fp16 numbers, subnormals included, ordered as the integers, and the test
+  "value < threshold" (drop) is exact for every value up to thresholds of ``F16_DIRECT_MAX_THRESHOLD`` = 0x7C00
+  (p <= 0.96875; a NaN pattern compares false, and those values are >= any such threshold).  Above it the
+  forward tests the complement (``0x7FFF - value < 2**15 - threshold``, keep), exact there (kernels/score_dropout.py).
 * Seed and offset: given (``dropout_seed``, ``dropout_offset``), or drawn from torch's CUDA default generator of
   q's device (its seed and offset; the offset then advances by ``OFFSET_INCREMENT``), so ``torch.manual_seed``
   reproduces a run.  Under CUDA-graph capture the generator is not read: pass ``dropout_seed`` as a CUDA int64
@@ -61,8 +64,13 @@ class DropoutArgs:
     def threshold(self) -> int:
         return keep_threshold(self.p)
 
+    @property
+    def high_p(self) -> bool:
+        """Whether the forward tests the complement (``FwdKernelConfig.dropout_high_p``): p > 0.96875."""
+        return self.threshold > F16_DIRECT_MAX_THRESHOLD
+
     def kernel_values(self) -> dict:
-        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**13)."""
+        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**15)."""
         thr = self.threshold
         return dict(
             dropout_threshold=_s32(thr), dropout_scale=1.0 / (1.0 - self.p), rng_seed_lo=_s32(self.seed & _U32),
@@ -77,7 +85,10 @@ def _s32(x: int) -> int:
 
 
 HALF_BITS = 16  # one Philox call decides 8 elements: a 16-bit half of a word each
-KEEP_BITS = 13  # of which the low 13 bits are the element's random value
+KEEP_BITS = 15  # of which the low 15 bits are the element's random value
+# the forward's direct keep test (fp16 compare of the values) is exact for thresholds up to +inf's pattern; above
+# it (p > 0.96875) the forward is compiled with ``FwdKernelConfig.dropout_high_p`` and tests the complement
+F16_DIRECT_MAX_THRESHOLD = 0x7C00
 
 
 def keep_threshold(p: float) -> int:
@@ -239,6 +250,5 @@ def expected_keep_rate(p: float) -> float:
     return ((1 << KEEP_BITS) - keep_threshold(p)) / float(1 << KEEP_BITS)
 
 
-__all__ = ["DropoutArgs", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p", "check_seed", "dropout_mask",
-           "expected_keep_rate", "keep_threshold",
-           "philox4x32", "random_words", "refuse_combinations", "resolve"]
+__all__ = ["DropoutArgs", "F16_DIRECT_MAX_THRESHOLD", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p",
+           "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words", "refuse_combinations", "resolve"]

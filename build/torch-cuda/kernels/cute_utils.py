@@ -194,21 +194,22 @@ __all__ = [
     "row_sum",
     "mma_ss",
     "mma_rs",
-    "ge_mask_bf16x2",
+    "lt_abs_mask_f16x2",
     "ldmatrix_atom",
     "tiled_mma_16816",
 ]
 
 
 @dsl_user_op
-def ge_mask_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
-    """Per 16-bit half: 0xFFFF where half of ``a`` >= half of ``b`` as bf16 values, else 0 (one HSET2;
-    ``set.ge.u32.bf16x2``, sm_90+).  For non-negative, finite patterns (below 0x7F80) this is the unsigned
-    integer order of the halves."""
+def lt_abs_mask_f16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Per 16-bit half: 0xFFFF where |half of ``a``| < half of ``b`` as fp16 values, else 0 (one HSET2, the
+    absolute value an operand modifier: ``abs.f16x2`` + ``set.lt.u32.f16x2``, which ptxas folds; no .ftz, so
+    subnormals compare as themselves).  With the sign bit ignored, patterns 0 ... 0x7BFF are finite and ordered as
+    the unsigned integers; 0x7C00 is +inf and above are NaN, which compare false."""
     return Uint32(llvm.inline_asm(
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-        "set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+        "{\n.reg .b32 abs_a;\nabs.f16x2 abs_a, $1;\nset.lt.u32.f16x2 $0, abs_a, $2;\n}", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class SmemRows:

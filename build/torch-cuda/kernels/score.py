@@ -52,6 +52,7 @@ class ScoreHook(DropoutScore):
     rng: DropoutRng | None = None
     row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
     dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
+    dropout_high_p: bool = False  # forward, threshold above dropout.F16_DIRECT_MAX_THRESHOLD: the direct test's complement
     group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
     # dropout_bits: the keep test as sign bits moved in by funnel shifts (the forward, ``as_drop``); else ISETP +
     # SEL + OR per element (the backward: the sign test's unrolled word chains spill its dS code)
@@ -83,7 +84,8 @@ class ScoreHook(DropoutScore):
         return ScoreHook(cfg.has_softcap, cfg.windowed, tile_n, seq, scale_log2, softcap_prescale, window_left,
                          window_right, seq.seqlen_k - seq.seqlen_q, has_dropout=has_dropout, quad_ok=quad_ok,
                          rng=rng if has_dropout else None, row_loop=row_loop,
-                         dropout_packed=getattr(cfg, "dropout_packed", False), group_loop=group_loop, mods=mods,
+                         dropout_packed=getattr(cfg, "dropout_packed", False),
+                         dropout_high_p=getattr(cfg, "dropout_high_p", False), group_loop=group_loop, mods=mods,
                          aux=aux if mods is not None else None)
 
     def mn(self, acc: cute.Tensor) -> cute.Tensor:

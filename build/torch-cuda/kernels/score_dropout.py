@@ -2,7 +2,7 @@
 Philox function of (seed, offset, b, h, i, j) (kernels/philox.py; the contract is stated in dropout.py), their
 application to the forward's 16-bit P tile, and the backward's dS / P * keep with them.  ``DropoutScore`` is a
 mixin of ``score.ScoreHook``: its methods read the hook's fields (``rng``, ``tile_n``, ``quad_ok``, ``row_loop``,
-``dropout_packed``, ``group_loop``, ``sign_test``, ``has_softcap``, ``scale_log2``).
+``dropout_packed``, ``dropout_high_p``, ``group_loop``, ``sign_test``, ``has_softcap``, ``scale_log2``).
 """
 
 from dataclasses import replace
@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64, const_expr
 
-from .cute_utils import acc_mn_view, ge_mask_bf16x2
+from .cute_utils import acc_mn_view, lt_abs_mask_f16x2
 from ..dropout import KEEP_BITS
 from .philox import column_groups, row_pairs
 
@@ -437,11 +437,12 @@ class DropoutScore:
         """Zero the dropped probabilities of a 16-bit P tile straight from the Philox words, after the online
         softmax (no bit words; ``fwd_direct_ok`` says where it applies).  A P register holds columns (c, c + 1)
         of one row, whose values are the same half (low for row i0, high for i0 + 8) of the words of c and c + 1:
-        one PRMT gathers them, one LOP3 keeps their KEEP_BITS bits (as bf16 numbers, 0 ... 0x1FFF are +0,
-        subnormals and small normals, finite and ordered as the integers: set.bf16x2 has no flush to zero),
-        one HSET2 against the threshold likewise formed gives the keep mask (0xFFFF per kept half) and one LOP3
-        applies it: 4 instructions per 2 elements, where the bit words took about 7 (keep test, bit packing, PRMT
-        unpacking).  Column groups as ``_group_fn``."""
+        one PRMT gathers them, one HSET2 compares both as fp16 numbers with the sign bit dropped by the operand's
+        absolute value (the 15-bit values 0 ... 0x7BFF are finite and ordered as the integers; dropout.py) against
+        the threshold in both halves, giving the drop mask (0xFFFF per dropped half), and one LOP3 clears them:
+        3 instructions per 2 elements (4 with the 13-bit values, whose top bits a LOP3 had to clear; about 7 with
+        bit words).  Thresholds above 0x7C00 (+inf; ``dropout_high_p``, p > 0.96875) test the complement instead:
+        keep iff 0x7FFF - value < 2**15 - threshold, one LOP3 more.  Column groups as ``_group_fn``."""
         p_mn = acc_mn_view(acc_P)
         nrows = cute.size(p_mn, mode=[0])
         groups = self._dropout_groups(t0ScS_mn)
@@ -449,7 +450,9 @@ class DropoutScore:
         p32 = cute.make_tensor(cute.recast_ptr(acc_P.iterator, dtype=Uint32), cute.make_layout(cute.size(acc_P) // 2))
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
-        tt = t | (t << Uint32(16))  # t <= 2**KEEP_BITS: both halves hold it
+        if const_expr(self.dropout_high_p):
+            t = Uint32(1 << KEEP_BITS) - t  # < 0x400 here: a finite fp16 pattern
+        tt = t | (t << Uint32(16))  # both halves hold it
         col_thr = tScS_mn[0, 0][1]
         call = self._group_fn(n_block, col_thr)
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
@@ -464,9 +467,11 @@ class DropoutScore:
                     # low halves (bytes 0-1 of each word) for row ra, high halves (bytes 2-3) for row rb
                     for r, sel in ((ra, 0x5410), (rb, 0x7632)):
                         z = Uint32(cute.arch.prmt(mine[e], mine[e + 1], Int32(sel)))
-                        z = z & Uint32(VALUE_MASK * 0x10001)
                         i = cute.crd2idx((r, cs[e]), p_mn.layout) // 2
-                        p32[i] = p32[i] & ge_mask_bf16x2(z, tt)
+                        if const_expr(self.dropout_high_p):
+                            p32[i] = p32[i] & lt_abs_mask_f16x2(~z, tt)  # keep mask
+                        else:
+                            p32[i] = p32[i] & ~lt_abs_mask_f16x2(z, tt)  # drop mask
 
     @staticmethod
     def _pairs_adjacent(p_mn) -> bool:
