@@ -147,6 +147,16 @@ def test_dropout_dense(d, dv, causal, sq, sk):
     _check(q, k, v, 0.17, causal=causal)
 
 
+@pytest.mark.parametrize("p", [0.97, 0.998, 1 - 2.0 ** -17])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_high_p_forward_and_backward(d, causal, p):
+    """Thresholds above 0x7C00 (the forward's complement test) up to 2**KEEP_BITS (every element dropped: the
+    backward's keep tests compare t << 16 = 2**31 as unsigned), forward and gradients against the reference."""
+    q, k, v = _inputs(2, 77, 200, 4, 2, d, d, seed=4, grad=True)
+    _check(q, k, v, p, causal=causal)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("hq,hkv,pack", [(8, 8, None), (8, 2, True), (8, 2, False), (7, 1, None)])
 def test_dropout_gqa(p, hq, hkv, pack):
