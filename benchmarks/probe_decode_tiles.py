@@ -43,6 +43,11 @@ def set_variant(config, config_decode, shipped, name):
     if name == "keysplit_always":  # the key split even where the grid fills the GPU (config_decode.decode_rows)
         config_decode.DECODE_KEY_SPLIT = True
         dispatch.decode_rows = lambda rows, grid_ctas, num_sms: rows
+    elif name == "w8k4":  # the 32-row (MQA) tile on 8 warps: four groups of two split each 64-key tile
+        config_decode.DECODE_KEY_SPLIT = True
+        config_decode._DECODE_TILES.update(
+            {d: ((16, F(16, 64, 4, 2, kv_groups=4)), (32, F(32, 64, 8, 2, kv_groups=4)), (64, F(64, 64, 4, 2)))
+             for d in (32, 64, 96, 128)})
     elif name == "rows64":
         config_decode.DECODE_KEY_SPLIT = False
     elif name == "keysplit":
