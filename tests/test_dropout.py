@@ -352,35 +352,27 @@ def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
     assert (got >= 0).all() and torch.equal(got, want)
 
 
-def test_packed_gqa_dropout_has_its_own_forward_config():
-    """With packed GQA rows a thread's rows g, g + 8 are not positions i, i + 8 of one head: the dispatcher runs
-    the forward compiled with ``dropout_packed`` (row-by-row keep bits) whenever pack > 1, on the same tile."""
+@pytest.mark.parametrize("flag,tag,windowed", [("dropout_packed", "_dpack", False), ("dropout_high_p", "_dhi", True)])
+def test_dropout_forward_variants_keep_the_tile(flag, tag, windowed):
+    """The forward variants of dropout run the tile of the plain dropout forward and the compile gate builds them
+    for every forward dropout tile: ``dropout_packed`` (packed GQA rows: a thread's rows g, g + 8 are not positions
+    i, i + 8 of one head, so the keep bits are made row by row; the dispatcher's choice whenever pack > 1) and
+    ``dropout_high_p`` (p > 0.96875: the complement keep test)."""
     from flash_attn_4_sm120 import dispatch
 
-    args = ("bf16", 128, 128, False, False, False, False, False, False, False, False, 0)
+    args = ("bf16", 128, 128, windowed, False, False, False, False, False, False, False, 0)
     plain = dispatch._plan(*args, dropout=True).fwd_cfg
-    packed = dispatch._plan(*args, dropout=True, dropout_packed=True).fwd_cfg
-    assert not plain.dropout_packed and packed.dropout_packed and packed.tile == plain.tile
-    assert "_dpack" in packed.name() and "_dpack" not in plain.name()
+    variant = dispatch._plan(*args, dropout=True, **{flag: True}).fwd_cfg
+    assert not getattr(plain, flag) and getattr(variant, flag) and variant.tile == plain.tile
+    assert tag in variant.name() and tag not in plain.name()
     fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
-    assert {c.tile for c in fwd if c.dropout_packed} == {c.tile for c in fwd}
+    assert {c.tile for c in fwd if getattr(c, flag)} == {c.tile for c in fwd}
 
 
-def test_high_p_forward_config_from_the_threshold():
+def test_high_p_threshold():
     """The forward's direct keep test compares the 15-bit values as fp16 numbers, exact for thresholds up to 0x7C00
-    (+inf; p <= 0.96875); above, the dispatcher runs the forward compiled with ``dropout_high_p`` (the complement
-    test), on the same tile, and the compile gate builds it for every forward dropout tile."""
-    from flash_attn_4_sm120 import dispatch
-
+    (+inf; p <= 0.96875); above, the forward tests the complement (``DropoutArgs.high_p``)."""
     assert dropout.keep_threshold(0.96875) == dropout.F16_DIRECT_MAX_THRESHOLD == 0x7C00
     assert not dropout.DropoutArgs(0.96875, 1, 0).high_p
     assert dropout.DropoutArgs(0.97, 1, 0).high_p and dropout.DropoutArgs(1 - 2.0 ** -17, 1, 0).high_p
     assert dropout.keep_threshold(1 - 2.0 ** -17) == 1 << dropout.KEEP_BITS  # keeps none: the complement's 0
-    args = ("bf16", 128, 128, True, False, False, False, False, False, False, False, 0)
-    plain = dispatch._plan(*args, dropout=True).fwd_cfg
-    high = dispatch._plan(*args, dropout=True, dropout_high_p=True).fwd_cfg
-    assert not plain.dropout_high_p and high.dropout_high_p and high.tile == plain.tile
-    assert "_dhi" in high.name() and "_dhi" not in plain.name()
-    fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
-    assert {c.tile for c in fwd if c.dropout_high_p} == {c.tile for c in fwd}
-
