@@ -251,4 +251,5 @@ def expected_keep_rate(p: float) -> float:
 
 
 __all__ = ["DropoutArgs", "F16_DIRECT_MAX_THRESHOLD", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p",
-           "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words", "refuse_combinations", "resolve"]
+           "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words",
+           "refuse_combinations", "resolve"]

@@ -10,8 +10,8 @@ For one row (b, s, h) with split LSEs l_i and partial outputs O_i (each normalis
     m   = max_i l_i                  (0 when every l_i is -inf, so no -inf - -inf appears)
     LSE = m + log(sum_i exp(l_i - m))
     O   = sum_i exp(l_i - LSE) * O_i
-An empty split (l_i = -inf) contributes exactly 0 and its O_i never reaches the result (it may hold anything); a row whose
-splits are all empty gets O = 0 and LSE = -inf.  NaN is not hidden: a NaN LSE makes the row's LSE and O NaN, and a
+An empty split (l_i = -inf) contributes exactly 0 and its O_i never reaches the result (it may hold anything); a row
+whose splits are all empty gets O = 0 and LSE = -inf.  NaN is not hidden: a NaN LSE makes the row's LSE and O NaN, and a
 NaN in the O_i of a non-empty split reaches O.
 
 Work split: ``tpr`` threads (a power of two <= 32, config_combine.combine_threads_per_row) form a group; each holds

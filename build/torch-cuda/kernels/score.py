@@ -52,7 +52,7 @@ class ScoreHook(DropoutScore):
     rng: DropoutRng | None = None
     row_loop: bool = True  # dropout_bits: one row per iteration of a loop that is not unrolled (else unrolled)
     dropout_packed: bool = False  # forward with packed GQA rows: keep bits row by row (dropout_bits)
-    dropout_high_p: bool = False  # forward, threshold above dropout.F16_DIRECT_MAX_THRESHOLD: the direct test's complement
+    dropout_high_p: bool = False  # forward, threshold > dropout.F16_DIRECT_MAX_THRESHOLD: the direct test's complement
     group_loop: bool = False  # dropout_bits: one column group (Philox call) per iteration of a loop not unrolled
     # dropout_bits: the keep test as sign bits moved in by funnel shifts (the forward, ``as_drop``); else ISETP +
     # SEL + OR per element (the backward: the sign test's unrolled word chains spill its dS code)
