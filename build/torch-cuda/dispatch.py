@@ -121,9 +121,10 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
     (dq_q, dq_kv, dkdv_q, dkdv_kv), zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``/``dropout_high_p``:
     Philox dropout, seed from a device tensor, packed GQA rows, p > 0.96875 (the forward's keep test; never with
     split, sparse or decode: the callers refuse or avoid those pairs); ``mods``: modspec.ModSpec or None (the
-    forward kernel keys on its forward part; never with decode or sparse; with dropout, packed or not); ``paged_tma``: a paged prefill call whose pages hold whole K/V
-    tiles of the TMA tile (``paged_eligible_for_tma``; ignored with split or decode, which keep the cp.async
-    tiles).  Every argument after ``device_index`` is passed by keyword."""
+    forward kernel keys on its forward part; never with decode or sparse; with dropout, packed or not);
+    ``paged_tma``: a paged prefill call whose pages hold whole K/V tiles of the TMA tile (``paged_eligible_for_tma``;
+    ignored with split or decode, which keep the cp.async tiles).  Every argument after ``device_index`` is passed
+    by keyword."""
     paged_tma = paged_tma and paged and not (split or decode)
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
            decode, sparse_bwd, dropout, seed_tensor, dropout_packed, dropout_high_p, mods, paged_tma, table_version())
