@@ -20,12 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import SEQLENS, SHAPES, TOKENS, flops, time_fn  # noqa: E402
-
-
-# issue 11's cells beyond the grid: (Hq, Hkv, D, S), batch TOKENS // S.  (Its chunked-prefill cell is a forward
-# cell: SDPA's is_causal aligns a 512-query chunk top-left, flash-attn's bottom-right, so no like-for-like backward.)
-EXTRA_CELLS = {"llama3-70b": (64, 8, 128, 2048), "mha-d96": (16, 16, 96, 2048), "gqa-d256": (16, 8, 256, 4096)}
+# issue 11's cells beyond the grid (bench_fwd.EXTRA_CELLS).  Its chunked-prefill cell is forward only here: SDPA's
+# is_causal aligns a 512-query chunk top-left, flash-attn's bottom-right, so SDPA FLASH has no like-for-like backward.
+from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, flops, time_fn  # noqa: E402
 
 
 def main(argv=None):

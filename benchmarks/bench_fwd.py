@@ -9,7 +9,11 @@ Peers (each skipped, with a note, when not installed):
                compute capability 8.0 during the call
 TFLOPS by the FlashAttention convention: 4*B*Hq*S^2*D (halved when causal) / median time of CUDA-event
 timed calls after warm-up.  Grid: llama3-8b 32/8/128, qwen2.5-7b 28/4/128, mha-d64 16/16/64, mha-d256 8/8/256,
-S in {1024, 4096, 16384}, B*S = 16384, causal off/on.
+S in {1024, 4096, 16384}, B*S = 16384, causal off/on.  Issue 11's added cells (``extra``, outside the grid's
+geomeans; only without --only): 70B-class GQA 64/8/128 at S=2K, d=96 at S=2K, d=256 GQA 16/8 at S=4K, causal off
+and on, and a chunked-prefill cell: 512 new queries over 8K keys, llama3-8b heads, causal aligned bottom-right
+(FLOPs: the unmasked query-key pairs, 512 * 7680 + 512^2 / 2 per head).  SDPA's is_causal aligns top-left, so
+SDPA FLASH has no like-for-like chunked cell; the other peers are checked against a masked SDPA reference there.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ SHAPES = {
 }
 SEQLENS = (1024, 4096, 16384)
 TOKENS = 16384
+# issue 11's cells beyond the grid: (Hq, Hkv, D, S), batch TOKENS // S
+EXTRA_CELLS = {"llama3-70b": (64, 8, 128, 2048), "mha-d96": (16, 16, 96, 2048), "gqa-d256": (16, 8, 256, 4096)}
+# chunked prefill: (Hq, Hkv, D, new queries, keys, batch), causal bottom-right (the forward only: see bench_bwd.py)
+CHUNKED_CELL = ("chunked-prefill", (32, 8, 128, 512, 8192, 4))
 
 
 def load_ours():
@@ -134,48 +142,79 @@ def check_same(out, ref, name):
         raise RuntimeError(f"{name} disagrees with SDPA: max abs diff {err}")
 
 
+def chunked_flops(b, hq, sq, sk, d):
+    """FLOPs of a causal call whose sq queries are the last of sk keys (bottom-right): the unmasked pairs, with
+    the square part halved as the FlashAttention convention halves a causal square."""
+    return 4.0 * b * hq * d * (sq * (sk - sq) + sq * sq / 2)
+
+
+def masked_reference(q, k, v):
+    """Bottom-right causal attention by SDPA with an explicit mask (not timed): the chunked cell's reference."""
+    hq, hkv, sq, sk = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    kt = k.repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
+    vt = v.repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
+    keep = (torch.arange(sk, device=q.device)[None, :]
+            <= torch.arange(sq, device=q.device)[:, None] + (sk - sq))
+    return F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=keep).transpose(1, 2)
+
+
+def grid_cells(args):
+    """(shape name, hq, hkv, d, seqlen_q, seqlen_k, batch, causal, extra) of every cell to run."""
+    cells = [(name, hq, hkv, d, s, s, max(1, TOKENS // s), causal, False)
+             for name, (hq, hkv, d) in SHAPES.items() if not args.only or name in args.only
+             for s in args.seqlens for causal in (False, True)]
+    if not args.only:
+        cells += [(name, hq, hkv, d, s, s, max(1, TOKENS // s), causal, True)
+                  for name, (hq, hkv, d, s) in EXTRA_CELLS.items() for causal in (False, True)]
+        name, (hq, hkv, d, sq, sk, b) = CHUNKED_CELL
+        cells.append((name, hq, hkv, d, sq, sk, b, True, True))
+    return cells
+
+
 def run_grid(args, fa, peers, notes):
     rows = []
     dev = torch.cuda.get_device_name()
-    for shape_name, (hq, hkv, d) in SHAPES.items():
-        if args.only and shape_name not in args.only:
-            continue
-        for s in args.seqlens:
-            b = max(1, TOKENS // s)
-            for causal in (False, True):
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                fl = flops(b, hq, s, d, causal)
-                row = dict(shape=shape_name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal, device=dev)
-                ours = lambda: fa.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
-                ref = peers["sdpa_flash"](q, k, v, causal)().transpose(1, 2)
-                check_same(ours()[0], ref, "ours")
-                row["ours_ms"] = time_fn(ours)
-                row["ours_tflops"] = fl / row["ours_ms"] / 1e9
-                for name, make in peers.items():
-                    try:
-                        fn = make(q, k, v, causal)
-                        out = fn()
-                        out = out[0] if isinstance(out, (tuple, list)) else out
-                        if hasattr(out, "get") and not isinstance(out, torch.Tensor):
-                            out = out["o_tensor"]
-                        if name != "sdpa_flash":
-                            check_same(out if out.shape == ref.shape else out.transpose(1, 2), ref, name)
-                        ms = time_fn(fn)
-                        row[f"{name}_ms"] = ms
-                        row[f"{name}_tflops"] = fl / ms / 1e9
-                    except Exception as exc:  # noqa: BLE001 - a peer failing one cell is recorded, not fatal
-                        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                peer_best = max((row[f"{n}_tflops"] for n in peers if f"{n}_tflops" in row), default=None)
-                if peer_best:
-                    row["ratio_vs_best_peer"] = row["ours_tflops"] / peer_best
-                if "sdpa_flash_tflops" in row:
-                    row["ratio_vs_sdpa_flash"] = row["ours_tflops"] / row["sdpa_flash_tflops"]
-                rows.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
-                      flush=True)
+    for shape_name, hq, hkv, d, s, sk, b, causal, extra in grid_cells(args):
+        chunked = sk != s
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        fl = chunked_flops(b, hq, s, sk, d) if chunked else flops(b, hq, s, d, causal)
+        row = dict(shape=shape_name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal, device=dev,
+                   extra=extra)
+        if chunked:
+            row["seqlen_k"] = sk
+        ours = lambda: fa.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+        ref = masked_reference(q, k, v) if chunked else peers["sdpa_flash"](q, k, v, causal)().transpose(1, 2)
+        check_same(ours()[0], ref, "ours")
+        row["ours_ms"] = time_fn(ours)
+        row["ours_tflops"] = fl / row["ours_ms"] / 1e9
+        for name, make in peers.items():
+            if chunked and name == "sdpa_flash":
+                row["sdpa_flash_error"] = "n/a: SDPA's is_causal aligns top-left (no bottom-right option)"
+                continue
+            try:
+                fn = make(q, k, v, causal)
+                out = fn()
+                out = out[0] if isinstance(out, (tuple, list)) else out
+                if hasattr(out, "get") and not isinstance(out, torch.Tensor):
+                    out = out["o_tensor"]
+                if name != "sdpa_flash":
+                    check_same(out if out.shape == ref.shape else out.transpose(1, 2), ref, name)
+                ms = time_fn(fn)
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = fl / ms / 1e9
+            except Exception as exc:  # noqa: BLE001 - a peer failing one cell is recorded, not fatal
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        peer_best = max((row[f"{n}_tflops"] for n in peers if f"{n}_tflops" in row), default=None)
+        if peer_best:
+            row["ratio_vs_best_peer"] = row["ours_tflops"] / peer_best
+        if "sdpa_flash_tflops" in row:
+            row["ratio_vs_sdpa_flash"] = row["ours_tflops"] / row["sdpa_flash_tflops"]
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+              flush=True)
     return rows
 
 
@@ -184,6 +223,8 @@ def summary(rows):
         xs = [x for x in xs if x]
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
+    extra = [r for r in rows if r.get("extra")]
+    rows = [r for r in rows if not r.get("extra")]  # the 24-cell grid
     out = {
         "geomean_vs_best_peer": geo([r.get("ratio_vs_best_peer") for r in rows]),
         "min_vs_best_peer": min((r["ratio_vs_best_peer"] for r in rows if "ratio_vs_best_peer" in r), default=None),
@@ -192,6 +233,10 @@ def summary(rows):
     }
     for name in ("sdpa_flash", "fa4_sm120", "cudnn_sm80"):
         out[f"geomean_vs_{name}"] = geo([r["ours_tflops"] / r[f"{name}_tflops"] for r in rows if f"{name}_tflops" in r])
+    if extra:
+        out["extra_geomean_vs_best_peer"] = geo([r.get("ratio_vs_best_peer") for r in extra])
+        out["extra_min_vs_best_peer"] = min((r["ratio_vs_best_peer"] for r in extra if "ratio_vs_best_peer" in r),
+                                            default=None)
     return out
 
 
