@@ -3,7 +3,8 @@
 
     python benchmarks/probe_decode_tiles.py [--variants rows64 keysplit ...] [--splits 0 128] [--out F]
 
-Variants: ``rows64`` (config_decode.DECODE_KEY_SPLIT off: every decode call on the 64-row tiles), ``keysplit``
+Variants: ``pack16`` / ``pack8`` (the key split, but MQA's 32 query heads packed 16 or 8 per CTA: more head
+groups, fewer rows per CTA, the same splits' worth of CTAs from fewer splits), ``rows64`` (config_decode.DECODE_KEY_SPLIT off: every decode call on the 64-row tiles), ``keysplit``
 (on: the key-split tiles for <= 32 rows), ``keysplit_2g`` (on, two groups also for <= 16 rows at d <= 128),
 ``deep4`` / ``deep5`` (the 32-row key-split tile with 4 / 5 stages of 32 keys instead of 2 of 64: more K/V
 bytes in flight per CTA), ``deep4_all`` (4-stage 32-key tiles for every decode call at d <= 128).
@@ -40,7 +41,18 @@ def set_variant(config, config_decode, shipped, name):
     config_decode._DECODE_TILES.clear()
     config_decode._DECODE_TILES.update(shipped)
     dispatch.decode_rows = config_decode.decode_rows
-    if name == "keysplit_always":  # the key split even where the grid fills the GPU (config_decode.decode_rows)
+    orig_pack = getattr(set_variant, "orig_pack", None) or dispatch._choose_pack
+    set_variant.orig_pack = orig_pack
+    dispatch._choose_pack = orig_pack
+    if name in ("pack16", "pack8"):  # MQA: pack only 16 / 8 of the 32 query heads per CTA (more head groups)
+        config_decode.DECODE_KEY_SPLIT = True
+        most = int(name[4:])
+
+        def fewer(pack_gqa, ratio, max_seqlen_q, tile_m, most=most):
+            p = orig_pack(pack_gqa, ratio, max_seqlen_q, tile_m)
+            return most if p > most and p % most == 0 else p
+        dispatch._choose_pack = fewer
+    elif name == "keysplit_always":  # the key split even where the grid fills the GPU (config_decode.decode_rows)
         config_decode.DECODE_KEY_SPLIT = True
         dispatch.decode_rows = lambda rows, grid_ctas, num_sms: rows
     elif name == "w8k4":  # the 32-row (MQA) tile on 8 warps: four groups of two split each 64-key tile
