@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -105,11 +106,15 @@ def bench_bwd_section() -> str:
             f"| {_fmt(r.get('ratio_vs_sdpa_flash'), 2)} |"
         )
     grid = [r for r in cells if not r.get("extra")]
+    small = [r["ours_tflops"] / r["fa4_sm120_tflops"] for r in grid if r["d"] <= 128 and r.get("fa4_sm120_tflops")]
+    small_geo = math.exp(sum(map(math.log, small)) / len(small)) if small else None
     out += [
         "",
         f"Geomean over the {len(grid)}-cell grid: {_fmt(summ.get('geomean_vs_sdpa_flash'), 2)}× SDPA FLASH "
         f"(weakest cell {_fmt(summ.get('weakest_cell_vs_sdpa_flash'), 2)}), "
-        f"{_fmt(summ.get('geomean_vs_fa4_sm120'), 2)}× flash-attn-4 (SM120 path); best cell "
+        f"{_fmt(summ.get('geomean_vs_fa4_sm120'), 2)}× flash-attn-4 (SM120 path"
+        + (f"; {_fmt(small_geo, 2)}× at d <= 128, its d256 backward being the slow one" if small_geo else "")
+        + "); best cell "
         f"{_fmt(summ.get('best_cell_tflops'))} TFLOPS."
         + (f" The added cells (70B-class GQA, d=96, d=256 GQA): {_fmt(summ.get('extra_geomean_vs_sdpa_flash'), 2)}× "
            "SDPA FLASH." if summ.get("extra_geomean_vs_sdpa_flash") else ""),
