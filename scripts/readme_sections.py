@@ -47,6 +47,13 @@ def _fmt(x, nd=0):
     return "—" if x is None else f"{x:.{nd}f}"
 
 
+def _seqlen_causal(r: dict) -> tuple[str, str]:
+    """A benchmark row's S and causal columns (a chunked-prefill row: queries over keys, bottom-right)."""
+    s = f"{r['seqlen']} over {r['seqlen_k']}" if r.get("seqlen_k") else f"{r['seqlen']}"
+    causal = ("yes (bottom-right)" if r.get("seqlen_k") else "yes") if r["causal"] else "no"
+    return s, causal
+
+
 def bench_fwd_section() -> str:
     if not FWD_RESULTS.exists():
         return "_No forward benchmark committed yet._\n"
@@ -63,8 +70,7 @@ def bench_fwd_section() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in cells:
-        s = f"{r['seqlen']} over {r['seqlen_k']}" if r.get("seqlen_k") else f"{r['seqlen']}"
-        causal = ("yes (bottom-right)" if r.get("seqlen_k") else "yes") if r["causal"] else "no"
+        s, causal = _seqlen_causal(r)
         out.append(
             f"| {r['shape']} {r['hq']}/{r['hkv']}/{r['d']} | {s} | {causal} "
             f"| {_fmt(r.get('ours_tflops'))} | {_fmt(r.get('sdpa_flash_tflops'))} | {_fmt(r.get('fa4_sm120_tflops'))} "
@@ -100,8 +106,7 @@ def bench_bwd_section() -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in cells:
-        s = f"{r['seqlen']} over {r['seqlen_k']}" if r.get("seqlen_k") else f"{r['seqlen']}"
-        causal = ("yes (bottom-right)" if r.get("seqlen_k") else "yes") if r["causal"] else "no"
+        s, causal = _seqlen_causal(r)
         out.append(
             f"| {r['shape']} {r['hq']}/{r['hkv']}/{r['d']} | {s} | {causal} "
             f"| {_fmt(r.get('ours_tflops'))} | {_fmt(r.get('sdpa_flash_tflops'))} | {_fmt(r.get('fa4_sm120_tflops'))} "
