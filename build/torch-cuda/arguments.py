@@ -160,7 +160,7 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
 BWD_DQ_ARGS = ArgRecord("backward dQ", (
     *_BWD_INPUTS,
     _act("dq", "head_dim", "varlen_q"),
-    Arg("pdpsum", "rowstat", varlen="varlen_q"),
+    Arg("pdpsum", "rowstat", varlen="varlen_q", when="sink_grad"),
     *_SEQ_META,
     *_SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),

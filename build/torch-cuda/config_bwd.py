@@ -198,10 +198,14 @@ class DqKernelConfig(BwdKernelConfig):
     # one stage, dense walk: V and K in their own cp.async groups, dP computed before S, so K lands under the dP mma
     # and V of the next tile under S, dS and dQ (kernels/bwd_dq.py; three barriers per tile instead of two)
     split_kv_wait: bool = False
+    # the per-row sums of P dP in fp32 (D without O's rounding), written to ``pdpsum``: only the learnable sink's
+    # gradient reads them, so a call without a sink compiles without them (one FFMA per element less, and one FMUL
+    # more with dropout: 1001 -> 969 and 1309 -> 1245 sm_120a instructions in the d128 loop)
+    sink_grad: bool = False
 
     def name(self) -> str:
         return ("dq" + super().name()[3:] + (f"_s{self.kv_stages}" if self.kv_stages > 1 else "")
-                + ("_kw" if self.split_kv_wait else ""))
+                + ("_kw" if self.split_kv_wait else "") + ("_sinkg" if self.sink_grad else ""))
 
 
 def dq_problems(cfg: BwdKernelConfig) -> list[str]:
@@ -250,7 +254,8 @@ def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
     kernel and of the dQ kernel (dropout variants: ``dropout_gate_worklist``)."""
     out = []
     for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
-        out += [cfg, replace(cfg, **_BWD_HEAVY)]
+        heavy = dict(_BWD_HEAVY, sink_grad=True) if isinstance(cfg, DqKernelConfig) else _BWD_HEAVY
+        out += [cfg, replace(cfg, **heavy)]
     return out
 
 
@@ -291,6 +296,8 @@ def dropout_gate_worklist() -> list:
             else:
                 sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
                 flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
+                if heavy and sel is select_dq_config:
+                    flags["sink_grad"] = True
                 cfg = sel(dtype, d, dv, has_dropout=True, **flags)
                 out.append(cfg)
                 if heavy and cfg.kv_rows != key[5]:  # the tile refuses softcap with dropout (_BWD_SPILLING)
@@ -322,7 +329,7 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
             if tile in seen:
                 continue
             seen.add(tile)
-            out += [base, select("bf16", d, dv, **heavy)]
+            out += [base, select("bf16", d, dv, **heavy, **({"sink_grad": True} if select is select_dq_config else {}))]
     return out
 
 

@@ -154,7 +154,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
             plan.bwd_cfg = select_bwd_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[2],
                                              sparse_kv_ratio=sparse_bwd[3])  # raises now, not mid-step
             plan.dq_cfg = select_dq_config(dtype, d, dv, **flags, sparse_q_ratio=sparse_bwd[0],
-                                           sparse_kv_ratio=sparse_bwd[1])
+                                           sparse_kv_ratio=sparse_bwd[1], sink_grad=sink)
         _PLANS[key] = plan
     return plan
 

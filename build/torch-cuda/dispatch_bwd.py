@@ -120,7 +120,8 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
     partial = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
     alloc = torch.zeros_like if partial else torch.empty_like
     dq, dk, dv = alloc(q), alloc(k), alloc(v)
-    pdpsum = alloc(lse)  # sum_j P dP per row, in fp32, from the dQ kernel (for the sink gradient)
+    # sum_j P dP per row, in fp32, from the dQ kernel: the sink gradient's D (DqKernelConfig.sink_grad)
+    pdpsum = alloc(lse) if sink is not None else None
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         sg = meta.sparse
         fwd_ratios = (0, 0)
@@ -153,7 +154,9 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
             common, **sparse_dq, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m),
             num_heads=hq))
     elif not partial:
-        dq.zero_(), dk.zero_(), dv.zero_(), pdpsum.zero_()
+        dq.zero_(), dk.zero_(), dv.zero_()
+        if pdpsum is not None:
+            pdpsum.zero_()
     dsink = None
     if sink is not None:
         d_exact = pdpsum - dlse if dlse is not None else pdpsum

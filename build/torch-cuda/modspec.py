@@ -287,7 +287,7 @@ def gate_worklist() -> list:
             out.append(config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=fwd))
         for d in ((128, 256) if score else (128,)):
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
         out += _key_row_heaviest(full, bwd_heavy, {})
     # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
     # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
@@ -308,7 +308,7 @@ def gate_worklist() -> list:
                 break
             except ValueError:
                 continue
-        out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse))
+        out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse, sink_grad=True))
         out.append(config_bwd.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
         out += _key_row_heaviest(full, bwd_heavy, sparse)
     return out + key_row_subset_worklist() + dropout_gate_worklist()
@@ -385,5 +385,5 @@ def dropout_gate_worklist() -> list:
                 out.append(replace(cfg, dropout_packed=True))
         for d in bwd_dims:
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy))
+            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
     return out

@@ -53,7 +53,7 @@ class FlashBwdDqSm80(KernelStateMixin):
     @cute.jit
     def __call__(
         self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
-        dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor, cu_seqlens_q: cute.Tensor | None,
+        dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor | None, cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
         mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
         full_block_idx: cute.Tensor | None,
@@ -161,7 +161,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         row_qpos = cute.make_rmem_tensor(num_rows, Int32)
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
-        pdp = cute.make_rmem_tensor(num_rows, Float32)  # sum_j P_ij dP_ij in fp32: D without O's rounding
+        pdp = cute.make_rmem_tensor(num_rows, Float32)  # sum_j P_ij dP_ij in fp32 (cfg.sink_grad): D without O's rounding
         pdp.fill(0.0)
         for r in cutlass.range_constexpr(num_rows):
             pos = first_q + tScS_mn[r, 0][0]
@@ -231,11 +231,12 @@ class FlashBwdDqSm80(KernelStateMixin):
                 step(n_block, masked, Int32(0))
                 cute.arch.barrier()  # every warp is done with K/V before the next tile overwrites them
 
-        # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
-        for r in cutlass.range_constexpr(num_rows):
-            total = cu.quad_allreduce_sum(pdp[r])
-            if tScS_mn[0, 0][1] == 0 and row_qpos[r] < seq.seqlen_q:
-                mPdPsum[seq.row_stat_index(head, row_qpos[r])] = total
+        if const_expr(cfg.sink_grad):
+            # per-row sum of P * dP (the learnable-sink gradient uses it: exact D, not rowsum(dO * bf16 O))
+            for r in cutlass.range_constexpr(num_rows):
+                total = cu.quad_allreduce_sum(pdp[r])
+                if tScS_mn[0, 0][1] == 0 and row_qpos[r] < seq.seqlen_q:
+                    mPdPsum[seq.row_stat_index(head, row_qpos[r])] = total
 
         acc_dQ.store(acc_dQ.load() * softmax_scale)
         store_rows_from_acc(lambda pos: seq.q_row(mdQ, pos, head), acc_dQ, thr, first_q, seq.seqlen_q,
@@ -376,9 +377,9 @@ class FlashBwdDqSm80(KernelStateMixin):
             acc_dP.fill(0.0)
             cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
         if const_expr(cfg.has_dropout):
-            score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits)
+            score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits, cfg.sink_grad)
         else:
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, True)
+            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad)
         if const_expr(self.wants_raw_scores()):
             score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)

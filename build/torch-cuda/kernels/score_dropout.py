@@ -526,9 +526,10 @@ class DropoutScore:
 
     @cute.jit
     def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
-                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor):
-        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp) with dropout; dP is
-        the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
+                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor,
+                              want_pdp: cutlass.Constexpr[bool] = True):
+        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp when ``want_pdp``) with
+        dropout; dP is the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
         s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         ncols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
@@ -536,5 +537,6 @@ class DropoutScore:
                 keep = self._kept(bits, r * ncols + c)
                 p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
                 ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keep)
-                pdp[r] = pdp[r] + p * dp_eff
+                if const_expr(want_pdp):
+                    pdp[r] = pdp[r] + p * dp_eff
                 dp_mn[r, c] = ds
