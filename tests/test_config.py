@@ -98,7 +98,24 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
         c = config_bwd.select_dq_config("bf16", d, dv, has_dropout=True)
         tiles.add(("DqKernelConfig", c.tile_m, c.tile_n, c.num_warps))
     assert tiles <= heavy and tiles <= light
-    assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt_kw" in {c.name() for c in work}
+    assert "dq_bf16_d256v32_64x32w4_win_softcap_vq_vk_uq_uk_drop_seedt_kw_sinkg" in {c.name() for c in work}
+
+
+def test_dq_row_sums_only_with_a_learnable_sink():
+    """The dQ kernel's P dP row sums (only the sink gradient reads them) are compiled, and their output tensor
+    passed, only when the call has a sink; the gate builds both variants of every dQ tile."""
+    from flash_attn_4_sm120 import dispatch
+    from flash_attn_4_sm120.arguments import BWD_DQ_ARGS
+
+    with_sink = dispatch._plan("bf16", 128, 128, False, False, True, False, False, False, False, True, 0)
+    without = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, True, 0)
+    assert with_sink.dq_cfg.sink_grad and not without.dq_cfg.sink_grad
+    assert with_sink.dq_cfg.name() == without.dq_cfg.name() + "_sinkg"
+    (arg,) = [a for a in BWD_DQ_ARGS.args if a.name == "pdpsum"]
+    assert arg.when == "sink_grad"
+    dq_gate = [c for d, dv in config.supported_head_dim_pairs() for c in config_bwd.bwd_gate_configs("bf16", d, dv)
+               if isinstance(c, config_bwd.DqKernelConfig)]
+    assert {c.sink_grad for c in dq_gate} == {False, True}
 
 
 def test_dropout_keeps_the_tile_except_where_it_spills():
