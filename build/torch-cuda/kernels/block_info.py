@@ -94,6 +94,22 @@ class BlockInfo:
         return m_min, m_max
 
     @cute.jit
+    def tile_needs_mask(self, m_block: Int32, n_block: Int32):
+        """Whether the tile of query block ``m_block`` (pack 1) and KV block ``n_block`` holds an element that a mask
+        removes: a key past seqlen_k, or (windowed) one right of the causal diagonal / window or left of the
+        window.  The backward kernels mask only such tiles (a branch per tile), the rest of the walk needs none.
+        Conservative past the last query: rows past seqlen_q have P = 0 whatever their scores."""
+        seqlen_q, seqlen_k = self.seq.seqlen_q, self.seq.seqlen_k
+        k_lo = n_block * self.tile_n
+        need = k_lo + self.tile_n > seqlen_k
+        if const_expr(self.windowed):
+            diag = seqlen_k - seqlen_q
+            q_lo = m_block * self.tile_m
+            need = need | (k_lo + self.tile_n - 1 > q_lo + diag + self.window_right) | (
+                k_lo < q_lo + self.tile_m - 1 + diag - self.window_left)
+        return need
+
+    @cute.jit
     def run_kv_schedule(self, step, state, plan):
         """Visit the KV blocks of ``plan`` (from ``kv_plan``) last to first, each with the masks its phase needs.
         ``step(n_block, state, is_first, mask_seqlen, mask_right, mask_left)`` processes one block and returns

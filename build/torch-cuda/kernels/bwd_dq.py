@@ -188,7 +188,7 @@ class FlashBwdDqSm80(KernelStateMixin):
         load_kv = partial(self.load_kv, seq, kv, mK, mV, sK, sV, copy_d, copy_dv, tidx, kv_head)
         step = partial(self.step, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV,
                        tPsdO, tPsV, tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp,
-                       head)  # step(n_block, masked, stage)
+                       head, block, m_block)  # step(n_block, masked, stage)
         if const_expr(cfg.block_sparse):
             self.sparse_loop(sp, load_kv, step, total, n_full,
                              partial(self.load_k, seq, kv, mK, sK, copy_d, tidx, kv_head),
@@ -343,10 +343,19 @@ class FlashBwdDqSm80(KernelStateMixin):
                   seq.seqlen_k, (self.tile_n, self.dv), True)
         cute.arch.cp_async_commit_group()
 
+    def branch_masks(self) -> bool:
+        """Trace time: whether ``step`` masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
+        per tile) instead of every tile: dense walks without mods (block-sparse walks mask by block kind), except
+        the windowed one without dropout.  Measured on the H100 proxy (d128, S=4096, per-kernel time,
+        results/bwd_mask_branch_h100_s28.jsonl): not windowed -11% (-15% with dropout: the sequence-end mask
+        leaves all tiles but the last), causal with dropout -2%, causal without dropout +2% (kept masking all)."""
+        cfg = self.cfg
+        return not cfg.block_sparse and cfg.mods is None and (not cfg.windowed or cfg.has_dropout)
+
     @cute.jit
     def step(self, seq, score, tiled_mma, acc_shape_s, acc_dQ, tSrQ, tSrK, tSsQ, tSsK, tPrdO, tPrV, tPsdO, tPsV,
-             tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head, n_block, masked,
-             stage, after_dp=None):
+             tQrKt, tQsKt, cpA, cpB, cpBt, tScS_mn, t0ScS_mn, row_qpos, lse_log2, dpsum, pdp, head, block, m_block,
+             n_block, masked, stage, after_dp=None):
         """One KV tile (K/V in smem ``stage``): S, P, dP, dS, dQ += dS K.  ``masked`` (block sparsity with
         causal/window): whether this tile gets the causal/window masks (a mask block) or only the sequence end (a
         full block)."""
@@ -371,7 +380,16 @@ class FlashBwdDqSm80(KernelStateMixin):
             # the mod's verdict gated, no branch (ScoreHook.gate_branch measured 7% slower here, d128 S=16K causal
             # as a block mask; 2% faster in the key-row dK/dV kernel, which keeps it)
             hook = score.for_sparse_block(masked)
-        hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head, acc_raw)
+        if const_expr(self.branch_masks()):
+            # only the tiles a mask cuts pay for it (the diagonal band, the window's edges, the last keys)
+            if block.tile_needs_mask(m_block, n_block):
+                hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
+                           acc_raw)
+            else:
+                hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, False, False, False, head, acc_raw)
+        else:
+            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
+                       acc_raw)
         if const_expr(after_dp is None):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
