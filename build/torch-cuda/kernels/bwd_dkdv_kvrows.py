@@ -64,12 +64,12 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
         cute.arch.cp_async_commit_group()
 
     def branch_masks(self) -> bool:
-        """Trace time: whether the walk masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
-        per tile) instead of every tile: dense windowed walks without mods (block-sparse walks mask by block kind).
-        Measured on the H100 proxy (d128, S=4096, per-kernel time, results/bwd_mask_branch_h100_s28.jsonl): causal
-        -8% with dropout, -1% without; not windowed (only the last key block is cut, the same for the whole CTA)
-        +4% with dropout, so the plain walk keeps masking the sequence end on every tile."""
-        return not self.cfg.block_sparse and self.cfg.mods is None and self.cfg.windowed
+        """``FlashBwdSm80.branch_masks`` for this kernel: dense windowed walks at head dim 128 only.  Measured on the
+        H100 proxy (per-kernel time, causal, results/bwd_mask_branch_h100_s28.jsonl): d128 -8% with dropout, -1 to
+        -2% without; d64 -0.5%; d96 +6% (kept masking every tile there)."""
+        cfg = self.cfg
+        return (not cfg.block_sparse and cfg.mods is None and cfg.windowed
+                and max(cfg.head_dim, cfg.head_dim_v) >= 128)
 
     @cute.jit
     def process(
