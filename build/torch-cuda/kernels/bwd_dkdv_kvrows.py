@@ -194,16 +194,10 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
             hook = score
             if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
                 hook = replace(score.for_sparse_block(masked != 0), gate_branch=True)
+            needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
             if const_expr(self.branch_masks()):
-                # only the tiles a mask cuts pay for it (the diagonal band, the window's edges, the last keys)
-                if block.tile_needs_mask(m_block, n_block):
-                    hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
-                               acc_raw)
-                else:
-                    hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, False, False, False, head, acc_raw)
-            else:
-                hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
-                           acc_raw)
+                needs_mask = block.tile_needs_mask(m_block, n_block)
+            hook.apply_backward(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, head, acc_raw, needs_mask)
             acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
             score.backward_p(acc_S, lse_log2, acc_P)
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)

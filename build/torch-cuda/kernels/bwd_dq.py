@@ -380,16 +380,10 @@ class FlashBwdDqSm80(KernelStateMixin):
             # the mod's verdict gated, no branch (ScoreHook.gate_branch measured 7% slower here, d128 S=16K causal
             # as a block mask; 2% faster in the key-row dK/dV kernel, which keeps it)
             hook = score.for_sparse_block(masked)
+        needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
         if const_expr(self.branch_masks()):
-            # only the tiles a mask cuts pay for it (the diagonal band, the window's edges, the last keys)
-            if block.tile_needs_mask(m_block, n_block):
-                hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
-                           acc_raw)
-            else:
-                hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, False, False, False, head, acc_raw)
-        else:
-            hook.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, cfg.windowed, cfg.windowed, head,
-                       acc_raw)
+            needs_mask = block.tile_needs_mask(m_block, n_block)
+        hook.apply_backward(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, head, acc_raw, needs_mask)
         if const_expr(after_dp is None):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)

@@ -140,6 +140,22 @@ class ScoreHook(DropoutScore):
             self.mask(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left)
 
     @cute.jit
+    def apply_backward(self, acc_S: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor,
+                       n_block: Int32, row_head, raw_out, needs_mask):
+        """``apply`` for a backward tile: the sequence-end mask and (windowed) the causal / window masks, on every
+        tile when ``needs_mask`` is None, else behind a branch on it (a runtime Boolean,
+        ``BlockInfo.tile_needs_mask``), the other tiles getting no mask at all."""
+        if const_expr(needs_mask is None):
+            self.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, self.windowed, self.windowed, row_head,
+                       raw_out)
+        else:
+            if needs_mask:
+                self.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, True, self.windowed, self.windowed,
+                           row_head, raw_out)
+            else:
+                self.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, False, False, False, row_head, raw_out)
+
+    @cute.jit
     def mask_mod_and_masks(self, acc_S, tScS_mn, t0ScS_mn, row_qpos, row_head, n_block,
                            mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                            mask_left: cutlass.Constexpr[bool], gated: cutlass.Constexpr[bool]):
