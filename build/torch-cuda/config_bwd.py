@@ -200,7 +200,7 @@ class DqKernelConfig(BwdKernelConfig):
     split_kv_wait: bool = False
     # the per-row sums of P dP in fp32 (D without O's rounding), written to ``pdpsum``: only the learnable sink's
     # gradient reads them, so a call without a sink compiles without them (one FFMA per element less, and one FMUL
-    # more with dropout: 1001 -> 969 and 1309 -> 1245 sm_120a instructions in the d128 loop)
+    # more with dropout: 1001 -> 993 and 1309 -> 1255 sm_120a instructions in the d128 loop)
     sink_grad: bool = False
 
     def name(self) -> str:
@@ -329,7 +329,8 @@ def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
             if tile in seen:
                 continue
             seen.add(tile)
-            out += [base, select("bf16", d, dv, **heavy, **({"sink_grad": True} if select is select_dq_config else {}))]
+            sink = {"sink_grad": True} if select is select_dq_config else {}
+            out += [base, select("bf16", d, dv, **heavy, **sink)]
     return out
 
 
