@@ -173,7 +173,7 @@ def bench_decode_section() -> str:
 
 def bench_dropout_section() -> str:
     """The last DROPOUT_RUNS runs of bench_dropout.py with its default, alternating timing (each run: fwd/bwd x
-    causal or not, appended in that order; runs of the older sequential timing have no or another ``timing``)."""
+    causal or not, appended in that order; rows of the sequential timing have ``timing`` "sequential" or none)."""
     rows = [json.loads(line) for line in DROPOUT_RESULTS.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("timing") == "alternating"]
     keys = sorted({(r["direction"], r["causal"]) for r in rows}, key=lambda k: (k[0] != "fwd", k[1]))
@@ -182,8 +182,9 @@ def bench_dropout_section() -> str:
     out = [f"`python benchmarks/bench_dropout.py` on {head.get('device', '?')} (the SM120 proxy), torch "
            f"{head.get('torch', '?')}, bf16, d{head['head_dim']}, B={head['batch']}, {head['heads']} heads, "
            f"S={head['seqlen']}, p={head['dropout_p']}: time of the call without dropout ÷ time with it (issue 10 "
-           f"asks >= {head['target']}), CUDA-event medians of the two calls timed in alternation, the last {DROPOUT_RUNS} runs ({last[0]['time']} to "
-           f"{last[-1]['time']}); backward TFLOPS count 2.5x the forward FLOPs.",
+           f"asks >= {head['target']}), CUDA-event medians of the two calls timed in alternation, the last "
+           f"{DROPOUT_RUNS} runs ({last[0]['time']} to {last[-1]['time']}); backward TFLOPS count 2.5x the forward "
+           "FLOPs.",
            "",
            "| direction | causal | ms without | ms with | TFLOPS with | ratio (median) | runs |",
            "|---|---|---|---|---|---|---|"]
