@@ -89,7 +89,8 @@ def _check_one(cfg, arch: str) -> dict:
     try:
         fn, kernel = jit.compile_kernel(cfg, with_kernel=True)
         # elementwise / reductions: no matmul
-        no_mma = isinstance(cfg, (config_combine.CombineKernelConfig, config_bwd.BwdPreKernelConfig))
+        no_mma = isinstance(cfg, (config_combine.CombineKernelConfig, config_bwd.BwdPreKernelConfig,
+                                  config_bwd.DqConvertKernelConfig))
         if isinstance(cfg, config_combine.CombineKernelConfig):
             expected_smem = config_combine.combine_smem_bytes(cfg)
         elif no_mma:

@@ -54,6 +54,12 @@ class BwdKernelConfig:
     # one warp per 16 keys), so P^T and dS^T go from the accumulators straight into the A operand of dV and dK:
     # no P/dS shared memory, and the freed space double-buffers Q and dO (one CTA barrier per query block)
     kv_rows: bool = False
+    # the fused backward (kernels/bwd_dkdv.py): the same CTA also computes dQ = dS K from the dS tile it stages in
+    # shared memory and adds it into an fp32 workspace (``red.global.add.v2.f32``, whole 256-byte lines per warp
+    # instruction), which kernels/bwd_dq_convert.py scales and casts: 5 GEMMs per block pair instead of the 7 of
+    # the dK/dV + dQ kernel pair.  The order of the adds varies from run to run (``deterministic=True`` runs the
+    # two-kernel path)
+    fused_dq: bool = False
 
     @property
     def block_sparse(self) -> bool:
@@ -72,7 +78,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
-                + ("t" if self.kv_rows else "")
+                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -177,6 +183,63 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
             return cfg
         reasons.append(f"{tm}x{tn}w{nw}: " + "; ".join(problems))
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
+
+
+# The fused backward's tiles (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that
+# fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T live in
+# registers and would need a further 8-16 KB dS tile for dQ), with the dQ mma on the query-row warp grid.  d256
+# keeps 16 key rows per warp: with 32 (the dK/dV kernel's d256 tile) the fused kernel spilled on sm_120a.
+_FUSED_TILES = {
+    32: ((64, 64, 8),), 64: ((64, 128, 8), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((64, 64, 8),),
+    192: ((32, 64, 8, 32), (32, 64, 8)), 256: ((32, 32, 4),),
+}
+
+
+def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig | None:
+    """The fused backward's configuration (``fused_dq``), or None when no fused tile fits the call (it then runs
+    the dK/dV + dQ kernel pair).  Never with a learnable sink: its gradient reads per-row sums of P dP that only
+    the dQ kernel makes."""
+    for tm, tn, nw, *rest in _FUSED_TILES[max(head_dim, head_dim_v)]:
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=(rest or [16])[0],
+                              fused_dq=True, **flags)
+        if not bwd_problems(cfg):
+            return cfg
+    return None
+
+
+def dq_accum_blocks(tile_m: int, batch: int, rows_q: int, varlen_q: bool) -> int:
+    """Query tiles of the fused backward's fp32 dQ workspace, (blocks, Hq, tile_m * head_dim): dense, ``batch``
+    times the tiles of ``rows_q`` positions; varlen (``rows_q`` = total_q), sequence b's tiles start at tile
+    cu_seqlens_q[b] // tile_m + b, so they never share a tile with another sequence's (kernels/bwd_dkdv.py)."""
+    if varlen_q:
+        return rows_q // tile_m + batch + 1
+    return batch * -(-rows_q // tile_m)
+
+
+@dataclass(frozen=True)
+class DqConvertKernelConfig:
+    """Compile key of the fused backward's dQ convert kernel (kernels/bwd_dq_convert.py): reads the fp32 workspace
+    of the fused kernel ``tile_m`` x ``head_dim`` per tile, in the order its query-row mma holds it, scales by the
+    softmax scale and stores dQ in ``dtype``."""
+
+    dtype: str
+    head_dim: int
+    tile_m: int
+    num_warps: int
+    varlen_q: bool = False
+    seqused_q: bool = False
+    # SeqInfo's flags of the key side (this kernel touches no keys)
+    varlen_k = False
+    seqused_k = False
+
+    def name(self) -> str:
+        return (f"dqcvt_{self.dtype}_d{self.head_dim}_{self.tile_m}w{self.num_warps}"
+                + ("_vq" if self.varlen_q else "") + ("_uq" if self.seqused_q else ""))
+
+
+def dq_convert_config(fused: BwdKernelConfig) -> DqConvertKernelConfig:
+    return DqConvertKernelConfig(fused.dtype, fused.head_dim, fused.tile_m, fused.num_warps, fused.varlen_q,
+                                 fused.seqused_q)
 
 
 # dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
