@@ -11,7 +11,8 @@ combine and the backward preprocess kernels have no matmul and must have none), 
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
 lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
-config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
+config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist,
+config_bwd.fused_gate_worklist),
 plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 """
@@ -60,6 +61,7 @@ def _worklist(pattern: str | None):
         for d, dv in config.supported_head_dim_pairs():
             items += config_bwd.bwd_gate_configs(dtype, d, dv)
     items += config_bwd.dropout_gate_worklist()
+    items += config_bwd.fused_gate_worklist()
     items += config_combine.combine_gate_configs()
     items += config_bwd.bwd_pre_gate_configs()
     from flash_attn_4_sm120 import modspec

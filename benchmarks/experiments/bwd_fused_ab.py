@@ -68,8 +68,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cells", type=int, nargs="*", default=None, help="indices into CELLS")
+    ap.add_argument("--fused-tile", default=None,  # e.g. 128:64,64,8
+                    help="override the fused tile table for one head dim: 'd:tm,tn,warps[,rows]' (a variant)")
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
+
+    variant = None
+    if args.fused_tile:
+        from flash_attn_4_sm120 import config_bwd
+
+        d_, tile = args.fused_tile.split(":")
+        config_bwd._FUSED_TILES[int(d_)] = ((tuple(int(x) for x in tile.split(",")), True),)  # every walk
+        variant = args.fused_tile
 
     fa4 = frost = None
     try:
@@ -103,7 +113,7 @@ def main(argv=None):
         gout = mk(hq)
         fl = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
         row = dict(cell=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal,
-                   device=torch.cuda.get_device_name())
+                   device=torch.cuda.get_device_name(), fused_tile_variant=variant)
         ref = reference(q, k, v, gout, causal) if s <= 4096 else None
         impls = {}
         out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)

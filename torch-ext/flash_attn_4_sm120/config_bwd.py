@@ -185,26 +185,55 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
-# The fused backward's tiles (tile_m, tile_n, num_warps[, kv_warp_rows]) per max(head_dim, head_dim_v), first that
-# fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T live in
-# registers and would need a further 8-16 KB dS tile for dQ), with the dQ mma on the query-row warp grid.  d256
-# keeps 16 key rows per warp: with 32 (the dK/dV kernel's d256 tile) the fused kernel spilled on sm_120a.
+# The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), windowed walks too),
+# first that fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T
+# live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
+# only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
+# benchmarks/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
+# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64.  d192 and d256
+# (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
 _FUSED_TILES = {
-    32: ((64, 64, 8),), 64: ((64, 128, 8), (64, 64, 8)), 96: ((64, 64, 8),), 128: ((64, 64, 8),),
-    192: ((32, 64, 8, 32), (32, 64, 8)), 256: ((32, 32, 4),),
+    64: (((64, 128, 8), True), ((64, 64, 8), True)),
+    96: (((64, 64, 8), True),),
+    128: (((32, 128, 8), False), ((64, 64, 8), True)),
 }
 
 
 def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig | None:
-    """The fused backward's configuration (``fused_dq``), or None when no fused tile fits the call (it then runs
-    the dK/dV + dQ kernel pair).  Never with a learnable sink: its gradient reads per-row sums of P dP that only
-    the dQ kernel makes."""
-    for tm, tn, nw, *rest in _FUSED_TILES[max(head_dim, head_dim_v)]:
-        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=(rest or [16])[0],
-                              fused_dq=True, **flags)
+    """The fused backward's configuration (``fused_dq``), or None where the dK/dV + dQ kernel pair runs the call:
+    a head dim or walk without a fused tile (``_FUSED_TILES``), a feature set that spills every fused tile
+    (``bwd_problems``).  Never with a learnable sink (its gradient reads per-row sums of P dP that only the dQ
+    kernel makes) or block sparsity (the callers keep those off)."""
+    for (tm, tn, nw), windowed_ok in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
+        if flags.get("windowed") and not windowed_ok:
+            continue
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, fused_dq=True, **flags)
         if not bwd_problems(cfg):
             return cfg
     return None
+
+
+def fused_gate_worklist() -> list:
+    """The fused backward configurations the compile gate builds, with their convert kernels: per head-dim pair a
+    fused tile serves, in bf16, the lightest set, the heaviest (every flag the tile's walks allow), dropout alone
+    and with the heaviest set and a seed tensor; fp16 at the heaviest; the intermediate windowed-with-dropout set
+    (the one that spilled the key-row tile where heavier ones did not)."""
+    out = []
+    for d, dv in sorted(supported_head_dim_pairs()):
+        tiles = _FUSED_TILES.get(max(d, dv), ())
+        if not tiles:
+            continue
+        win_ok = any(w for _, w in tiles)
+        heavy = dict(_BWD_HEAVY, windowed=win_ok)
+        sets = [("bf16", {}), ("bf16", heavy), ("bf16", dict(has_dropout=True)),
+                ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)]
+        if win_ok:
+            sets.append(("bf16", dict(windowed=True, has_dropout=True)))
+        for dtype, flags in sets:
+            cfg = select_fused_config(dtype, d, dv, **flags)
+            if cfg is not None:
+                out += [cfg, dq_convert_config(cfg)]
+    return out
 
 
 def dq_accum_blocks(tile_m: int, batch: int, rows_q: int, varlen_q: bool) -> int:

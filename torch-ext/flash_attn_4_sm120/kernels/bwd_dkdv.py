@@ -227,6 +227,8 @@ class FlashBwdSm80(KernelStateMixin):
         that are not windowed keep masking the sequence end on every tile (only the last key block is cut, the same
         for the whole CTA; the branch cost the key-row kernel 4% there with dropout)."""
         cfg = self.cfg
+        if cfg.fused_dq:  # every dense walk without mods: the fused tiles measured faster with the branch
+            return not cfg.block_sparse and cfg.mods is None
         return (not cfg.block_sparse and cfg.mods is None and cfg.windowed
                 and max(cfg.head_dim, cfg.head_dim_v) <= 128)
 
@@ -406,11 +408,6 @@ class FlashBwdSm80(KernelStateMixin):
                 else:
                     next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
-            if const_expr(cfg.fused_dq):  # its adds drain under the dK mma
-                acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
-                acc_dQ.fill(0.0)
-                cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
-                self.add_dq(mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx)
             cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
@@ -419,6 +416,14 @@ class FlashBwdSm80(KernelStateMixin):
                 else:
                     next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, True, False)
+            if const_expr(cfg.fused_dq):
+                # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
+                # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
+                # iteration orders its sdS reads before the next block's writes
+                acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
+                acc_dQ.fill(0.0)
+                cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
+                self.add_dq(mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 
