@@ -185,17 +185,19 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
-# The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), windowed walks too),
+# The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
+# "plain" (no window) or "windowed"),
 # first that fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T
 # live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
 # only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
 # benchmarks/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
-# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64.  d192 and d256
+# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on windowed walks
+# (the only d96 cell is causal).  d192 and d256
 # (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
 _FUSED_TILES = {
-    64: (((64, 128, 8), True), ((64, 64, 8), True)),
-    96: (((64, 64, 8), True),),
-    128: (((32, 128, 8), False), ((64, 64, 8), True)),
+    64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
+    96: (((64, 64, 8), "windowed"),),
+    128: (((32, 128, 8), "plain"), ((64, 64, 8), "windowed")),
 }
 
 
@@ -204,8 +206,9 @@ def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> 
     a head dim or walk without a fused tile (``_FUSED_TILES``), a feature set that spills every fused tile
     (``bwd_problems``).  Never with a learnable sink (its gradient reads per-row sums of P dP that only the dQ
     kernel makes) or block sparsity (the callers keep those off)."""
-    for (tm, tn, nw), windowed_ok in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
-        if flags.get("windowed") and not windowed_ok:
+    walk = "windowed" if flags.get("windowed") else "plain"
+    for (tm, tn, nw), walks in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
+        if walks not in ("all", walk):
             continue
         cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, fused_dq=True, **flags)
         if not bwd_problems(cfg):
@@ -223,12 +226,13 @@ def fused_gate_worklist() -> list:
         tiles = _FUSED_TILES.get(max(d, dv), ())
         if not tiles:
             continue
-        win_ok = any(w for _, w in tiles)
-        heavy = dict(_BWD_HEAVY, windowed=win_ok)
-        sets = [("bf16", {}), ("bf16", heavy), ("bf16", dict(has_dropout=True)),
-                ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)]
-        if win_ok:
-            sets.append(("bf16", dict(windowed=True, has_dropout=True)))
+        sets = []
+        for windowed in sorted({w != "plain" for _, w in tiles} | ({False} if any(w == "all" for _, w in tiles)
+                                                                 else set())):
+            heavy = dict(_BWD_HEAVY, windowed=windowed)
+            sets += [("bf16", dict(windowed=windowed)), ("bf16", heavy), ("bf16", dict(windowed=windowed,
+                     has_dropout=True)), ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)),
+                     ("fp16", heavy)]
         for dtype, flags in sets:
             cfg = select_fused_config(dtype, d, dv, **flags)
             if cfg is not None:
