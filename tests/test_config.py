@@ -344,7 +344,7 @@ def test_decode_plan_runs_the_key_split_tile_of_its_row_bucket(monkeypatch):
         cfg = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
                              decode=bucket).fwd_cfg
         assert cfg.tile.kv_groups == groups and cfg.tile.tile_m == bucket
-        assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecodeSm80" if groups > 1 else "FlashFwdSm80")
+        assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecode" if groups > 1 else "FlashFwdCpAsync")
         split = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
                                decode=bucket, split=True).fwd_cfg
         assert split.split_kv and split.tile == cfg.tile

@@ -169,14 +169,14 @@ def test_paged_config_runs_the_cpasync_kernel():
 
 def test_paged_tma_config_runs_the_tma_kernel():
     from flash_attn_4_sm120 import jit
-    from flash_attn_4_sm120.kernels.fwd_cpasync import FlashFwdSm80
-    from flash_attn_4_sm120.kernels.fwd_tma import FlashFwdWsSm120
+    from flash_attn_4_sm120.kernels.fwd_cpasync import FlashFwdCpAsync
+    from flash_attn_4_sm120.kernels.fwd_tma import FlashFwdTma
 
     tma = config.select_fwd_tile(128, 128, False)
     assert tma.tma
-    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True)) is FlashFwdWsSm120
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True)) is FlashFwdTma
     cp = config.select_fwd_tile(128, 128, False, paged=True)
-    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, cp, paged=True)) is FlashFwdSm80
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, cp, paged=True)) is FlashFwdCpAsync
 
 
 def _bf16_pool(num_pages=8, page_size=64, hkv=2, d=128):
