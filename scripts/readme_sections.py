@@ -223,6 +223,11 @@ def bench_decode_section() -> str:
            "| fa4 SM120 GB/s | auto ÷ fa4 | auto eager GB/s | eager ÷ fa4 eager |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in cases:
+        if r.get("ours_auto_gbps") is None:  # a failed correctness check: reported, never timed
+            name = r["case"] + (f" (q_len {r['q_len']})" if r.get("q_len", 1) != 1 else "")
+            out.append(f"| {name} | {r['batch']} | {r['kv_len']} | {r['hkv']} | {r['d']} | {r.get('page_size') or '-'} "
+                       f"| error: {r.get('ours_auto_error', 'no result')} |" + " |" * 7)
+            continue
         fa4 = r.get("fa4_sm120_gbps")
         spd = r.get("speedup_vs_fa4_sm120")
         spd_e = r.get("speedup_vs_fa4_sm120_eager")
@@ -380,21 +385,139 @@ def bench_mods_section() -> str:
             + ("met in every cell." if met else "**not met in every cell**.") + "\n")
 
 
+# ---- plots --------------------------------------------------------------------------------------------------------
+PLOT_STYLE = 1  # bump when the drawing code changes: it enters every plot's data hash, so --check asks for a redraw
+
+
+def _short(r: dict) -> str:
+    s = r["seqlen"]
+    tag = f"{s // 1024}K" if s >= 1024 else str(s)
+    if r.get("seqlen_k"):
+        tag += f"/{r['seqlen_k'] // 1024}K"
+    return f"{r['shape']} {tag}{' c' if r['causal'] else ''}"
+
+
+def _tflops_data(path: Path, peers) -> dict:
+    cells = [r for r in _rows(path) if r.get("kind") != "summary"]
+    return {"style": PLOT_STYLE, "series": ["ours", *[label for _, label in peers]],
+            "cells": [[_short(r), r.get("ours_tflops"), *[r.get(f"{key}_tflops") for key, _ in peers]] for r in cells]}
+
+
+def _decode_data() -> dict:
+    cases = [r for r in _rows(DECODE_RESULTS) if "case" in r and r.get("q_len", 1) == 1]
+    return {"style": PLOT_STYLE, "copy_gbps": next((r["copy_gbps"] for r in cases), None),
+            "points": [[r["case"], r["batch"], r["kv_len"], r.get("ours_auto_pct_of_copy"),
+                        r.get("ours_auto_layers_pct_of_copy"),
+                        (r["fa4_sm120_gbps"] / r["copy_gbps"]) if r.get("fa4_sm120_gbps") else None] for r in cases]}
+
+
+PLOTS = {  # name: (data from the results files, title, README alt text)
+    "fwd_tflops": (lambda: _tflops_data(FWD_RESULTS, PEERS), "forward TFLOPS per cell, bf16",
+                   "forward TFLOPS per cell, ours and each peer"),
+    "bwd_tflops": (lambda: _tflops_data(BWD_RESULTS, PEERS[:2]), "backward TFLOPS per cell, bf16",
+                   "backward TFLOPS per cell, ours and each peer"),
+    "decode_bandwidth": (_decode_data, "decode: K+V bandwidth / copy bandwidth vs KV length",
+                         "decode bandwidth as a fraction of copy bandwidth against the KV length"),
+}
+
+
+def _data_hash(data: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _draw(name: str, data: dict, title: str, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit(f"plot {name} must be redrawn and matplotlib is missing: pip install -r requirements-dev.txt "
+                         f"({exc})") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if name == "decode_bandwidth":
+        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=72)
+        for case in dict.fromkeys(p[0] for p in data["points"]):
+            pts = sorted((p for p in data["points"] if p[0] == case), key=lambda p: p[2])
+            one = [(p[2], 100 * p[3]) for p in pts if p[3] is not None]  # a failed check has no point
+            eight = [(p[2], 100 * p[4]) for p in pts if p[4] is not None]
+            if not one:
+                continue
+            line, = ax.plot(*zip(*one), marker="o", label=f"{case} (1-call graph)")
+            if eight:
+                ax.plot(*zip(*eight), marker="x", linestyle="--", color=line.get_color(),
+                        label=f"{case} (8-call graph)")
+            peer = [(p[2], 100 * p[5]) for p in pts if p[5]]
+            if peer:
+                ax.plot(*zip(*peer), marker="s", linestyle=":", color=line.get_color(), label=f"{case} fa4 SM120")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([p[2] for p in data["points"]], [f"{p[2] // 1024}K\nB={p[1]}" for p in data["points"]])
+        ax.set_ylabel("% of copy bandwidth")
+        ax.set_ylim(0, 110)
+        ax.legend(fontsize=6, ncol=3, loc="lower left")
+    else:
+        import numpy as np
+
+        cells = data["cells"]
+        fig, ax = plt.subplots(figsize=(12, 3.8), dpi=72)
+        width = 0.8 / len(data["series"])
+        xs = np.arange(len(cells))
+        for k, label in enumerate(data["series"]):
+            ax.bar(xs + k * width, [c[1 + k] or 0 for c in cells], width, label=label)  # no bar: no timing
+        ax.set_xticks(xs + 0.4 - width / 2, [c[0] for c in cells], rotation=70, fontsize=6, ha="right")
+        ax.set_ylabel("TFLOPS")
+        ax.legend(fontsize=7, ncol=len(data["series"]))
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def plots_section(check: bool = False) -> str:
+    """Draws the plots whose data changed (or checks, with ``check``, that none did) and lists them."""
+    index = json.loads(PLOTS_INDEX.read_text()) if PLOTS_INDEX.exists() else {}
+    stale, fresh_index = [], {}
+    for name, (data_fn, title, _) in PLOTS.items():
+        digest = _data_hash(data_fn())
+        png = PLOTS_DIR / f"{name}.png"
+        fresh_index[name] = {"png": png.name, "data_sha256": digest}
+        if index.get(name, {}).get("data_sha256") != digest or not png.exists():
+            stale.append(name)
+    if stale and check:
+        raise SystemExit(f"plots drawn from older results or drawing code: {', '.join(stale)}: run python "
+                         "scripts/readme_sections.py")
+    if stale:
+        PLOTS_DIR.mkdir(parents=True, exist_ok=True)
+        for name in stale:
+            data_fn, title, _ = PLOTS[name]
+            _draw(name, data_fn(), title, PLOTS_DIR / f"{name}.png")
+        PLOTS_INDEX.write_text(json.dumps(fresh_index, indent=1, sort_keys=True) + "\n")
+    rel = PLOTS_DIR.relative_to(ROOT)
+    return ("Drawn by `scripts/readme_sections.py` from the results files above (`" + str(rel) + "/plots.json` "
+            "records the sha256 of the data each plot is drawn from; `--check` fails when the results or the "
+            "drawing code changed and a plot was not redrawn).\n\n"
+            + "\n".join(f"![{alt}]({rel}/{name}.png)" for name, (_, _, alt) in PLOTS.items()) + "\n")
+
+
 SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
             "bench-host": bench_host_section, "bench-decode": bench_decode_section,
             "bench-dropout": bench_dropout_section, "bench-fwd-targets": bench_fwd_targets_section,
             "bench-bwd-targets": bench_bwd_targets_section, "bench-decode-summary": bench_decode_summary_section,
-            "bench-block-sparse": bench_block_sparse_section, "bench-mods": bench_mods_section}
+            "bench-block-sparse": bench_block_sparse_section, "bench-mods": bench_mods_section,
+            "plots": plots_section}
 
 
-def render(text: str) -> str:
+def render(text: str, check: bool = False) -> str:
     for name, fn in SECTIONS.items():
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
         if begin not in text or end not in text:
             raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
-        text = f"{head}{begin}\n{fn()}{end}{tail}"
+        body = fn(check=check) if fn is plots_section else fn()
+        text = f"{head}{begin}\n{body}{end}{tail}"
     return text
 
 
@@ -403,7 +526,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     current = README.read_text()
-    fresh = render(current)
+    fresh = render(current, check=args.check)
     if args.check:
         if fresh != current:
             print("README.md is out of date with FEATURES or benchmarks/results: run python scripts/readme_sections.py",
