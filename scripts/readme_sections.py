@@ -496,8 +496,8 @@ def plots_section(check: bool = False) -> str:
         PLOTS_INDEX.write_text(json.dumps(fresh_index, indent=1, sort_keys=True) + "\n")
     rel = PLOTS_DIR.relative_to(ROOT)
     return ("Drawn by `scripts/readme_sections.py` from the results files above (`" + str(rel) + "/plots.json` "
-            "records the sha256 of the data each plot is drawn from; `--check` fails when the results or the "
-            "drawing code changed and a plot was not redrawn).\n\n"
+            "records the sha256 of the data each plot is drawn from, with `PLOT_STYLE`, bumped when the drawing "
+            "code changes; `--check` fails when a plot was not redrawn after either changed).\n\n"
             + "\n".join(f"![{alt}]({rel}/{name}.png)" for name, (_, _, alt) in PLOTS.items()) + "\n")
 
 
