@@ -385,6 +385,47 @@ def bench_mods_section() -> str:
             + ("met in every cell." if met else "**not met in every cell**.") + "\n")
 
 
+def _split_geo(path: Path, peer: str) -> str:
+    """"d ≤ 128 X×, d = 256 Y×" of ours / ``peer`` over a results file's grid cells."""
+    grid = [r for r in _rows(path) if r.get("kind") != "summary" and not r.get("extra")]
+    parts = []
+    for label, sel in (("d ≤ 128", lambda r: r["d"] <= 128), ("d = 256", lambda r: r["d"] == 256)):
+        g = _geo([_ratio(r, peer) for r in grid if sel(r)])
+        parts.append(f"{label} {_fmt(g, 2)}×")
+    return ", ".join(parts)
+
+
+def differs_section() -> str:
+    """How this bundle differs from its peers: each row's numbers from a results file, each claim from a test or a
+    results file named in the row."""
+    dec = {(r["case"], r["batch"]): r for r in _rows(DECODE_RESULTS) if "case" in r}
+    d1 = dec.get(("d128", 1), {})
+    fa4_decode = (f"; decode, B=1, 32K keys, d128 (CUDA graph): {_fmt(d1.get('speedup_vs_fa4_sm120'), 1)}× (ours splits "
+                  "the keys, the forced SM120 path ran one split)" if d1.get("speedup_vs_fa4_sm120") else "")
+    rows = [
+        ("upstream flash-attn-4 4.0.0b36, its SM120 path (forced on the proxy)",
+         f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'fa4_sm120')}; backward: "
+         f"{_split_geo(BWD_RESULTS, 'fa4_sm120')}{fa4_decode}. Paged K/V: ours serves it on both kernels, the "
+         "benchmark found no paged call on that path",
+         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h100.jsonl`, `decode_h100.jsonl`; `tests/test_paged_gpu.py`"),
+        ("FlashAttention-2 (PyTorch SDPA, FLASH backend)",
+         f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'sdpa_flash')}; backward: "
+         f"{_split_geo(BWD_RESULTS, 'sdpa_flash')}. Ours keeps SM120's 99 KB per block on every tile (the compile "
+         "gate checks each one); FA2's H100 tiles are not held to it, so the proxy's ratio is not an SM120 "
+         "measurement",
+         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h100.jsonl`; `scripts/compile_gate.py`"),
+        ("cuDNN-frontend 1.32 (home of FROST): its CuTe-DSL SM80 forward kernel, `sdpa_fwd_wrapper_sm80`",
+         f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'cudnn_sm80')}; its backward was not benchmarked here",
+         "`benchmarks/results/fwd_h100.jsonl`"),
+        ("the other `flash-attn-4-sm120` bundle on the Hub (built from upstream pull requests)",
+         "not measured here: no results file compares it yet (adding it as a peer of `bench_fwd.py` and "
+         "`bench_bwd.py` would fill this row)", "—"),
+    ]
+    out = ["| against | how this bundle differs (measured on the proxy) | behind it |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out) + "\n"
+
+
 # ---- plots --------------------------------------------------------------------------------------------------------
 PLOT_STYLE = 1  # bump when the drawing code changes: it enters every plot's data hash, so --check asks for a redraw
 
@@ -506,7 +547,7 @@ SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench
             "bench-dropout": bench_dropout_section, "bench-fwd-targets": bench_fwd_targets_section,
             "bench-bwd-targets": bench_bwd_targets_section, "bench-decode-summary": bench_decode_summary_section,
             "bench-block-sparse": bench_block_sparse_section, "bench-mods": bench_mods_section,
-            "plots": plots_section}
+            "plots": plots_section, "differs": differs_section}
 
 
 def render(text: str, check: bool = False) -> str:
