@@ -47,7 +47,7 @@ def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
     )
 
 
-class FlashBwdSm80(KernelStateMixin):
+class FlashBwdDkdv(KernelStateMixin):
     ARGS = BWD_DKDV_ARGS
 
     def __init__(self, cfg: BwdKernelConfig):
