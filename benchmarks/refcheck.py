@@ -81,7 +81,7 @@ def check(name: str, got, ref, same_dtype) -> tuple[float | None, float, str | N
     """(max error of ``got`` against the fp32 ``ref``, the bar, None or a message when it fails the bar)."""
     ref, same_dtype = ref.float(), same_dtype.float()
     err_dtype = (same_dtype - ref).abs().max().item()
-    atol = 1e-4 + 1e-3 * ref.abs().max().item()
+    atol = 1e-3 * ref.abs().max().item() + 1e-6  # relative: decode outputs over 32K keys are ~1e-2
     bar = 2 * err_dtype + atol
     if got is None:
         return None, bar, f"{name}: no result"
