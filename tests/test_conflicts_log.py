@@ -62,6 +62,11 @@ def _varlen_append():
                                              cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32))
 
 
+def _qkv(rank=4):
+    shape = (2, 5, 4, 64) if rank == 4 else (5, 4, 64)
+    return torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+
+
 def _grad():
     q = torch.zeros(2, 1, 4, 64, requires_grad=True)
     cache = torch.zeros(2, 32, 2, 64)
@@ -82,6 +87,13 @@ REFUSALS = [
     (_varlen_append, NotImplementedError, ["append with varlen q"], "append with a dense q, or write the cache first"),
     (_grad, ValueError, ["`flash_attn_with_kvcache` × autograd"], "inference-only"),
     (_kvcache(page_table=_table(), block_table=_table()), ValueError, ["`block_table`"], "give the page table once"),
+    (lambda: interface.flash_attn_func(*_qkv(), gather_kv_indices=torch.zeros(1)), NotImplementedError,
+     ["`gather_kv_indices`"], "leave it at None"),
+    (lambda: interface.flash_attn_varlen_func(*_qkv(3), seqlen_k_per_split=torch.zeros(1)), NotImplementedError,
+     ["`seqlen_k_per_split`"], "leave it at None"),
+    (lambda: interface.flash_attn_combine(torch.zeros(2, 1, 4, 2, 64), torch.zeros(2, 1, 4, 2),
+                                          varlen_batch_idx=torch.zeros(1, dtype=torch.int32)),
+     NotImplementedError, ["`flash_attn_combine`", "`varlen_batch_idx`"], "leave it at None"),
     (lambda: dropout.refuse_combinations(0.5, 0.5, 2, False), ValueError, ["`dropout_p` × split-KV"],
      "num_splits != 1"),
     (lambda: dropout.refuse_combinations(0.5, 0.5, 1, True), ValueError, ["`dropout_p` × block sparsity"],
