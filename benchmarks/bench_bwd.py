@@ -5,6 +5,12 @@
 Timed region: the backward only (torch.autograd.grad of a fixed forward graph, retain_graph=True), including our
 host-side pieces (rowsum(dO*O), dQ cast).  TFLOPS by the FlashAttention convention: 2.5x the forward FLOPs.
 Same grid and added cells as bench_fwd.py.
+
+Before anything is timed, dQ, dK and dV of ours and of every peer are checked against an fp32 reference computed in
+plain torch (benchmarks/refcheck.py, independent of every kernel timed) on a subset: batch entry 0 and KV head 0
+with its query heads, every row; the bar is the tests' (2 x the error of the same computation in bf16, plus a small
+atol).  A result that fails is recorded as ``<impl>_error`` and not timed; passing ones record their max errors
+(``<impl>_max_err``) and the bars (``check_bar``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # is_causal would align the 512-query chunk top-left, flash-attn's bottom-right: SDPA FLASH has no like-for-like
 # call there, so it is timed against flash-attn-4 only, and dQ is checked against SDPA with an explicit mask.
 from bench_fwd import (CHUNKED_CELL, EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, chunked_flops, flops,  # noqa: E402
-                       masked_reference, time_fn)
+                       time_fn)
+import refcheck  # noqa: E402
+
+
+def reference_grads(q, k, v, gout, causal):
+    """(fp32, bf16) reference (dq, dk, dv) of batch entry 0 and KV head 0 (refcheck.backward_one_group)."""
+    args = (q.detach(), k.detach(), v.detach(), gout, causal, 0, 0)
+    return (refcheck.backward_one_group(*args, dtype=torch.float32),
+            refcheck.backward_one_group(*args, dtype=q.dtype))
+
+
+def check_grads(row, label, grads, refs, group):
+    """Check one implementation's (dq, dk, dv) ((B, S, H, D) tensors) against the references of batch entry 0 and KV
+    head 0; dk/dv of K/V expanded to the query heads (SDPA) are summed over the group.  Records
+    ``<label>_max_err`` and ``check_bar``, or ``<label>_error``; True when every gradient passes."""
+    (r32, r16), (dq, dk, dv) = refs, grads
+
+    def kv_grad(t):
+        return t[0, :, 0] if t.shape[2] == row["hkv"] else t[0, :, :group].float().sum(1)
+
+    errs, bars = {}, {}
+    for name, got, ref, pt in zip(("dq", "dk", "dv"), (dq[0, :, :group], kv_grad(dk), kv_grad(dv)), r32, r16):
+        err, bar, problem = refcheck.check(name, got, ref, pt)
+        bars[name] = bar
+        if problem:
+            row[f"{label}_error"] = "check failed: " + problem
+            return False
+        errs[name] = err
+    row[f"{label}_max_err"] = errs
+    row["check_bar"] = bars
+    return True
 
 
 def main(argv=None):
@@ -69,38 +105,45 @@ def main(argv=None):
                    device=torch.cuda.get_device_name(), extra=extra)
         if chunked:
             row["seqlen_k"] = sk
+        refs = reference_grads(q, k, v, gout, causal)
+        group = hq // hkv
         out, _ = fa.flash_attn_func(q, k, v, causal=causal)
-        row["ours_ms"] = time_fn(lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True))
-        row["ours_tflops"] = fl / row["ours_ms"] / 1e9
-        out_det, _ = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
-        row["ours_deterministic_ms"] = time_fn(
-            lambda: torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True))
-        row["ours_deterministic_tflops"] = fl / row["ours_deterministic_ms"] / 1e9
-        row["deterministic_vs_normal"] = row["ours_deterministic_tflops"] / row["ours_tflops"]
-        dq_ours = torch.autograd.grad(out, (q,), gout, retain_graph=True)[0]
-        if chunked:  # no like-for-like SDPA FLASH call: the dQ check against SDPA with the bottom-right mask
+        grads = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+        if check_grads(row, "ours", grads, refs, group):
+            row["ours_ms"] = time_fn(lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True))
+            row["ours_tflops"] = fl / row["ours_ms"] / 1e9
+        del grads
+        if chunked:  # SDPA's is_causal aligns top-left: no like-for-like call
             row["sdpa_flash_error"] = "n/a: SDPA's is_causal aligns top-left (no bottom-right option)"
-            dq_ref = torch.autograd.grad(masked_reference(q, k, v), (q,), gout)[0]
         else:
-            kk = k.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
-            vv = v.detach().repeat_interleave(hq // hkv, 2).requires_grad_()
+            kk = k.detach().repeat_interleave(group, 2).requires_grad_()
+            vv = v.detach().repeat_interleave(group, 2).requires_grad_()
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 ref = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
                                                      is_causal=causal)
             g_t = gout.transpose(1, 2)
-            row["sdpa_flash_ms"] = time_fn(lambda: torch.autograd.grad(ref, (q, kk, vv), g_t, retain_graph=True))
-            row["sdpa_flash_tflops"] = fl / row["sdpa_flash_ms"] / 1e9
-            dq_ref = torch.autograd.grad(ref, (q,), g_t, retain_graph=True)[0]
-        row["dq_max_diff_vs_sdpa"] = (dq_ours.float() - dq_ref.float()).abs().max().item()
+            grads = torch.autograd.grad(ref, (q, kk, vv), g_t, retain_graph=True)
+            if check_grads(row, "sdpa_flash", grads, refs, group):
+                row["sdpa_flash_ms"] = time_fn(lambda: torch.autograd.grad(ref, (q, kk, vv), g_t,
+                                                                           retain_graph=True))
+                row["sdpa_flash_tflops"] = fl / row["sdpa_flash_ms"] / 1e9
+            del grads, ref, kk, vv
         if fa4_func is not None:
             try:
                 o4 = fa4_func(q, k, v, causal=causal)
                 o4 = o4[0] if isinstance(o4, tuple) else o4
-                row["fa4_sm120_ms"] = time_fn(lambda: torch.autograd.grad(o4, (q, k, v), gout,
-                                                                          retain_graph=True))
-                row["fa4_sm120_tflops"] = fl / row["fa4_sm120_ms"] / 1e9
+                grads = torch.autograd.grad(o4, (q, k, v), gout, retain_graph=True)
+                if check_grads(row, "fa4_sm120", grads, refs, group):
+                    row["fa4_sm120_ms"] = time_fn(lambda: torch.autograd.grad(o4, (q, k, v), gout,
+                                                                              retain_graph=True))
+                    row["fa4_sm120_tflops"] = fl / row["fa4_sm120_ms"] / 1e9
+                del grads
             except Exception as exc:  # noqa: BLE001
                 row["fa4_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if "ours_tflops" not in row:  # a failed check is an error row: no ratio, never a win
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         peers = [row[f"{p}_tflops"] for p in ("sdpa_flash", "fa4_sm120") if f"{p}_tflops" in row]
         if peers:
             row["ratio_vs_best_peer"] = row["ours_tflops"] / max(peers)
@@ -116,14 +159,17 @@ def main(argv=None):
         xs = [x for x in xs if x]
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
-    grid = [r for r in rows if not r["extra"]]
+    grid = [r for r in rows if not r["extra"] and "ours_tflops" in r]
     summ = dict(kind="summary", device=torch.cuda.get_device_name(), torch=torch.__version__, notes=notes,
-                geomean_vs_best_peer=geo([r["ratio_vs_best_peer"] for r in grid]),
-                geomean_vs_sdpa_flash=geo([r["ratio_vs_sdpa_flash"] for r in grid]),
+                failed_checks=[{k_: r[k_] for k_ in r if k_.endswith("_error") or k_ in ("shape", "seqlen", "causal")}
+                               for r in rows if any(k_.endswith("_error") and r[k_].startswith("check failed")
+                                                    for k_ in r)],
+                geomean_vs_best_peer=geo([r.get("ratio_vs_best_peer") for r in grid]),
+                geomean_vs_sdpa_flash=geo([r.get("ratio_vs_sdpa_flash") for r in grid]),
                 geomean_vs_fa4_sm120=geo([r.get("ratio_vs_fa4_sm120") for r in grid]),
-                geomean_deterministic_vs_normal=geo([r.get("deterministic_vs_normal") for r in grid]),
-                best_cell_tflops=max(r["ours_tflops"] for r in grid),
-                weakest_cell_vs_sdpa_flash=min(r["ratio_vs_sdpa_flash"] for r in grid),
+                best_cell_tflops=max((r["ours_tflops"] for r in grid), default=None),
+                weakest_cell_vs_sdpa_flash=min((r["ratio_vs_sdpa_flash"] for r in grid if "ratio_vs_sdpa_flash" in r),
+                                               default=None),
                 extra_geomean_vs_sdpa_flash=geo([r.get("ratio_vs_sdpa_flash") for r in rows if r["extra"]]),
                 extra_geomean_vs_best_peer=geo([r.get("ratio_vs_best_peer") for r in rows if r["extra"]]),
                 seconds=round(time.time() - t0, 1))

@@ -53,7 +53,7 @@ def main(argv=None):
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     name = e.name
-                    for key in ("FlashFwd", "FlashBwdKvRows", "FlashBwdDq", "FlashBwdSm80", "Preprocess", "Convert"):
+                    for key in ("FlashFwd", "FlashBwdDkdvKvRows", "FlashBwdDq", "FlashBwdDkdv", "Preprocess", "Convert"):
                         if key in name:
                             name = key
                             break

@@ -5,6 +5,8 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
     python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
+    python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
+                                                   # not in CI (README "SM121"); sm_120f, the family target, builds too
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks

@@ -158,7 +158,10 @@ def test_bwd_deterministic_is_bitwise_reproducible():
         assert torch.equal(a, b)
 
 
-def test_bwd_deterministic_varlen():
+def test_bwd_varlen_is_bitwise_reproducible():
+    """Two identical varlen GQA backward calls give bitwise-equal gradients.  (``deterministic=True`` is accepted
+    and not passed further: the backward has no atomics, so there is no second path to compare it with; a test
+    that compared the flag's call with the default one compared the same kernels with themselves.)"""
     lens_q, lens_k = [17, 0, 300], [33, 5, 400]
     g = torch.Generator(device="cuda").manual_seed(11)
     q = _rand(sum(lens_q), 4, 64, dtype=torch.bfloat16, gen=g)
@@ -166,18 +169,12 @@ def test_bwd_deterministic_varlen():
     v = _rand(sum(lens_k), 2, 64, dtype=torch.bfloat16, gen=g)
     cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")  # noqa: E731
     kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True)
-    out, _ = fa.flash_attn_varlen_func(q, k, v, **kw)
-    gout = torch.randn_like(out)
-    ref = torch.autograd.grad(out, (q, k, v), gout)
-    out2, _ = fa.flash_attn_varlen_func(q, k, v, deterministic=True, **kw)
-    det = torch.autograd.grad(out2, (q, k, v), gout)
-    for a, b in zip(det, ref):
-        assert (a.float() - b.float()).abs().max().item() < 2e-2
+    gout = torch.randn(sum(lens_q), 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
 
+    def run():
+        out, _ = fa.flash_attn_varlen_func(q, k, v, deterministic=True, **kw)
+        return torch.autograd.grad(out, (q, k, v), gout)
 
-def test_unsupported_backward_raises_at_forward():
-    """Every served head-dim pair has a backward; the check runs before the forward launches."""
-    from flash_attn_4_sm120 import config, config_bwd
-
-    for d, dv in config.supported_head_dim_pairs():
-        config_bwd.select_bwd_config("bf16", d, dv)
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.isfinite(a).all() and torch.equal(a, b)

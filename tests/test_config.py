@@ -344,7 +344,26 @@ def test_decode_plan_runs_the_key_split_tile_of_its_row_bucket(monkeypatch):
         cfg = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
                              decode=bucket).fwd_cfg
         assert cfg.tile.kv_groups == groups and cfg.tile.tile_m == bucket
-        assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecodeSm80" if groups > 1 else "FlashFwdSm80")
+        assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecode" if groups > 1 else "FlashFwdCpAsync")
         split = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
                                decode=bucket, split=True).fwd_cfg
         assert split.split_kv and split.tile == cfg.tile
+
+
+def test_unsupported_backward_raises_at_forward(monkeypatch):
+    """The backward's kernels are chosen when a forward that needs gradients is planned (``dispatch._plan``, before
+    the forward launches), so a training step never fails half-way: every served head-dim pair has both backward
+    kernels, and where no backward tile fits (here: the d128 table left with a tile over SM120's shared memory) the
+    planning of a forward that needs grad raises ValueError naming the head dims and the limit, while the same
+    forward without grad plans and carries no backward config."""
+    for dtype in config.DTYPES:
+        for d, dv in config.supported_head_dim_pairs():
+            plan = dispatch._plan(dtype, d, dv, False, False, False, False, False, False, False, True, 0)
+            assert plan.bwd_cfg is not None and plan.dq_cfg is not None, (dtype, d, dv)
+    monkeypatch.setitem(config_bwd._BWD_TILES, 128, ((128, 128, 8),))
+    config.clear_caches()
+    with pytest.raises(ValueError, match=r"head_dim=128, head_dim_v=128: no backward tile fits SM120") as info:
+        dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0)
+    assert str(config.SMEM_LIMIT_BYTES) in str(info.value)
+    plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, False, 0)
+    assert plan.bwd_cfg is None and plan.dq_cfg is None

@@ -53,8 +53,13 @@ def _close(name, ours, ref, pt, slack=None):
 # the forward tests the complement (dropout_high_p), and 1 - 2**-17 has the threshold 2**KEEP_BITS (keeps none)
 @pytest.mark.parametrize("p", [0.002, 0.1, 0.5, 0.9, 0.96875, 0.97, 0.998, 1 - 2.0 ** -17])
 def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
+    _spell_and_compare_mask(sq, sk, hq, hkv, pack, d, p)
+
+
+def _spell_and_compare_mask(sq, sk, hq, hkv, pack, d, p, **kw):
     """q = 0 gives uniform P = 1/sk; v[j] = 2**(j // d) * e_(j % d) makes out[i, c] * sk * (1 - p) the integer
-    sum_b keep[i, d b + c] 2**b (< 256 for sk <= 8 d), so the output spells the kernel's mask exactly."""
+    sum_b keep[i, d b + c] 2**b (< 256 for sk <= 8 d), so the output spells the kernel's mask exactly.  ``kw``: more
+    arguments of the call (a window that masks nothing keeps P uniform)."""
     b = 2
     seed, offset = 0xDEADBEEF12345, 40
     q = torch.zeros(b, sq, hq, d, dtype=torch.float16, device="cuda")
@@ -63,7 +68,7 @@ def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
     v1 = torch.zeros(sk, d, dtype=torch.float32, device="cuda")
     v1[j, j % d] = 2.0 ** (j // d).float()
     v = v1[None, :, None, :].expand(b, sk, hkv, d).to(torch.float16).contiguous()
-    out = fa.flash_attn_func(q, k, v, dropout_p=p, dropout_seed=seed, dropout_offset=offset, pack_gqa=pack)[0]
+    out = fa.flash_attn_func(q, k, v, dropout_p=p, dropout_seed=seed, dropout_offset=offset, pack_gqa=pack, **kw)[0]
     code = torch.round(out.float() * sk * (1 - p)).to(torch.int64)  # (b, sq, hq, d)
     keep = _mask(seed, offset, p, b, hq, sq, sk)  # (b, hq, sq, sk)
     want = torch.zeros(b, hq, sq, d, dtype=torch.int64, device="cuda")
@@ -73,6 +78,30 @@ def test_kernel_mask_is_the_emulated_mask(sq, sk, hq, hkv, pack, d, p):
     bad = (code.permute(0, 2, 1, 3) != want).nonzero()
     assert bad.numel() == 0, (f"the kernel's keep mask differs from dropout_mask at {bad.shape[0]} (b, h, row, col) "
                               f"entries, first {bad[:8].tolist()}")
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("sq,sk,hq,hkv,d", [(17, 131, 8, 2, 64), (1, 200, 4, 1, 32), (40, 300, 6, 3, 64)])
+def test_packed_mask_on_the_128_key_tile(monkeypatch, sq, sk, hq, hkv, d, p):
+    """Packed GQA rows with dropout on the windowed d <= 64 tile (128x128; a window wider than both sequences keeps
+    P uniform): the keep mask is the contract's.  CONFLICTS_LOG records that the packed keep bits gave wrong outputs
+    on this tile on the H100 (2026-11-22) and that the dispatcher runs such calls unpacked; the test records which
+    way each call ran and checks the mask either way, so a dispatcher that packs them again is checked here."""
+    from flash_attn_4_sm120 import dispatch
+
+    packed = []
+    real = dispatch._plan
+
+    def spy(*a, **kw):
+        plan = real(*a, **kw)
+        if plan.fwd_cfg.has_dropout:
+            packed.append((plan.fwd_cfg.tile.tile_n, plan.fwd_cfg.dropout_packed))
+        return plan
+
+    monkeypatch.setattr(dispatch, "_plan", spy)
+    _spell_and_compare_mask(sq, sk, hq, hkv, True, d, p, window_size=(4096, 4096))
+    assert packed and all(tile_n == 128 for tile_n, _ in packed), packed
+    print(f"packed keep bits used: {packed[-1][1]}")
 
 
 def test_high_p_runs_the_complement_forward(monkeypatch):

@@ -106,6 +106,10 @@ def test_run_forward_refuses_grad_with_pages():
     (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad"),
     (dict(attention_chunk=128), NotImplementedError, "attention_chunk"),
     (dict(sm_margin=4), NotImplementedError, "sm_margin"),
+    (dict(cu_seqlens_k_new=torch.zeros(3, dtype=torch.int32)), NotImplementedError, "cu_seqlens_k_new"),
+    (dict(scheduler_metadata=torch.zeros(1, dtype=torch.int32)), NotImplementedError, "scheduler_metadata"),
+    (dict(qv=torch.zeros(2, 1, 4, 64)), NotImplementedError, "qv"),
+    (dict(q_descale=torch.ones(1)), NotImplementedError, "q_descale"),
     (dict(page_table=_table(), block_table=_table()), ValueError, "not both"),
     (dict(page_table=_table(), cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError, "cache_batch_idx"),
 ])
@@ -115,6 +119,21 @@ def test_kvcache_rejects(kw, exc, needle):
     with pytest.raises(exc) as info:
         fa.flash_attn_with_kvcache(q, k, v, **kw)
     assert needle in str(info.value), str(info.value)
+
+
+def test_kvcache_append_with_varlen_q_is_refused(monkeypatch):
+    """New k/v with cu_seqlens_q: NotImplementedError naming both (the tensor checks, which need CUDA tensors, are
+    stubbed out here; the refusal comes after them and before anything is written or launched)."""
+    from flash_attn_4_sm120 import interface
+
+    monkeypatch.setattr(interface.V, "check_tensor", lambda *args, **kwargs: None)
+    q = torch.zeros(3, 4, 64)
+    kc, vc = torch.zeros(2, 32, 2, 64), torch.zeros(2, 32, 2, 64)
+    new = torch.zeros(2, 1, 2, 64)
+    with pytest.raises(NotImplementedError, match=r"appending k/v with cu_seqlens_q \(varlen q\)"):
+        fa.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=1,
+                                   cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), max_seqlen_q=2)
+    assert kc.count_nonzero() == 0 and vc.count_nonzero() == 0
 
 
 def test_kvcache_new_kv_and_cache_seqlens_checks():
@@ -169,14 +188,14 @@ def test_paged_config_runs_the_cpasync_kernel():
 
 def test_paged_tma_config_runs_the_tma_kernel():
     from flash_attn_4_sm120 import jit
-    from flash_attn_4_sm120.kernels.fwd_cpasync import FlashFwdSm80
-    from flash_attn_4_sm120.kernels.fwd_tma import FlashFwdWsSm120
+    from flash_attn_4_sm120.kernels.fwd_cpasync import FlashFwdCpAsync
+    from flash_attn_4_sm120.kernels.fwd_tma import FlashFwdTma
 
     tma = config.select_fwd_tile(128, 128, False)
     assert tma.tma
-    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True)) is FlashFwdWsSm120
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, tma, paged=True)) is FlashFwdTma
     cp = config.select_fwd_tile(128, 128, False, paged=True)
-    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, cp, paged=True)) is FlashFwdSm80
+    assert jit.kernel_class(config.FwdKernelConfig("bf16", 128, 128, cp, paged=True)) is FlashFwdCpAsync
 
 
 def _bf16_pool(num_pages=8, page_size=64, hkv=2, d=128):

@@ -25,7 +25,8 @@ from .config import (
 # ---- backward ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BwdKernelConfig:
-    """Compile key of the backward dK/dV kernel (bwd_kernel.py); lengths, heads, scales and windows are runtime."""
+    """Compile key of the backward dK/dV kernel (kernels/bwd_dkdv.py, or kernels/bwd_dkdv_kvrows.py with
+    ``kv_rows``); lengths, heads, scales and windows are runtime."""
 
     dtype: str
     head_dim: int

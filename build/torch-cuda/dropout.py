@@ -112,7 +112,8 @@ SPLIT_DROPOUT_ERROR = (
     "inference path with no backward); use num_splits=1 for a call with dropout")
 SPARSE_DROPOUT_ERROR = (
     "dropout_p={p} with block_sparse_tensors: dropout and block sparsity are not supported together (the "
-    "block-sparse forward has no backward yet); pass dropout_p=0 or drop block_sparse_tensors")
+    "block-sparse kernels, forward and backward, are not built with the dropout keep mask: the compile gate has "
+    "no such configuration); pass dropout_p=0 or drop block_sparse_tensors")
 
 
 def refuse_combinations(dropout_p, p: float, num_splits: int, sparse: bool) -> None:

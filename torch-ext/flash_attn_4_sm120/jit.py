@@ -222,28 +222,28 @@ def kernel_class(cfg):
 
         return FlashBwdDqConvert
     if isinstance(cfg, DqKernelConfig):
-        from .kernels.bwd_dq import FlashBwdDqSm80
+        from .kernels.bwd_dq import FlashBwdDq
 
-        return FlashBwdDqSm80
+        return FlashBwdDq
     if isinstance(cfg, BwdKernelConfig) and cfg.kv_rows:
-        from .kernels.bwd_dkdv_kvrows import FlashBwdKvRowsSm80
+        from .kernels.bwd_dkdv_kvrows import FlashBwdDkdvKvRows
 
-        return FlashBwdKvRowsSm80
+        return FlashBwdDkdvKvRows
     if isinstance(cfg, BwdKernelConfig):
-        from .kernels.bwd_dkdv import FlashBwdSm80
+        from .kernels.bwd_dkdv import FlashBwdDkdv
 
-        return FlashBwdSm80
+        return FlashBwdDkdv
     if cfg.tile.tma:  # paged too: the dispatcher picks a TMA tile only when page_size % tile_n == 0
-        from .kernels.fwd_tma import FlashFwdWsSm120
+        from .kernels.fwd_tma import FlashFwdTma
 
-        return FlashFwdWsSm120
+        return FlashFwdTma
     if cfg.tile.kv_groups > 1:  # decode tiles with the keys split between warp groups
-        from .kernels.fwd_decode import FlashFwdDecodeSm80
+        from .kernels.fwd_decode import FlashFwdDecode
 
-        return FlashFwdDecodeSm80
-    from .kernels.fwd_cpasync import FlashFwdSm80
+        return FlashFwdDecode
+    from .kernels.fwd_cpasync import FlashFwdCpAsync
 
-    return FlashFwdSm80
+    return FlashFwdCpAsync
 
 
 def compile_kernel(cfg, with_kernel: bool = False):

@@ -9,7 +9,7 @@ never with atomics) and every block of ``tile_m`` queries that can see these key
     S  = Q K^T, P = exp2(S*c - LSE*log2e) (masked, softcapped), dP = dO V^T, dS = P * (dP - D)
     dV += P^T dO, dK += dS^T Q           (P and dS go through smem to change the mma partition)
 dK/dV are scaled by the softmax scale at the end and stored once.  Rows past the sequence are zero-filled, so
-their P and dS are exactly 0.  dQ comes from bwd_dq_kernel.py (Q-stationary, no atomics): measured on the H100
+their P and dS are exactly 0.  dQ comes from bwd_dq.py (Q-stationary, no atomics): measured on the H100
 proxy, the two kernels together were 1.2-2.3x faster than accumulating dQ here with fp32 atomics, and bitwise
 reproducible.
 
@@ -47,7 +47,7 @@ def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
     )
 
 
-class FlashBwdSm80(KernelStateMixin):
+class FlashBwdDkdv(KernelStateMixin):
     ARGS = BWD_DKDV_ARGS
 
     def __init__(self, cfg: BwdKernelConfig):

@@ -14,7 +14,8 @@ Algorithm (FlashAttention-2 on mma.sync m16n8k16):
     each row's address from the page table, so a block may span pages of any size); with S >= 2 stages,
     V(j-S+1) loads while S = Q K(j)^T runs, K(j-S) loads while softmax and O += P V(j) run (one stage: V(j), then
     K(j-1)).  P stays in registers (the S accumulator
-    is re-read as the A operand).  Only boundary blocks are masked (see masking.py).  The epilogue stages O in
+    is re-read as the A operand).  Only boundary blocks are masked (``BlockInfo.kv_plan``
+    in block_info.py; the masks themselves are ``ScoreHook.apply`` in score.py).  The epilogue stages O in
     smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the natural-log LSE.
     Packed GQA (runtime ``pack`` = 1 or Hq/Hkv): tile rows enumerate (position, head-in-group) pairs.
 
@@ -34,7 +35,7 @@ from .block_sparse import SparseBlockInfo
 from .fwd_base import FwdKernelBase
 
 
-class FlashFwdSm80(FwdKernelBase):
+class FlashFwdCpAsync(FwdKernelBase):
     """cp.async forward kernel: every warp loads, computes and stores; one compiled kernel per frozen
     ``FwdKernelConfig``."""
 

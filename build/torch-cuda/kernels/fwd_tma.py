@@ -1,6 +1,6 @@
 """Warp-specialised forward kernel: one TMA producer warp + ``num_warps`` mma.sync consumer warps.
 
-Layouts and features: as fwd_kernel.py (same API, same masks, packed GQA, varlen, sink, softcap), and block
+Layouts and features: as fwd_cpasync.py (same API, same masks, packed GQA, varlen, sink, softcap), and block
 sparsity: the producer walks the listed KV tiles (kernels/block_sparse.py ``SparseBlockInfo.tile_of``) in the order
 the consumers' ``run_kv_schedule`` visits them.
 
@@ -55,7 +55,7 @@ def tma_smem_atom(dtype, k_dim: int):
     return warpgroup.make_smem_layout_atom(kind, dtype)
 
 
-class FlashFwdWsSm120(FwdKernelBase):
+class FlashFwdTma(FwdKernelBase):
     def compute_sync(self):
         cute.arch.barrier(barrier_id=_COMPUTE_BARRIER_ID, number_of_threads=self.num_mma_threads)
 

@@ -15,8 +15,9 @@ dQ, two ways:
   * fused (config ``fused_dq``, the default backward): dQ_tile = dS K is computed here, from the dS tile already in
     smem and the resident K, on the query-row warp grid, and added into an fp32 workspace with
     ``red.global.add.v2.f32``.  The workspace keeps each tile in the order the mma's threads hold it (value pair j
-    of thread t at (j * threads + t) * 2), so one warp instruction adds 256 contiguous bytes; the adds are issued
-    before the dK mma, under which they drain.  kernels/bwd_dq_convert.py scales and casts it.  The order in which
+    of thread t at (j * threads + t) * 2), so one warp instruction adds 256 contiguous bytes; dQ comes after the dK
+    mma (the next Q tile loads under it) and its adds drain under the next block's S mma.
+    kernels/bwd_dq_convert.py scales and casts the workspace.  The order in which
     the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible.
   * otherwise kernels/bwd_dq.py (Q-stationary, no atomics) recomputes S and dP: bitwise reproducible
     (``deterministic=True``) and the path of a learnable sink, whose gradient needs that kernel's row sums.
@@ -55,7 +56,7 @@ def bwd_tiled_mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
     )
 
 
-class FlashBwdSm80(KernelStateMixin):
+class FlashBwdDkdv(KernelStateMixin):
     ARGS = BWD_DKDV_ARGS
 
     def __init__(self, cfg: BwdKernelConfig):

@@ -24,11 +24,11 @@ from dataclasses import replace
 
 from . import cute_utils as cu
 from .block_sparse import SparseQList
-from .bwd_dkdv import FlashBwdSm80, bwd_tiled_mma
+from .bwd_dkdv import FlashBwdDkdv, bwd_tiled_mma
 from .rows import load_rows, store_rows_from_acc
 
 
-class FlashBwdKvRowsSm80(FlashBwdSm80):
+class FlashBwdDkdvKvRows(FlashBwdDkdv):
     def smem_plan(self):
         """Two stages of Q and dO (no P / dS buffers: P^T and dS^T stay in registers), K and V of the CTA's keys,
         and with dropout the dP sums of two query blocks (see ``process``).  The P/dS layout slot of the
@@ -64,7 +64,7 @@ class FlashBwdKvRowsSm80(FlashBwdSm80):
         cute.arch.cp_async_commit_group()
 
     def branch_masks(self) -> bool:
-        """``FlashBwdSm80.branch_masks`` for this kernel: dense windowed walks at head dim 128 only.  Measured on the
+        """``FlashBwdDkdv.branch_masks`` for this kernel: dense windowed walks at head dim 128 only.  Measured on the
         H100 proxy (per-kernel time, causal, results/bwd_mask_branch_h100_s28.jsonl): d128 -8% with dropout, -1 to
         -2% without; d64 -0.5%; d96 +6% (kept masking every tile there)."""
         cfg = self.cfg

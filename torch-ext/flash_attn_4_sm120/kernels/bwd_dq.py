@@ -30,7 +30,7 @@ from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
 
-class FlashBwdDqSm80(KernelStateMixin):
+class FlashBwdDq(KernelStateMixin):
     ARGS = BWD_DQ_ARGS
 
     def __init__(self, cfg: BwdKernelConfig):

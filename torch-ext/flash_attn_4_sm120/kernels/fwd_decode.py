@@ -23,10 +23,10 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from . import cute_utils as cu
-from .fwd_cpasync import FlashFwdSm80
+from .fwd_cpasync import FlashFwdCpAsync
 
 
-class FlashFwdDecodeSm80(FlashFwdSm80):
+class FlashFwdDecode(FlashFwdCpAsync):
     """cp.async forward with the keys of each K/V tile split between warp groups (``cfg.tile.kv_groups`` > 1)."""
 
     def __init__(self, cfg):
