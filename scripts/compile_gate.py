@@ -5,6 +5,7 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
     python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
+    python scripts/compile_gate.py --arch sm_80    # a target without TMA (also sm_86, sm_89): the cp.async worklist
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
@@ -14,6 +15,10 @@ lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_
 config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist),
 plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
+
+Targets without TMA (sm_80, sm_86, sm_89: device.CAPABILITIES) build what such a device selects: every TMA tile
+replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
+needs sm_90), and fail on any TMA, mbarrier-tx or setmaxnreg instruction (sass_check.FORBIDDEN_WITHOUT_TMA).
 """
 
 from __future__ import annotations
@@ -45,9 +50,44 @@ def _package():
     return mod
 
 
-def _worklist(pattern: str | None):
+def _without_tma(cfg):
+    """The configuration a device without TMA runs where ``cfg`` (built for a TMA target) has a TMA tile: the
+    cp.async tile the same selection gives without TMA (the same row of the tile table; for block sparsity the
+    tile of the same block size, with its ratios), or None where such a device refuses the call (score/mask mods
+    with dropout at d <= 128).  Other configurations are returned as they are."""
+    from dataclasses import replace
+
+    from flash_attn_4_sm120 import config
+
+    if not isinstance(cfg, config.FwdKernelConfig) or not cfg.tile.tma:
+        return cfg
+    d, dv, tile = cfg.head_dim, cfg.head_dim_v, cfg.tile
+    if cfg.mods is not None and cfg.has_dropout:
+        try:
+            return replace(cfg, tile=config.mods_dropout_fwd_tile(d, dv, tma=False))
+        except ValueError:
+            return None
+    if cfg.block_sparse:
+        block = (tile.tile_m * cfg.sparse_q_ratio, tile.tile_n * cfg.sparse_kv_ratio)
+        new = config.select_sparse_tile(d, dv, cfg.windowed, mods=cfg.mods is not None, block_size=block, tma=False)
+        if cfg.mods is not None:
+            new = config.mods_tile(new, d, dv)
+        return replace(cfg, tile=new, sparse_q_ratio=block[0] // new.tile_m, sparse_kv_ratio=block[1] // new.tile_n)
+    rows = [w for w in (False, True) if tile in config.candidate_tiles(d, dv, w)]
+    new = config.select_fwd_tile(d, dv, rows[0] if rows else cfg.windowed, tma=False)
+    if cfg.has_dropout:
+        new = config.dropout_fwd_tile(d, dv, new, tma=False)
+    if cfg.mods is not None:
+        new = config.mods_tile(new, d, dv)
+    return replace(cfg, tile=new)
+
+
+def _worklist(pattern: str | None, arch: str = "sm_120a"):
+    """The configurations the gate builds for ``arch``: those a device of that target selects (device.py's table:
+    without TMA the cp.async tiles, ``_without_tma``; without programmatic dependent launch no split-KV forward
+    and no combine kernel)."""
     _package()
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode, device
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
@@ -65,6 +105,12 @@ def _worklist(pattern: str | None):
     from flash_attn_4_sm120 import modspec
 
     items += modspec.gate_worklist()
+    feat = device.features_of_arch(arch)
+    if not feat.tma:
+        items = [c for c in map(_without_tma, items) if c is not None]
+    if not feat.pdl:
+        items = [c for c in items if not getattr(c, "split_kv", False)
+                 and not isinstance(c, config_combine.CombineKernelConfig)]
     seen, unique = set(), []
     for c in items:  # worklists may overlap (e.g. a heaviest set that is also a subset of a sweep)
         if c.name() not in seen:
@@ -81,7 +127,7 @@ def _check_one(cfg, arch: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(dir=os.environ.get("FA4_GATE_DUMP_PARENT")))
     _package()
     sys.path.insert(0, str(ROOT))
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, jit
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, device, jit
     from scripts.sass_check import inspect_cubin
 
     t0 = time.time()
@@ -116,6 +162,8 @@ def _check_one(cfg, arch: str) -> dict:
             problems.append("HMMA in a kernel without matmul")
         if rep.forbidden:
             problems.append("forbidden: " + ",".join(rep.forbidden))
+        if rep.tma_ops and not device.features_of_arch(arch).tma:
+            problems.append("TMA / mbarrier-tx / setmaxnreg on a target without them: " + ",".join(rep.tma_ops))
         if rep.spills or rep.frame_bytes:
             problems.append(f"spills ({rep.spills} STL/LDL, frame {rep.frame_bytes} B)")
         if kernel.launch_smem_bytes > config.SMEM_LIMIT_BYTES:
@@ -150,7 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON lines")
     args = ap.parse_args(argv)
 
-    work = _worklist(args.filter)
+    work = _worklist(args.filter, args.arch)
     if args.limit is not None:
         work = work[: args.limit]
     if not work:

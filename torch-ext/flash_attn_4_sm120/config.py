@@ -286,8 +286,18 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 }
 
 
+# Without TMA (SM80/SM86/SM89), dropout at head dim 192 runs a 32-key cp.async tile: the row's 128x64 one-stage tile
+# spilled with dropout under the heaviest feature set on sm_80, the 128x32 two-stage one did not
+# (benchmarks/results/gate_sm80_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
+_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),)}
+
+
 def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile, tma: bool = True) -> FwdTile:
     """The forward tile of a dropout call whose path without dropout uses ``tile`` (``tma``: as candidate_tiles)."""
+    if not tma:
+        for cand in _DROPOUT_TILES_WITHOUT_TMA.get(max(head_dim, head_dim_v), ()):
+            if not fwd_tile_problems(head_dim, head_dim_v, cand):
+                return cand
     bad = _DROPOUT_SPILLING_TILES.get((head_dim, head_dim_v), ())
     if tile not in bad:
         return tile
