@@ -56,10 +56,13 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
     needs_grad = _needs_grad(q, k, v, learnable_sink)
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
+        dropout, sparse = bool(kw.get("dropout_p")), kw.get("block_sparse_tensors") is not None
+        compiling = torch.compiler.is_compiling()
         kw["num_splits"] = default_num_splits(
-            needs_grad=needs_grad, dropout=bool(kw.get("dropout_p")), block_sparse=kw.get("block_sparse_tensors") is not None,
-            compiling=torch.compiler.is_compiling(),
-            capturing=torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
+            needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
+            # asked only where it matters (a host query per call otherwise)
+            capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing(),
             kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None)
     mod_args = kw.pop("mod_args", None) or {}
     mods, aux = check_mods(score_mod=mod_args.get("score_mod"), score_mod_bwd=mod_args.get("score_mod_bwd"),
