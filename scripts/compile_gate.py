@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # scripts.* (sass_check, gate_classes, gate_ci)
 
 
 def _package():
@@ -82,10 +84,11 @@ def _without_tma(cfg):
     return replace(cfg, tile=new)
 
 
-def _worklist(pattern: str | None, arch: str = "sm_120a"):
+def _worklist(pattern: str | None, arch: str = "sm_120a", classes: bool = True):
     """The configurations the gate builds for ``arch``: those a device of that target selects (device.py's table:
     without TMA the cp.async tiles, ``_without_tma``; without programmatic dependent launch no split-KV forward
-    and no combine kernel)."""
+    and no combine kernel).  ``classes``: also every class the dispatcher can select, at its lightest and heaviest
+    flag set (scripts/gate_classes.py); without it, the hand-made worklists only."""
     _package()
     from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode, device
 
@@ -106,6 +109,10 @@ def _worklist(pattern: str | None, arch: str = "sm_120a"):
 
     items += modspec.gate_worklist()
     feat = device.features_of_arch(arch)
+    if classes:
+        from scripts.gate_classes import class_worklist
+
+        items += class_worklist(feat.tma, feat.pdl)
     if not feat.tma:
         items = [c for c in map(_without_tma, items) if c is not None]
     if not feat.pdl:
@@ -196,11 +203,61 @@ def main(argv=None) -> int:
     ap.add_argument("--filter", default=None, help="substring of the configuration name")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON lines")
+    ap.add_argument("--shard", default=None, help="I/N: only the configurations of shard I of N (by name hash)")
+    ap.add_argument("--no-classes", action="store_true", help="the hand-made worklists only (no class sweep)")
+    ap.add_argument("--ci", action="store_true", help="CI: check the committed full runs, build a shard and what "
+                    "changed since the full run (scripts/gate_ci.py)")
     args = ap.parse_args(argv)
+    if args.ci:
+        return _ci(args)
 
-    work = _worklist(args.filter, args.arch)
+    work = _worklist(args.filter, args.arch, not args.no_classes)
+    if args.shard is not None:
+        from scripts.gate_ci import in_shard
+
+        try:
+            index, count = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            index, count = -1, 0
+        if not 0 <= index < count:
+            print(f"compile gate: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
+            return 2
+        work = [c for c in work if in_shard(c.name(), index, count)]
     if args.limit is not None:
         work = work[: args.limit]
+    return _gate(work, args)
+
+
+def _ci(args) -> int:
+    """CI's gate: every committed full run must vouch for today's worklist (gate_ci.full_run_problems); then build
+    each CI_SHARDS target's shard plus the configurations whose kernel kind changed since its full run."""
+    from argparse import Namespace
+
+    from scripts import gate_ci as GC
+    from scripts.gate_classes import kind
+
+    stale, status = [], 0
+    for arch in GC.FULL_ARCHS:
+        work = _worklist(None, arch)
+        problems = GC.full_run_problems(arch, [c.name() for c in work])
+        stale += [f"{arch}: {p}" for p in problems]
+        count = GC.CI_SHARDS.get(arch)
+        if count is None:
+            continue
+        index = GC.ci_shard_index(count)
+        # with a stale or missing full run CI fails anyway: the shard only, not "everything changed" (hours)
+        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(GC.last_commit(
+            str(GC.full_run_path(arch).relative_to(GC.ROOT)))))
+        todo = [c for c in work if GC.in_shard(c.name(), index, count) or kind(c) in changed]
+        print(f"compile gate --ci {arch}: shard {index}/{count} and the kinds changed since the full run "
+              f"({', '.join(sorted(changed)) or 'none'}): {len(todo)} of {len(work)} configurations", flush=True)
+        status |= _gate(todo, Namespace(**{**vars(args), "arch": arch}))
+    for line in stale:
+        print(f"compile gate --ci: FULL RUN {line}", file=sys.stderr)
+    return 1 if stale else status
+
+
+def _gate(work, args) -> int:
     if not work:
         print("compile gate: no configuration matches", file=sys.stderr)
         return 2
