@@ -171,3 +171,19 @@ def test_full_run_with_a_failure_or_a_missing_configuration(repo):
     problems = GC.full_run_problems("sm_120a", ["a", "b"])
     assert any("1 failing configurations, e.g. a" in p for p in problems)
     assert any("lacks 1 of today's 2 configurations (e.g. b)" in p for p in problems)
+
+
+def test_ci_builds_the_shard_and_fails_without_a_full_run(monkeypatch):
+    """--ci with no committed full run: it fails (naming the file to commit), and builds the shard only (not
+    "everything changed since a run that does not exist")."""
+    import argparse
+
+    built = []
+    monkeypatch.setattr(GC, "FULL_ARCHS", ("sm_80",))
+    monkeypatch.setattr(GC, "CI_SHARDS", {"sm_80": 8})
+    monkeypatch.setattr(GC, "full_run_path", lambda arch: ROOT / "benchmarks" / "results" / "gate_full_none.jsonl")
+    monkeypatch.setattr(G, "_gate", lambda work, args: built.append((args.arch, [c.name() for c in work])) or 0)
+    assert G._ci(argparse.Namespace(ci=True, jobs=1, json=None)) == 1
+    (arch, names), = built
+    index = GC.ci_shard_index(8)
+    assert arch == "sm_80" and names and all(GC.in_shard(n, index, 8) for n in names)
