@@ -1,7 +1,9 @@
 """What CI's compile gate builds, and whether the committed full runs still hold (compile_gate --ci).
 
 The full gate (every selectable class at its lightest and heaviest flag set, scripts/gate_classes.py, plus the
-hand-made worklists) does not fit CI's time, so:
+hand-made worklists) does not fit CI's time (about four times today's worklist for sm_120a, and the targets
+without TMA on top; sampled compile times: benchmarks/results/gate_timing_sample.jsonl and gate_sm8x_probe.jsonl),
+so:
 
 * a full run per target is committed as ``benchmarks/results/gate_full_<arch>.jsonl`` (``python
   scripts/compile_gate.py --arch <arch> --json benchmarks/results/gate_full_<arch>.jsonl``);

@@ -192,7 +192,7 @@ def test_the_arch_check_finds_a_comparison():
 
 
 def test_dropout_at_d192_without_tma_runs_the_32_key_tile():
-    """The d192 row's cp.async tile spilled with dropout on sm_80 (benchmarks/results/gate_sm80_probe.jsonl)."""
+    """The d192 row's cp.async tile spilled with dropout on sm_80 (benchmarks/results/gate_sm8x_probe.jsonl)."""
     row = config.select_fwd_tile(192, 192, False, tma=False)
     assert config.dropout_fwd_tile(192, 192, row, tma=False) == config.FwdTile(128, 32, 8, 2)
     assert config.dropout_fwd_tile(192, 128, row, tma=False) == config.FwdTile(128, 32, 8, 2)
