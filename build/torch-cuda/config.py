@@ -288,7 +288,7 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 
 # Without TMA (SM80/SM86/SM89), dropout at head dim 192 runs a 32-key cp.async tile: the row's 128x64 one-stage tile
 # spilled with dropout under the heaviest feature set on sm_80, the 128x32 two-stage one did not
-# (benchmarks/results/gate_sm80_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
+# (benchmarks/results/gate_sm8x_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
 _DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),)}
 
 
