@@ -7,6 +7,7 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
     python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
                                                    # not in CI (README "SM121"); sm_120f, the family target, builds too
+    python scripts/compile_gate.py --arch sm_80    # a target without TMA (also sm_86, sm_89): the cp.async worklist
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
@@ -17,6 +18,10 @@ config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_
 config_bwd.fused_gate_worklist),
 plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
+
+Targets without TMA (sm_80, sm_86, sm_89: device.CAPABILITIES) build what such a device selects: every TMA tile
+replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
+needs sm_90), and fail on any TMA, mbarrier-tx or setmaxnreg instruction (sass_check.FORBIDDEN_WITHOUT_TMA).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # scripts.* (sass_check, gate_classes, gate_ci)
 
 
 def _package():
@@ -48,9 +55,45 @@ def _package():
     return mod
 
 
-def _worklist(pattern: str | None):
+def _without_tma(cfg):
+    """The configuration a device without TMA runs where ``cfg`` (built for a TMA target) has a TMA tile: the
+    cp.async tile the same selection gives without TMA (the same row of the tile table; for block sparsity the
+    tile of the same block size, with its ratios), or None where such a device refuses the call (score/mask mods
+    with dropout at d <= 128).  Other configurations are returned as they are."""
+    from dataclasses import replace
+
+    from flash_attn_4_sm120 import config
+
+    if not isinstance(cfg, config.FwdKernelConfig) or not cfg.tile.tma:
+        return cfg
+    d, dv, tile = cfg.head_dim, cfg.head_dim_v, cfg.tile
+    if cfg.mods is not None and cfg.has_dropout:
+        try:
+            return replace(cfg, tile=config.mods_dropout_fwd_tile(d, dv, tma=False))
+        except ValueError:
+            return None
+    if cfg.block_sparse:
+        block = (tile.tile_m * cfg.sparse_q_ratio, tile.tile_n * cfg.sparse_kv_ratio)
+        new = config.select_sparse_tile(d, dv, cfg.windowed, mods=cfg.mods is not None, block_size=block, tma=False)
+        if cfg.mods is not None:
+            new = config.mods_tile(new, d, dv)
+        return replace(cfg, tile=new, sparse_q_ratio=block[0] // new.tile_m, sparse_kv_ratio=block[1] // new.tile_n)
+    rows = [w for w in (False, True) if tile in config.candidate_tiles(d, dv, w)]
+    new = config.select_fwd_tile(d, dv, rows[0] if rows else cfg.windowed, tma=False)
+    if cfg.has_dropout:
+        new = config.dropout_fwd_tile(d, dv, new, tma=False)
+    if cfg.mods is not None:
+        new = config.mods_tile(new, d, dv)
+    return replace(cfg, tile=new)
+
+
+def _worklist(pattern: str | None, arch: str = "sm_120a", classes: bool = True):
+    """The configurations the gate builds for ``arch``: those a device of that target selects (device.py's table:
+    without TMA the cp.async tiles, ``_without_tma``; without programmatic dependent launch no split-KV forward
+    and no combine kernel).  ``classes``: also every class the dispatcher can select, at its lightest and heaviest
+    flag set (scripts/gate_classes.py); without it, the hand-made worklists only."""
     _package()
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode, device
 
     items = []
     for dtype, d, dv, tile in config.all_fwd_tile_configs():
@@ -69,6 +112,19 @@ def _worklist(pattern: str | None):
     from flash_attn_4_sm120 import modspec
 
     items += modspec.gate_worklist()
+    feat = device.features_of_arch(arch)
+    if classes:
+        from scripts.gate_classes import class_worklist
+
+        items += class_worklist(feat.tma, feat.pdl, feat.red_f32x2)
+    if not feat.tma:
+        items = [c for c in map(_without_tma, items) if c is not None]
+    if not feat.red_f32x2:  # the fused backward's dQ adds need red.global.add.v2.f32: the kernel pair runs there
+        items = [c for c in items if not getattr(c, "fused_dq", False)
+                 and not isinstance(c, config_bwd.DqConvertKernelConfig)]
+    if not feat.pdl:
+        items = [c for c in items if not getattr(c, "split_kv", False)
+                 and not isinstance(c, config_combine.CombineKernelConfig)]
     seen, unique = set(), []
     for c in items:  # worklists may overlap (e.g. a heaviest set that is also a subset of a sweep)
         if c.name() not in seen:
@@ -85,7 +141,7 @@ def _check_one(cfg, arch: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(dir=os.environ.get("FA4_GATE_DUMP_PARENT")))
     _package()
     sys.path.insert(0, str(ROOT))
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, jit
+    from flash_attn_4_sm120 import config, config_bwd, config_combine, device, jit
     from scripts.sass_check import inspect_cubin
 
     t0 = time.time()
@@ -121,6 +177,8 @@ def _check_one(cfg, arch: str) -> dict:
             problems.append("HMMA in a kernel without matmul")
         if rep.forbidden:
             problems.append("forbidden: " + ",".join(rep.forbidden))
+        if rep.tma_ops and not device.features_of_arch(arch).tma:
+            problems.append("TMA / mbarrier-tx / setmaxnreg on a target without them: " + ",".join(rep.tma_ops))
         if rep.spills or rep.frame_bytes:
             problems.append(f"spills ({rep.spills} STL/LDL, frame {rep.frame_bytes} B)")
         if kernel.launch_smem_bytes > config.SMEM_LIMIT_BYTES:
@@ -153,11 +211,61 @@ def main(argv=None) -> int:
     ap.add_argument("--filter", default=None, help="substring of the configuration name")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON lines")
+    ap.add_argument("--shard", default=None, help="I/N: only the configurations of shard I of N (by name hash)")
+    ap.add_argument("--no-classes", action="store_true", help="the hand-made worklists only (no class sweep)")
+    ap.add_argument("--ci", action="store_true", help="CI: check the committed full runs, build a shard and what "
+                    "changed since the full run (scripts/gate_ci.py)")
     args = ap.parse_args(argv)
+    if args.ci:
+        return _ci(args)
 
-    work = _worklist(args.filter)
+    work = _worklist(args.filter, args.arch, not args.no_classes)
+    if args.shard is not None:
+        from scripts.gate_ci import in_shard
+
+        try:
+            index, count = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            index, count = -1, 0
+        if not 0 <= index < count:
+            print(f"compile gate: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
+            return 2
+        work = [c for c in work if in_shard(c.name(), index, count)]
     if args.limit is not None:
         work = work[: args.limit]
+    return _gate(work, args)
+
+
+def _ci(args) -> int:
+    """CI's gate: every committed full run must vouch for today's worklist (gate_ci.full_run_problems); then build
+    each CI_SHARDS target's shard plus the configurations whose kernel kind changed since its full run."""
+    from argparse import Namespace
+
+    from scripts import gate_ci as GC
+    from scripts.gate_classes import kind
+
+    stale, status = [], 0
+    for arch in GC.FULL_ARCHS:
+        work = _worklist(None, arch)
+        problems = GC.full_run_problems(arch, [c.name() for c in work])
+        stale += [f"{arch}: {p}" for p in problems]
+        count = GC.CI_SHARDS.get(arch)
+        if count is None:
+            continue
+        index = GC.ci_shard_index(count)
+        # with a stale or missing full run CI fails anyway: the shard only, not "everything changed" (hours)
+        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(GC.last_commit(
+            str(GC.full_run_path(arch).relative_to(GC.ROOT)))))
+        todo = [c for c in work if GC.in_shard(c.name(), index, count) or kind(c) in changed]
+        print(f"compile gate --ci {arch}: shard {index}/{count} and the kinds changed since the full run "
+              f"({', '.join(sorted(changed)) or 'none'}): {len(todo)} of {len(work)} configurations", flush=True)
+        status |= _gate(todo, Namespace(**{**vars(args), "arch": arch}))
+    for line in stale:
+        print(f"compile gate --ci: FULL RUN {line}", file=sys.stderr)
+    return 1 if stale else status
+
+
+def _gate(work, args) -> int:
     if not work:
         print("compile gate: no configuration matches", file=sys.stderr)
         return 2

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 # 2-CTA TMA and multicast (.2CTA, .MULTICAST).  CTA-scope TMA (UTMALDG, UTMACCTL.PF descriptor prefetch) is
 # present on SM120 and allowed.  Any forbidden opcode fails the gate.
 FORBIDDEN_SASS = ("HGMMA", "GMMA", "UTC", ".2CTA", ".MULTICAST", "TCGEN05")
+# On targets without TMA (sm_80, sm_86, sm_89; compile_gate --arch): the TMA copies and descriptor prefetch
+# (UTMA*, UBLKCP), the mbarrier transaction counts (SYNCS.*) and setmaxnreg (USETMAXREG) must not appear either.
+FORBIDDEN_WITHOUT_TMA = ("UTMA", "UBLKCP", "SYNCS", "USETMAXREG")
 
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x11
@@ -89,6 +92,8 @@ class CubinReport:
     # register counts requested by setmaxnreg (USETMAXREG): the decreases and the increases
     maxreg_dealloc: list[int] = field(default_factory=list)
     maxreg_alloc: list[int] = field(default_factory=list)
+    # opcodes of FORBIDDEN_WITHOUT_TMA present (allowed where the target has TMA)
+    tma_ops: list[str] = field(default_factory=list)
 
     @property
     def spills(self) -> int:
@@ -107,6 +112,14 @@ _CENSUS = {
 }
 
 
+def _elf_arch(cubin: bytes) -> str:
+    """``sm_NN`` from the cubin's ELF header (e_flags: the SM number in bits 0-7 up to ELF ABI version 7, in bits
+    8-15 from version 8), for cubins that carry no target string (sm_80, sm_90a)."""
+    flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    sm = (flags >> 8) & 0xFF if cubin[8] >= 8 else flags & 0xFF
+    return f"sm_{sm}" if sm else "?"
+
+
 def inspect_cubin(cubin: bytes) -> CubinReport:
     secs = _sections(cubin)
     regs = frame = 0
@@ -117,9 +130,9 @@ def inspect_cubin(cubin: bytes) -> CubinReport:
                 regs = max(regs, struct.unpack_from("<II", val)[1])
             elif attr == _EIATTR_FRAME_SIZE:
                 frame = max(frame, struct.unpack_from("<II", val)[1])
-    arch = "?"
+    arch = _elf_arch(cubin)
     m = re.search(rb"sm_\d+[af]?", cubin)
-    if m:
+    if m:  # the target string, with its a/f suffix, where the cubin carries one
         arch = m.group().decode()
     sass = disassemble(cubin)
     counts = {k: len(re.findall(p, sass)) for k, p in _CENSUS.items()}
@@ -127,7 +140,8 @@ def inspect_cubin(cubin: bytes) -> CubinReport:
     forbidden = sorted({op for op in opcodes for tok in FORBIDDEN_SASS if op.startswith(tok) or tok in op})
     dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", sass)]
     alloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.(?:TRY_)?ALLOC\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", sass)]
-    return CubinReport(arch, regs, frame, counts, forbidden, dealloc, alloc)
+    tma_ops = sorted({op for op in opcodes for tok in FORBIDDEN_WITHOUT_TMA if op.startswith(tok)})
+    return CubinReport(arch, regs, frame, counts, forbidden, dealloc, alloc, tma_ops)
 
 
 def disassemble(cubin: bytes) -> str:

@@ -26,8 +26,8 @@ def _launched(monkeypatch):
     seen = []
     real = dispatch_bwd.fused_plan
 
-    def spy(bwd_cfg, device, compile_now=True):
-        plan = real(bwd_cfg, device, compile_now)
+    def spy(bwd_cfg, device):
+        plan = real(bwd_cfg, device)
         seen.append(plan is not None)
         return plan
     monkeypatch.setattr(dispatch_bwd, "fused_plan", spy)

@@ -66,7 +66,7 @@ def test_page_table_with_cu_seqlens_k_raises_first():
                                   cu_seqlens_k=torch.tensor([0, 8, 16], dtype=torch.int32), page_table=_table())
 
 
-@pytest.mark.parametrize("bad", [1.0, "2", None, 2.5])
+@pytest.mark.parametrize("bad", [1.0, "2", 2.0, 2.5])  # None is the default (automatic for inference calls)
 def test_num_splits_not_an_int(bad):
     q = torch.zeros(2, 1, 4, 64)
     k, v = _pool()
@@ -294,7 +294,8 @@ def test_run_forward_passes_the_paged_tma_decision():
     from flash_attn_4_sm120 import dispatch
 
     src = inspect.getsource(dispatch.run_forward)
-    assert "paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods)" in src
+    assert ("paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods, caps.tma)"
+            in src)
 
 
 def test_page_table_argument_in_the_forward_record():

@@ -32,7 +32,7 @@ def test_one_means_no_split():
     assert _resolve(1) == 1
 
 
-@pytest.mark.parametrize("bad", [1.0, 2.5, True, "4", None])
+@pytest.mark.parametrize("bad", [1.0, 2.5, True, "4", 2.0])
 def test_num_splits_must_be_an_int(bad):
     with pytest.raises(ValueError, match="num_splits must be an int"):
         SK.check_num_splits(bad)
@@ -137,3 +137,66 @@ def test_auto_splits_min_waves_for_paged():
     assert SK.auto_num_splits(ctas=512, n_blocks=32, num_sms=132, max_splits=256, min_waves=2) == 1
     # too few KV blocks for two waves: the most that helps, never more than n_blocks
     assert SK.auto_num_splits(ctas=8, n_blocks=20, num_sms=132, max_splits=256, min_waves=2) <= 20
+
+
+# ---- the default (num_splits=None): automatic for inference calls ----------------------------------------------
+_INFER = dict(needs_grad=False, dropout=False, block_sparse=False, compiling=False, capturing=False,
+              kv_extent_static=True)
+
+
+def test_default_is_automatic_for_an_inference_call():
+    assert SK.default_num_splits(**_INFER) == 0
+
+
+@pytest.mark.parametrize("flag", ["needs_grad", "dropout", "block_sparse", "compiling"])
+def test_default_never_splits_training_dropout_sparse_or_compiled_calls(flag):
+    assert SK.default_num_splits(**dict(_INFER, **{flag: True})) == 1
+
+
+def test_default_under_capture_splits_only_a_static_kv_extent():
+    assert SK.default_num_splits(**dict(_INFER, capturing=True)) == 0  # k's shape: fixed for the graph
+    assert SK.default_num_splits(**dict(_INFER, capturing=True, kv_extent_static=False)) == 1  # max_seqlen_k given
+    assert SK.default_num_splits(**dict(_INFER, kv_extent_static=False)) == 0  # eager: read per call
+
+
+def test_default_switch_restores_no_split(monkeypatch):
+    monkeypatch.setattr(SK, "DEFAULT_SPLITS_AUTO", False)
+    assert SK.default_num_splits(**_INFER) == 1
+
+
+def test_default_splits_an_underfilled_decode_grid_and_not_a_full_one(monkeypatch):
+    """The automatic count the default leads to: B=1 decode (8 KV heads, 32K keys in 64-key blocks) on 132 SMs
+    splits; a prefill grid that fills the SMs does not."""
+    monkeypatch.setattr(SK, "sm_count", lambda device: 132)
+    n = SK.default_num_splits(**_INFER)
+    assert _resolve(n, ctas=8, n_blocks=512) > 1
+    assert _resolve(n, ctas=4 * 132, n_blocks=512) == 1
+
+
+def test_signatures_default_to_none_and_kvcache_to_automatic():
+    import inspect
+
+    for fn in (fa.flash_attn_func, fa.flash_attn_varlen_func):
+        assert inspect.signature(fn).parameters["num_splits"].default is None
+    assert inspect.signature(fa.flash_attn_with_kvcache).parameters["num_splits"].default == 0
+
+
+def test_none_is_the_default_not_a_bad_value():
+    assert SK.check_num_splits(None) == 1  # checked as one split; resolved per call
+
+
+# ---- devices without programmatic dependent launch (SM80/SM86/SM89): no split -------------------------------
+def _caps(cap):
+    from flash_attn_4_sm120 import device as DV
+
+    return DV.caps_from_properties("test GPU", *cap, None, None, 80)
+
+
+def test_no_split_where_the_device_lacks_pdl(monkeypatch):
+    monkeypatch.setattr(SK, "sm_count", lambda device: 132)
+    ampere = _caps((8, 6))
+    assert _resolve(0, caps=ampere) == 1  # automatic: no split there
+    with pytest.raises(ValueError, match=r"num_splits=4: .*griddepcontrol.*test GPU \(compute capability 8\.6\)"):
+        _resolve(4, caps=ampere)
+    assert _resolve(4, caps=_caps((12, 0))) == 4
+    assert _resolve(0, caps=_caps((12, 0))) > 1

@@ -215,3 +215,89 @@ def test_auto_split_count_on_this_gpu():
     assert sms == torch.cuda.get_device_properties(0).multi_processor_count
     assert SK.auto_num_splits(8, 512, sms, 256) > 1
     assert SK.auto_num_splits(64 * 8, 32, sms, 256) == 1
+
+
+# ---- the default (num_splits=None): automatic for inference calls --------------------------------------------
+@pytest.fixture
+def split_plans(monkeypatch):
+    """Whether each forward plan the calls of a test make is a split one."""
+    from flash_attn_4_sm120 import dispatch
+
+    seen = []
+    real = dispatch._plan
+
+    def spy(*args, **kw):
+        plan = real(*args, **kw)
+        seen.append(plan.fwd_cfg.split_kv)
+        return plan
+
+    monkeypatch.setattr(dispatch, "_plan", spy)
+    return seen
+
+
+def test_default_splits_a_decode_call_and_matches_the_reference(split_plans):
+    g = torch.Generator(device="cuda").manual_seed(81)
+    q = _rand(1, 1, 32, 128, dtype=torch.bfloat16, gen=g)
+    k = _rand(1, 16384, 8, 128, dtype=torch.bfloat16, gen=g)
+    v = _rand(1, 16384, 8, 128, dtype=torch.bfloat16, gen=g)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert any(split_plans), "the default did not split a B=1 decode call"
+    _dense_check(out, lse, q, k, v, causal=True)
+    split_plans.clear()
+    fa.flash_attn_func(q, k, v, causal=True, num_splits=1)
+    assert not any(split_plans), "num_splits=1 split"
+
+
+def test_default_never_splits_a_training_call_or_a_full_grid(split_plans):
+    g = torch.Generator(device="cuda").manual_seed(82)
+    q = _rand(1, 1, 32, 128, dtype=torch.bfloat16, gen=g).requires_grad_()
+    k = _rand(1, 16384, 8, 128, dtype=torch.bfloat16, gen=g)
+    fa.flash_attn_func(q, k, k, causal=True)[0].sum().backward()
+    qp = _rand(8, 2048, 32, 128, dtype=torch.bfloat16, gen=g)
+    kp = _rand(8, 2048, 8, 128, dtype=torch.bfloat16, gen=g)
+    fa.flash_attn_func(qp, kp, kp, causal=True)  # prefill: 8 x 32 heads x 16 tiles fill any GPU
+    assert split_plans and not any(split_plans)
+
+
+def test_default_under_capture_with_a_given_max_seqlen_k_does_not_split(split_plans):
+    g = torch.Generator(device="cuda").manual_seed(83)
+    q = _rand(1, 32, 128, dtype=torch.bfloat16, gen=g)
+    k = _rand(16384, 8, 128, dtype=torch.bfloat16, gen=g)
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 16384], dtype=torch.int32, device="cuda")
+
+    def step():
+        return fa.flash_attn_varlen_func(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1,
+                                         max_seqlen_k=16384)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    assert any(split_plans), "eager: the default splits this call"
+    split_plans.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert split_plans and not any(split_plans), "captured with a given max_seqlen_k: one split"
+
+
+def test_default_split_calls_make_no_host_sync():
+    from test_sync_gpu import assert_no_sync
+
+    torch.cuda.synchronize()
+    probe = 20_000_000
+    torch.cuda._sleep(1000)
+    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(probe)
+    e.record()
+    e.synchronize()
+    cycles = int(probe * 300.0 / a.elapsed_time(e))
+    g = torch.Generator(device="cuda").manual_seed(84)
+    qd = _rand(1, 1, 32, 128, dtype=torch.bfloat16, gen=g)
+    kd = _rand(1, 8192, 8, 128, dtype=torch.bfloat16, gen=g)
+    assert_no_sync(lambda: fa.flash_attn_func(qd, kd, kd, causal=True), cycles, "dense default")

@@ -261,17 +261,18 @@ _TILE_PREFERENCE_WINDOWED: dict[int, tuple[FwdTile, ...]] = {
 }
 
 
-def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, paged: bool = False
+def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, paged: bool = False, tma: bool = True
                     ) -> tuple[FwdTile, ...]:
     """Tiles in preference order.  ``paged``: the cp.async tiles only, which gather rows one by one with per-row
     addresses and so serve any page size from 1 up; a page size that is a multiple of the TMA tile's tile_n runs
-    the TMA tile instead (``paged_tma_tile``, picked by the dispatcher, which knows the page size)."""
+    the TMA tile instead (``paged_tma_tile``, picked by the dispatcher, which knows the page size).  ``tma``: the
+    device has TMA (device.DeviceCaps.tma); without it, the cp.async tiles only."""
     key = max(head_dim, head_dim_v)
     if windowed and key in _TILE_PREFERENCE_WINDOWED:
         tiles = _TILE_PREFERENCE_WINDOWED[key]
     else:
         tiles = _TILE_PREFERENCE[key]
-    if paged:
+    if paged or not tma:
         tiles = tuple(t for t in tiles if not t.tma)
     return tiles
 
@@ -285,13 +286,23 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 }
 
 
-def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile) -> FwdTile:
-    """The forward tile of a dropout call whose path without dropout uses ``tile``."""
+# Without TMA (SM80/SM86/SM89), dropout at head dim 192 runs a 32-key cp.async tile: the row's 128x64 one-stage tile
+# spilled with dropout under the heaviest feature set on sm_80, the 128x32 two-stage one did not
+# (benchmarks/results/gate_sm8x_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
+_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),)}
+
+
+def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile, tma: bool = True) -> FwdTile:
+    """The forward tile of a dropout call whose path without dropout uses ``tile`` (``tma``: as candidate_tiles)."""
+    if not tma:
+        for cand in _DROPOUT_TILES_WITHOUT_TMA.get(max(head_dim, head_dim_v), ()):
+            if not fwd_tile_problems(head_dim, head_dim_v, cand):
+                return cand
     bad = _DROPOUT_SPILLING_TILES.get((head_dim, head_dim_v), ())
     if tile not in bad:
         return tile
     for cand in _TILE_PREFERENCE[max(head_dim, head_dim_v)]:
-        if cand not in bad and not fwd_tile_problems(head_dim, head_dim_v, cand):
+        if cand not in bad and (tma or not cand.tma) and not fwd_tile_problems(head_dim, head_dim_v, cand):
             return cand
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no forward tile without register spills "
                      "for dropout")
@@ -321,29 +332,30 @@ _SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 
                       FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True)}
 
 
-def sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool) -> tuple[FwdTile, ...]:
+def sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool, tma: bool = True) -> tuple[FwdTile, ...]:
     """The forward tiles a block-sparse call may run, in preference order (those of the sparse list that fit, else
-    the cp.async tile); the last one has the finest shape (its multiples are the valid block sizes)."""
+    the cp.async tile); the last one has the finest shape (its multiples are the valid block sizes).  ``tma``: as
+    candidate_tiles."""
     tiles = tuple(t for t in _TILE_PREFERENCE_SPARSE.get(max(head_dim, head_dim_v), ())
-                  if not fwd_tile_problems(head_dim, head_dim_v, t))
+                  if (tma or not t.tma) and not fwd_tile_problems(head_dim, head_dim_v, t))
     return tiles or (select_fwd_tile(head_dim, head_dim_v, windowed, paged=True),)
 
 
-def reachable_sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool) -> tuple[FwdTile, ...]:
+def reachable_sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool, tma: bool = True) -> tuple[FwdTile, ...]:
     """The tiles of ``sparse_tiles`` that some block size selects (a tile whose shape is a multiple of an earlier
     one's never is): the ones the compile gate builds."""
-    tiles = sparse_tiles(head_dim, head_dim_v, windowed)
+    tiles = sparse_tiles(head_dim, head_dim_v, windowed, tma)
     return tuple(t for i, t in enumerate(tiles)
                  if not any(t.tile_m % e.tile_m == 0 and t.tile_n % e.tile_n == 0 for e in tiles[:i]))
 
 
 def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool, mods: bool = False,
-                       block_size: tuple[int, int] | None = None) -> FwdTile:
+                       block_size: tuple[int, int] | None = None, tma: bool = True) -> FwdTile:
     """The tile of a block-sparse call (the same with or without causal/window): the first of ``sparse_tiles``
     whose shape divides ``block_size`` (q_block, kv_block), the finest when none does (the host check then names
     it); the first when ``block_size`` is None.  ``mods``: the call has a score/mask mod (the tile's shape never
-    depends on it, so block sizes are checked against the tile without)."""
-    tiles = sparse_tiles(head_dim, head_dim_v, windowed)
+    depends on it, so block sizes are checked against the tile without).  ``tma``: as candidate_tiles."""
+    tiles = sparse_tiles(head_dim, head_dim_v, windowed, tma)
     tile = tiles[0]
     if block_size is not None:
         fits = [t for t in tiles if block_size[0] % t.tile_m == 0 and block_size[1] % t.tile_n == 0]
@@ -351,22 +363,24 @@ def select_sparse_tile(head_dim: int, head_dim_v: int, windowed: bool, mods: boo
     return _SPARSE_MODS_TILES.get(tile, tile) if mods else tile
 
 
-def paged_tma_tile(head_dim: int, head_dim_v: int, windowed: bool, page_size: int | None = None) -> FwdTile | None:
+def paged_tma_tile(head_dim: int, head_dim_v: int, windowed: bool, page_size: int | None = None,
+                   tma: bool = True) -> FwdTile | None:
     """The TMA tile a paged prefill call runs (kernels/fwd_tma.py, one TMA box of tile_n rows per K/V tile, from
     the page the table names), or None (the cp.async tile of ``select_fwd_tile(..., paged=True)``): the tile of
     the same call on contiguous K/V when it is a TMA tile and every K/V tile lies inside one page
     (``page_size % tile_n == 0``; ``page_size=None``: whatever the page size, for the compile gate).  The page
-    size stays a runtime value: it is not part of the compile key."""
-    tile = select_fwd_tile(head_dim, head_dim_v, windowed)
+    size stays a runtime value: it is not part of the compile key.  ``tma``: the device has TMA (else None)."""
+    tile = select_fwd_tile(head_dim, head_dim_v, windowed, tma=tma)
     if not tile.tma or (page_size is not None and (page_size < 1 or page_size % tile.tile_n != 0)):
         return None
     return tile
 
 
-def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False) -> FwdTile:
-    """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.
+def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False, tma: bool = True) -> FwdTile:
+    """The tile the dispatcher uses for this head-dim pair; raises ValueError when none fits SM120.  ``tma``: the
+    device has TMA (device.DeviceCaps.tma; without it the cp.async tiles of the same row).
     Memoised (it depends on the configuration only); ``clear_caches()`` resets it after a table edit."""
-    return _select_fwd_tile(head_dim, head_dim_v, bool(windowed), bool(paged), _TABLE_VERSION[0])
+    return _select_fwd_tile(head_dim, head_dim_v, bool(windowed), bool(paged), bool(tma), _TABLE_VERSION[0])
 
 
 _TABLE_VERSION = [0]
@@ -384,9 +398,9 @@ def table_version() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool, _version: int) -> FwdTile:
+def _select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool, tma: bool, _version: int) -> FwdTile:
     reasons = []
-    for tile in candidate_tiles(head_dim, head_dim_v, windowed, paged):
+    for tile in candidate_tiles(head_dim, head_dim_v, windowed, paged, tma):
         problems = fwd_tile_problems(head_dim, head_dim_v, tile)
         if not problems:
             return tile
@@ -417,13 +431,14 @@ def _supported_head_dim_pairs(_version: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def all_fwd_tile_configs() -> list[tuple[str, int, int, FwdTile]]:
-    """Every (dtype, head_dim, head_dim_v, tile) the dispatcher can select — the compile gate's worklist."""
+def all_fwd_tile_configs(tma: bool = True) -> list[tuple[str, int, int, FwdTile]]:
+    """Every (dtype, head_dim, head_dim_v, tile) the dispatcher can select — the compile gate's worklist
+    (``tma``: on a device with TMA or without)."""
     out = []
     for dtype in DTYPES:
         for d, dv in supported_head_dim_pairs():
             for windowed in (False, True):
-                tile = select_fwd_tile(d, dv, windowed)
+                tile = select_fwd_tile(d, dv, windowed, tma=tma)
                 item = (dtype, d, dv, tile)
                 if item not in out:
                     out.append(item)
@@ -480,11 +495,16 @@ MODS_DROPOUT_TILES: dict[int, tuple[FwdTile, ...]] = {
 MODS_DROPOUT_MAX_HEAD_DIM = max(MODS_DROPOUT_TILES)
 
 
-def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int) -> FwdTile:
-    """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists."""
+def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int, tma: bool = True) -> FwdTile:
+    """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists
+    (``tma``: the device has TMA; the table's d <= 128 tiles are TMA tiles only)."""
     for tile in MODS_DROPOUT_TILES.get(max(head_dim, head_dim_v), ()):
-        if not fwd_tile_problems(head_dim, head_dim_v, tile):
+        if (tma or not tile.tma) and not fwd_tile_problems(head_dim, head_dim_v, tile):
             return tile
+    if not tma and max(head_dim, head_dim_v) <= MODS_DROPOUT_MAX_HEAD_DIM:
+        raise ValueError(f"dropout_p > 0 with score_mod/mask_mod at head_dim={head_dim}, head_dim_v={head_dim_v} "
+                         "runs only on a TMA tile, and this device has no TMA (SM80/SM86/SM89); use dropout_p=0 or "
+                         f"no mods there, or head dim 192 ({MODS_DROPOUT_TILES[192][0].name()} cp.async tile)")
     raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
                      f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "
                      "forward tile spills registers with both); use dropout_p=0 or no mods at this head dim")

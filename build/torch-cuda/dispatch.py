@@ -27,6 +27,7 @@ from . import dropout as D
 from . import splitkv as SK
 from . import validate as V
 from .arguments import FWD_ARGS
+from .device import device_caps
 from .launch import compiled_kernel as _kernel, launch as _launch, sm_count
 from .config import (
     FwdKernelConfig,
@@ -112,7 +113,7 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
           uk: bool, needs_grad: bool, device_index: int, paged: bool = False, split: bool = False,
           sparse: tuple = (0, 0), decode: int = 0, sparse_bwd: tuple = (0, 0, 0, 0), dropout: bool = False,
           seed_tensor: bool = False, dropout_packed: bool = False, dropout_high_p: bool = False, mods=None,
-          paged_tma: bool = False) -> _Plan:
+          paged_tma: bool = False, tma: bool = True) -> _Plan:
     """``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio, q_block, kv_block) of block sparsity,
     (0, 0) when off (it runs config.select_sparse_tile of the block size, the first tile when it is left out);
     ``decode``: a call with at most that many query rows per CTA (the tile_m of its decode tile; True: up to
@@ -123,25 +124,26 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
     split, sparse or decode: the callers refuse or avoid those pairs); ``mods``: modspec.ModSpec or None (the
     forward kernel keys on its forward part; never with decode or sparse; with dropout, packed or not);
     ``paged_tma``: a paged prefill call whose pages hold whole K/V tiles of the TMA tile (``paged_eligible_for_tma``;
-    ignored with split or decode, which keep the cp.async tiles).  Every argument after ``device_index`` is passed
-    by keyword."""
-    paged_tma = paged_tma and paged and not (split or decode)
+    ignored with split or decode, which keep the cp.async tiles); ``tma``: the device has TMA (device.DeviceCaps;
+    without it every forward tile is a cp.async one).  Every argument after ``device_index`` is passed by keyword."""
+    paged_tma = paged_tma and paged and tma and not (split or decode)
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
-           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, dropout_high_p, mods, paged_tma, table_version())
+           decode, sparse_bwd, dropout, seed_tensor, dropout_packed, dropout_high_p, mods, paged_tma, tma,
+           table_version())
     plan = _PLANS.get(key)
     if plan is None:
-        tile = (select_sparse_tile(d, dv, windowed, mods is not None, block_size=tuple(sparse[2:4]) or None)
-                if sparse[0] else select_fwd_tile(d, dv, windowed, paged))
+        tile = (select_sparse_tile(d, dv, windowed, mods is not None, block_size=tuple(sparse[2:4]) or None, tma=tma)
+                if sparse[0] else select_fwd_tile(d, dv, windowed, paged, tma=tma))
         if paged_tma:  # the contiguous call's TMA tile (paged_eligible_for_tma checked its tile_n)
-            tile = paged_tma_tile(d, dv, windowed) or tile
+            tile = paged_tma_tile(d, dv, windowed, tma=tma) or tile
         if decode:
             tile = decode_tile(d, dv, DECODE_MAX_ROWS if decode is True else decode)
         elif split:
             tile = split_tile(tile)
         if dropout:  # the tile of the path without dropout, except where that one spills (config.py)
-            tile = dropout_fwd_tile(d, dv, tile)
+            tile = dropout_fwd_tile(d, dv, tile, tma)
         if mods is not None:
-            tile = mods_dropout_fwd_tile(d, dv) if dropout else mods_tile(tile, d, dv)
+            tile = mods_dropout_fwd_tile(d, dv, tma) if dropout else mods_tile(tile, d, dv)
         plan = _Plan(FwdKernelConfig(dtype=dtype, head_dim=d, head_dim_v=dv, tile=tile, windowed=windowed,
                                      has_softcap=softcap, has_sink=sink, varlen_q=vq, varlen_k=vk, seqused_q=uq,
                                      seqused_k=uk, paged=paged, split_kv=split, sparse_q_ratio=sparse[0],
@@ -178,13 +180,14 @@ def tma_views_ok(*tensors) -> bool:
     return True
 
 
-def paged_eligible_for_tma(k, v, d: int, dv: int, windowed: bool, mods=None) -> bool:
+def paged_eligible_for_tma(k, v, d: int, dv: int, windowed: bool, mods=None, tma: bool = True) -> bool:
     """Whether a paged call (k/v (num_pages, page_size, Hkv, D|Dv)) runs the TMA kernel on its prefill tile: the
     contiguous call's tile is a TMA tile whose tile_n divides the page size (every K/V tile inside one page, one
     TMA box per tile), both views qualify for TMA (``tma_views_ok``), and the call has no score/mask mods (their
     paged TMA variants are not built by the compile gate).  Otherwise it runs the cp.async kernel, any page size.
-    Split-KV and decode calls keep their cp.async tiles whatever this says (``_plan``)."""
-    if mods is not None or paged_tma_tile(d, dv, windowed, int(k.shape[1])) is None:
+    Split-KV and decode calls keep their cp.async tiles whatever this says (``_plan``).  ``tma``: the device has
+    TMA (else False)."""
+    if mods is not None or paged_tma_tile(d, dv, windowed, int(k.shape[1]), tma=tma) is None:
         return False
     return tma_views_ok(k, v)
 
@@ -399,6 +402,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     sparse = block_sparse_tensors is not None
     D.refuse_combinations(dropout_p, p_drop, num_splits, sparse)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
+    caps = device_caps(q.device)  # UnsupportedDeviceError (naming the device) before anything compiles
     if page_table is not None and needs_grad:
         raise ValueError(PAGED_GRAD_ERROR)
     if page_table is not None and p_drop > 0.0:
@@ -423,14 +427,14 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
     in_kernel = drop is not None and drop.p < 1.0
     if in_kernel and mods is not None:
-        mods_dropout_fwd_tile(d, dv)  # ValueError (naming both, and the head dims) where no tile carries both
+        mods_dropout_fwd_tile(d, dv, caps.tma)  # ValueError (naming both, and the head dims) where no tile carries both
     if mods is not None:
         meta = replace(meta, mods=mods)
     ratios, sparse_args = (0, 0), (None, None, None, None)
     if sparse:
         ratios, sparse_args = BS.check_block_sparse(
             block_sparse_tensors, batch=meta.batch, heads=hq, max_q=meta.max_q, max_k=meta.max_k, head_dim=d,
-            head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks))
+            head_dim_v=dv, windowed=meta.windowed, device=dev, debug=debug_checks_enabled(debug_checks), tma=caps.tma)
         # the plan key carries the block size: it picks the tile (config.select_sparse_tile)
         ratios = (*ratios, *(getattr(block_sparse_tensors, "block_size", None) or BS.DEFAULT_BLOCK_SIZE))
         if needs_grad:
@@ -443,7 +447,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                  paged=page_table is not None, sparse=ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=in_kernel,
                  seed_tensor=in_kernel and drop.seed_tensor is not None,
                  dropout_high_p=in_kernel and drop.high_p, mods=mods,
-                 paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods))
+                 paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods, caps.tma),
+                 tma=caps.tma)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (meta.batch, hq, q.shape[1]), dtype=torch.float32,
                       device=dev)
@@ -468,7 +473,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
                      paged=page_table is not None, sparse=ratios, dropout=True,
                      seed_tensor=drop.seed_tensor is not None, dropout_packed=True, dropout_high_p=drop.high_p,
-                     mods=mods)
+                     mods=mods, tma=caps.tma)
     scale_log2, prescale = _log2_scales(meta)
     # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
     # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)
@@ -485,16 +490,16 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     plan_args = (V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                  cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
     if decode:
-        plan = _plan(*plan_args, needs_grad, dev.index, paged=page_table is not None, decode=decode)
+        plan = _plan(*plan_args, needs_grad, dev.index, paged=page_table is not None, decode=decode, tma=caps.tma)
     num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
     splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=meta.batch,
                                    ctas=num_m_blocks * (hq // pack) * meta.batch,
                                    n_blocks=-(-meta.max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev,
-                                   paged=page_table is not None)
+                                   paged=page_table is not None, caps=caps)
     o_dst, lse_dst = out, lse
     if splits > 1:  # fp32 partials with a leading split dim, combined below
         plan = _plan(*plan_args, False, dev.index, paged=page_table is not None, split=True, decode=decode,
-                     mods=mods)
+                     mods=mods, tma=caps.tma)
         num_m_blocks = -(-meta.max_q * pack // plan.fwd_cfg.tile.tile_m)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:

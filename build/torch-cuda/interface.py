@@ -17,7 +17,7 @@ from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
 from .config import mods_dropout_fwd_tile
 from .dropout import check_p, refuse_combinations
 from .modspec import check_mods
-from .splitkv import SPLIT_GRAD_ERROR, check_num_splits
+from .splitkv import SPLIT_GRAD_ERROR, check_num_splits, default_num_splits
 from .features import require
 
 
@@ -55,6 +55,15 @@ def _needs_grad(*tensors) -> bool:
 def _attention(q, k, v, learnable_sink, return_lse, kw):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
     needs_grad = _needs_grad(q, k, v, learnable_sink)
+    if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
+        dropout, sparse = bool(kw.get("dropout_p")), kw.get("block_sparse_tensors") is not None
+        compiling = torch.compiler.is_compiling()
+        kw["num_splits"] = default_num_splits(
+            needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
+            # asked only where it matters (a host query per call otherwise)
+            capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing(),
+            kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None)
     mod_args = kw.pop("mod_args", None) or {}
     mods, aux = check_mods(score_mod=mod_args.get("score_mod"), score_mod_bwd=mod_args.get("score_mod_bwd"),
                            mask_mod=mod_args.get("mask_mod"), aux_tensors=mod_args.get("aux_tensors"),
@@ -123,7 +132,7 @@ def flash_attn_func(
     window_size: tuple[int | None, int | None] = (None, None),
     learnable_sink: torch.Tensor | None = None,
     softcap: float = 0.0,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     pack_gqa: bool | None = None,
     deterministic: bool = False,
     block_sparse_tensors=None,
@@ -159,9 +168,11 @@ def flash_attn_func(
     the offset).  ``dropout_seed``: an int, or a CUDA int64 tensor of one value (required under CUDA-graph
     capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
     num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
-    ``num_splits``: 1 (default) no split; N > 1 splits the keys into N ranges whose fp32
-    partials are combined (inference only); <= 0 picks N from the problem size and the SM count (1 for a call
-    that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
+    ``num_splits``: None (default) splits an inference call automatically when its grid would leave SMs idle
+    (as FlashAttention-2 does; never a call that needs grad, has dropout or block sparsity, runs under
+    torch.compile, or is captured in a CUDA graph with a caller-given max_seqlen_k: splitkv.default_num_splits);
+    1 no split; N > 1 splits the keys into N ranges whose fp32 partials are combined (inference only); <= 0 picks
+    N from the problem size and the SM count (1 for a call that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
     ``block_sparse_tensors_bwd``: the same pairs in the KV-major form the dK/dV kernel walks (optional: built on the
     device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
@@ -196,7 +207,7 @@ def flash_attn_varlen_func(
     window_size: tuple[int | None, int | None] = (None, None),
     learnable_sink: torch.Tensor | None = None,
     softcap: float = 0.0,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     pack_gqa: bool | None = None,
     deterministic: bool = False,
     block_sparse_tensors=None,

@@ -77,17 +77,18 @@ def _positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
-def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool) -> tuple[int, int]:
+def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool, tma: bool = True
+                      ) -> tuple[int, int]:
     """(q_block // tile_m, kv_block // tile_n) for the forward tile this call runs (``select_sparse_tile`` of the
-    block size, whose shape does not depend on mods); ValueError naming the finest tile when a block size is not a
-    multiple of any."""
+    block size, whose shape does not depend on mods; ``tma``: the device has TMA); ValueError naming the finest
+    tile when a block size is not a multiple of any."""
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
             or not all(_positive_int(b) for b in block_size)):
         _fail(f"block_size must be a pair of positive ints (q_block, kv_block), got {block_size!r}")
     q_block, kv_block = block_size
-    tile = select_sparse_tile(head_dim, head_dim_v, windowed, block_size=(q_block, kv_block))
+    tile = select_sparse_tile(head_dim, head_dim_v, windowed, block_size=(q_block, kv_block), tma=tma)
     if q_block % tile.tile_m or kv_block % tile.tile_n:
         _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "
               f"{tile.tile_n}) used for head_dim={head_dim}, head_dim_v={head_dim_v}"
@@ -164,12 +165,12 @@ def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: 
 
 
 def check_block_sparse(bst, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int, head_dim_v: int,
-                       windowed: bool, device, debug: bool = False):
+                       windowed: bool, device, debug: bool = False, tma: bool = True):
     """Validate ``bst`` for one call; returns ((q_ratio, kv_ratio), (mask_cnt, mask_idx, full_cnt, full_idx)) with
     empty full tensors when none were given.  Raises ValueError before any launch."""
     if not all(hasattr(bst, n) for n in _NAMES):
         _fail(f"expected a BlockSparseTensors (fields {', '.join(_NAMES)}, block_size), got {type(bst).__name__}")
-    ratios = block_size_ratios(getattr(bst, "block_size", None), head_dim, head_dim_v, windowed)
+    ratios = block_size_ratios(getattr(bst, "block_size", None), head_dim, head_dim_v, windowed, tma)
     q_block, kv_block = getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE
     tensors = _check_tensors(bst, batch=batch, heads=heads, num_rows=-(-max_q // q_block), device=device,
                              rows="query blocks (ceil(max_seqlen_q / q_block))", arg="block_sparse_tensors")

@@ -127,6 +127,11 @@ def run_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=T
     dtype = check_combine(out_partial, lse_partial, out, out_dtype, return_lse)
     varlen = out_partial.dim() == 4
     dev = out_partial.device
+    from .device import device_caps, split_problem
+
+    problem = split_problem(device_caps(dev))  # before anything compiles
+    if problem:
+        raise ValueError(f"flash_attn_combine: {problem}")
     if out is None:
         out = torch.empty(out_partial.shape[1:], dtype=dtype, device=dev)
     lse = None

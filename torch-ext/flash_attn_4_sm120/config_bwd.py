@@ -217,6 +217,22 @@ def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> 
     return None
 
 
+_FUSED_FLAGS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k", "has_dropout",
+                "dropout_seed_tensor", "mods")
+
+
+def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
+    """(fused config, convert config) for the call whose dK/dV kernel pair is ``bwd_cfg``, or None where the pair
+    runs it: block sparsity (the KV-major lists are made for the pair's tile) or no fused tile for its head dim,
+    walk and features (``select_fused_config``).  The caller also keeps the pair for a learnable sink,
+    ``deterministic=True`` and a device without vector reductions."""
+    if bwd_cfg.block_sparse:
+        return None
+    cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
+                              **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
+    return None if cfg is None else (cfg, dq_convert_config(cfg))
+
+
 def fused_gate_worklist() -> list:
     """The fused backward configurations the compile gate builds, with their convert kernels: per head-dim pair a
     fused tile serves, in bf16, the lightest set, the heaviest (every flag the tile's walks allow), dropout alone

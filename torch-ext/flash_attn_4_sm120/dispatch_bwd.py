@@ -14,7 +14,8 @@ from . import block_sparse as BS
 from . import validate as V
 
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
-from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, dq_convert_config, select_fused_config
+from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, fused_for
+from .device import device_caps
 from .dispatch import FwdMeta, _log2_scales, _nograd, _plan, _rng_args, _sparse_bwd_key
 from .launch import compiled_kernel as _kernel, launch as _launch
 
@@ -41,26 +42,15 @@ _PRE_KERNELS: dict[tuple, object] = {}
 # the fused backward of a dK/dV configuration on a device: (fused config, convert config, compiled fused kernel,
 # compiled convert kernel), or None where no fused tile fits
 _FUSED: dict[tuple, tuple | None] = {}
-_FLAG_FIELDS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k", "has_dropout",
-                "dropout_seed_tensor", "mods")
 
 
-def fused_plan(bwd_cfg, device: torch.device, compile_now: bool = True):
-    """The fused backward (config_bwd.select_fused_config) for the call whose dK/dV configuration is ``bwd_cfg``,
-    memoised per device; None when no fused tile fits its feature set.  Block-sparse calls are never fused (their
-    KV-major lists are made for the dK/dV kernel's tile)."""
-    key = (bwd_cfg, device.index)
+def fused_plan(bwd_cfg, device: torch.device):
+    """The fused backward (config_bwd.fused_for) for the call whose dK/dV configuration is ``bwd_cfg``, compiled
+    and memoised per device; None where the kernel pair runs it, or on a device without vector reductions."""
+    key = (bwd_cfg, device.index, device_caps(device).red_f32x2)
     if key not in _FUSED:
-        plan = None
-        if not bwd_cfg.block_sparse:
-            flags = {f: getattr(bwd_cfg, f) for f in _FLAG_FIELDS}
-            cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v, **flags)
-            if cfg is not None:
-                cvt = dq_convert_config(cfg)
-                plan = (cfg, cvt, _kernel(cfg, device), _kernel(cvt, device)) if compile_now else (cfg, cvt)
-        if not compile_now:
-            return plan
-        _FUSED[key] = plan
+        cfgs = fused_for(bwd_cfg) if key[2] else None
+        _FUSED[key] = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
     return _FUSED[key]
 # rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
 # last CTA's rows past the end

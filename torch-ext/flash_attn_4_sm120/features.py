@@ -62,10 +62,13 @@ FEATURES: dict[str, Feature] = {
                 "flash-attn-4's split-KV combine: fp32/bf16/fp16 partials, up to 256 splits, head_dim up to 512; "
                 "empty splits (LSE -inf) contribute 0, NaN propagates; cu_seqlens/seqused/varlen_batch_idx "
                 "raise NotImplementedError"),
-        Feature("split_kv", SUPPORTED, "num_splits=N (N > 1) or 0 (automatic)",
+        Feature("split_kv", SUPPORTED, "num_splits=None (default: automatic for inference), N > 1, 0 (automatic) "
+                "or 1 (none)",
                 "fp32 partials + the combine kernel; paged or contiguous, every forward feature (sink in split 0); "
-                "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only; "
-                "num_splits > 1 under torch.compile raises NotImplementedError"),
+                "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only (the "
+                "default never splits a call that needs grad, has dropout or block sparsity); "
+                "num_splits > 1 under torch.compile raises NotImplementedError; not on SM80/SM86/SM89 (the split "
+                "kernels use griddepcontrol, sm_90+: automatic means 1, N > 1 raises ValueError)"),
         Feature("block_sparse", SUPPORTED, "block_sparse_tensors=BlockSparseTensors(...)",
                 "forward: listed KV blocks per query block (mask blocks get causal/window, full blocks none), "
                 "block sizes multiples of the forward tile (TMA kernel up to head dim 192), B/H broadcast, varlen, "
@@ -91,7 +94,13 @@ FEATURES: dict[str, Feature] = {
                 "block sparsity, paged KV or mods at head dim 256 (ValueError)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",
-                "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192); cp.async otherwise"),
+                "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192) on devices with TMA; "
+                "cp.async otherwise"),
+        Feature("devices", SUPPORTED, "(automatic: device.py's capability table)",
+                "compute capability 12.0 / 12.1 (sm_120a / sm_121a) and 9.0 (sm_90a) on every kernel; 8.0 / 8.6 / "
+                "8.9 (sm_80 / sm_86 / sm_89: A100, RTX 30xx, RTX 40xx) on the cp.async kernels, without split-KV "
+                "and without score/mask mods together with dropout at head dim <= 128; any other device, or a "
+                "CUTE_DSL_ARCH its cubins cannot run on, raises ValueError naming it before any compile"),
     )
 }
 

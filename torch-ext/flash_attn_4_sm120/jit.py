@@ -110,15 +110,15 @@ def _source_fingerprint() -> str:
 
 
 def target_arch() -> str:
-    """The arch CuTe-DSL compiles for: CUTE_DSL_ARCH if set, else the current device's (a string for the
-    compiler and the cache key, never compared numerically)."""
+    """The arch CuTe-DSL compiles for: CUTE_DSL_ARCH if set (the compile gate, without a GPU; on a GPU the call
+    path checked it against the device first, device.device_caps), else the current device's target from the
+    capability table (device.CAPABILITIES; a string for the compiler and the cache key, never compared)."""
     forced = os.environ.get("CUTE_DSL_ARCH")
     if forced:
         return forced
-    import torch
+    from .device import device_caps
 
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+    return device_caps(None).arch
 
 
 def fake_args(record: ArgRecord, cfg) -> tuple:

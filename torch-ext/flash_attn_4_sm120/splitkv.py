@@ -1,8 +1,10 @@
 """Host side of the split-KV forward: the ``num_splits`` rule, the automatic choice, the fp32 partials and the
 combine launch.
 
-``num_splits`` follows upstream FlashAttention: 1 (the default of flash_attn_func / flash_attn_varlen_func) runs
-one split; N > 1 runs exactly N; 0 or less picks N from the problem size and the SM count.  Split-KV is
+``num_splits``: None (the default of flash_attn_func / flash_attn_varlen_func) picks N automatically for an
+inference call, as FlashAttention-2 does in its flash_attn_func, and 1 for every other call
+(``default_num_splits``); 1 runs one split; N > 1 runs exactly N; 0 or less picks N from the problem size and the
+SM count.  Split-KV is
 inference-only: a forced N > 1 with inputs that require grad raises; the automatic choice is 1 there (training
 calls never split).  The choice reads only shapes and the device's SM count (cached per device): no
 device->host sync, and a CUDA-graph capture records the N chosen at capture.
@@ -21,6 +23,7 @@ import torch
 
 from .combine import launch_combine
 from .config_combine import COMBINE_MAX_SPLITS, combine_head_dim_problem
+from .device import split_problem
 from .launch import sm_count
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
@@ -31,8 +34,30 @@ SPLIT_GRAD_ERROR = (
 )
 
 
+# The default (num_splits=None) splits inference calls automatically; False makes it mean 1 (no split), as before
+# (benchmarks/bench_generate.py flips it to measure the default against no split in one process).
+DEFAULT_SPLITS_AUTO = True
+
+
+def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, compiling: bool, capturing: bool,
+                       kv_extent_static: bool) -> int:
+    """What ``num_splits=None`` means for one call: 0 (automatic: ``auto_num_splits`` splits only a grid that
+    leaves SMs idle, from shapes and the SM count) or 1 (no split).  1 for a training call (needs grad), a call with
+    dropout or block sparsity (neither runs split), under torch.compile (the compiled op runs one split), and under
+    CUDA-graph capture when the KV extent is a caller-given ``max_seqlen_k`` rather than a tensor shape (the count
+    would be frozen for a length the caller may change between replays).  ``DEFAULT_SPLITS_AUTO = False``: always 1."""
+    if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
+        return 1
+    if capturing and not kv_extent_static:
+        return 1
+    return 0
+
+
 def check_num_splits(num_splits) -> int:
-    """``num_splits`` must be an int (not a bool, not a float)."""
+    """``num_splits`` must be an int (not a bool, not a float); None is the default, checked as 1 (it is resolved
+    per call by ``default_num_splits``)."""
+    if num_splits is None:
+        return 1
     if num_splits.__class__ is not int and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
         raise ValueError(f"num_splits must be an int, got {num_splits!r}")
     return int(num_splits)
@@ -62,13 +87,19 @@ def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int, min
 
 
 def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: int, n_blocks: int, dv: int,
-                       device: torch.device, paged: bool = False) -> int:
-    """The split count of a call (1: no split).  Raises ValueError for a forced count that cannot run."""
-    if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv))):
+                       device: torch.device, paged: bool = False, caps=None) -> int:
+    """The split count of a call (1: no split).  Raises ValueError for a forced count that cannot run.
+    ``caps``: the device's record (device.DeviceCaps); where it has no programmatic dependent launch the
+    automatic count is 1 and a forced one raises."""
+    no_split = None if caps is None else split_problem(caps)
+    if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv) or no_split)):
         return 1
     if num_splits > 1:
         if needs_grad:
             raise ValueError(SPLIT_GRAD_ERROR)
+        if no_split:
+            raise ValueError(f"num_splits={num_splits}: {no_split}; use num_splits=1 (or 0: automatic, which "
+                             "does not split there)")
         if num_splits > COMBINE_MAX_SPLITS:
             raise ValueError(f"num_splits={num_splits} exceeds the supported maximum {COMBINE_MAX_SPLITS}")
         if batch * num_splits > MAX_GRID_Z:
