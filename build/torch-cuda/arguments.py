@@ -23,6 +23,7 @@ Kinds:
   f32/i32 a runtime scalar
   rows    a (…, D) tensor of ``rank`` dims in the dtype named by the config attribute ``dtype``, D contiguous and
           static (the config attribute named by ``dim``), rows 4-element aligned (combine kernel)
+  dqacc   the fused backward's fp32 dQ workspace (blocks, H, tile_m * head_dim): contiguous, the last extent static
   strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views, the
           preprocess kernel's dLSE)
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
@@ -147,6 +148,7 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     *_BWD_INPUTS,
     _act("dk", "head_dim", "varlen_k"),
     _act("dv", "head_dim_v", "varlen_k"),
+    Arg("dq_accum", "dqacc", when="fused_dq"),
     *_SEQ_META,
     *_SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),
@@ -169,6 +171,19 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     Arg("num_heads", "i32"),
     Arg("num_batch", "i32"),
     *_DROPOUT,
+))
+
+# The fused backward's dQ convert: the fp32 workspace (blocks, Hq, tile_m * D) -> dq (B, Sq, Hq, D) or (total_q, Hq, D),
+# scaled by the softmax scale; grid (query tiles, Hq, B).
+DQ_CONVERT_ARGS = ArgRecord("backward dQ convert", (
+    Arg("dq_accum", "dqacc"),
+    _act("dq", "head_dim", "varlen_q"),
+    Arg("cu_seqlens_q", "i32vec", when="varlen_q"),
+    Arg("seqused_q", "i32vec", when="seqused_q"),
+    Arg("softmax_scale", "f32"),
+    Arg("num_m_blocks", "i32"),
+    Arg("num_heads", "i32"),
+    Arg("num_batch", "i32"),
 ))
 
 # Split-KV combine: out_partial (splits, B, S, H, D) and lse_partial (splits, B, S, H) -> out (B, S, H, D), lse

@@ -1,6 +1,6 @@
 """Autograd for the attention: the forward saves (q, k, v, out, lse) and the metadata, the backward runs the two
-backward kernels through dispatch_bwd.run_backward.  Gradients are always bitwise reproducible (no atomics), so
-there is no ``deterministic`` switch to carry here."""
+backward kernels through dispatch_bwd.run_backward.  ``deterministic`` travels in the metadata (FwdMeta), which
+picks the backward's kernels."""
 
 from __future__ import annotations
 

@@ -55,6 +55,12 @@ class BwdKernelConfig:
     # one warp per 16 keys), so P^T and dS^T go from the accumulators straight into the A operand of dV and dK:
     # no P/dS shared memory, and the freed space double-buffers Q and dO (one CTA barrier per query block)
     kv_rows: bool = False
+    # the fused backward (kernels/bwd_dkdv.py): the same CTA also computes dQ = dS K from the dS tile it stages in
+    # shared memory and adds it into an fp32 workspace (``red.global.add.v2.f32``, whole 256-byte lines per warp
+    # instruction), which kernels/bwd_dq_convert.py scales and casts: 5 GEMMs per block pair instead of the 7 of
+    # the dK/dV + dQ kernel pair.  The order of the adds varies from run to run (``deterministic=True`` runs the
+    # two-kernel path)
+    fused_dq: bool = False
 
     @property
     def block_sparse(self) -> bool:
@@ -73,7 +79,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
-                + ("t" if self.kv_rows else "")
+                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -178,6 +184,112 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
             return cfg
         reasons.append(f"{tm}x{tn}w{nw}: " + "; ".join(problems))
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
+
+
+# The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
+# "plain" (no window) or "windowed"),
+# first that fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T
+# live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
+# only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
+# benchmarks/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
+# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on windowed walks
+# (the only d96 cell is causal).  d192 and d256
+# (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
+_FUSED_TILES = {
+    64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
+    96: (((64, 64, 8), "windowed"),),
+    128: (((32, 128, 8), "plain"), ((64, 64, 8), "windowed")),
+}
+
+
+def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig | None:
+    """The fused backward's configuration (``fused_dq``), or None where the dK/dV + dQ kernel pair runs the call:
+    a head dim or walk without a fused tile (``_FUSED_TILES``), a feature set that spills every fused tile
+    (``bwd_problems``).  Never with a learnable sink (its gradient reads per-row sums of P dP that only the dQ
+    kernel makes) or block sparsity (the callers keep those off)."""
+    walk = "windowed" if flags.get("windowed") else "plain"
+    for (tm, tn, nw), walks in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
+        if walks not in ("all", walk):
+            continue
+        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, fused_dq=True, **flags)
+        if not bwd_problems(cfg):
+            return cfg
+    return None
+
+
+_FUSED_FLAGS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k", "has_dropout",
+                "dropout_seed_tensor", "mods")
+
+
+def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
+    """(fused config, convert config) for the call whose dK/dV kernel pair is ``bwd_cfg``, or None where the pair
+    runs it: block sparsity (the KV-major lists are made for the pair's tile) or no fused tile for its head dim,
+    walk and features (``select_fused_config``).  The caller also keeps the pair for a learnable sink,
+    ``deterministic=True`` and a device without vector reductions."""
+    if bwd_cfg.block_sparse:
+        return None
+    cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
+                              **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
+    return None if cfg is None else (cfg, dq_convert_config(cfg))
+
+
+def fused_gate_worklist() -> list:
+    """The fused backward configurations the compile gate builds, with their convert kernels: per head-dim pair a
+    fused tile serves, in bf16, the lightest set, the heaviest (every flag the tile's walks allow), dropout alone
+    and with the heaviest set and a seed tensor; fp16 at the heaviest; the intermediate windowed-with-dropout set
+    (the one that spilled the key-row tile where heavier ones did not)."""
+    out = []
+    for d, dv in sorted(supported_head_dim_pairs()):
+        tiles = _FUSED_TILES.get(max(d, dv), ())
+        if not tiles:
+            continue
+        sets = []
+        for windowed in sorted({w != "plain" for _, w in tiles} | ({False} if any(w == "all" for _, w in tiles)
+                                                                 else set())):
+            heavy = dict(_BWD_HEAVY, windowed=windowed)
+            sets += [("bf16", dict(windowed=windowed)), ("bf16", heavy), ("bf16", dict(windowed=windowed,
+                     has_dropout=True)), ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)),
+                     ("fp16", heavy)]
+        for dtype, flags in sets:
+            cfg = select_fused_config(dtype, d, dv, **flags)
+            if cfg is not None:
+                out += [cfg, dq_convert_config(cfg)]
+    return out
+
+
+def dq_accum_blocks(tile_m: int, batch: int, rows_q: int, varlen_q: bool) -> int:
+    """Query tiles of the fused backward's fp32 dQ workspace, (blocks, Hq, tile_m * head_dim): dense, ``batch``
+    times the tiles of ``rows_q`` positions; varlen (``rows_q`` = total_q), sequence b's tiles start at tile
+    cu_seqlens_q[b] // tile_m + b, so they never share a tile with another sequence's (kernels/bwd_dkdv.py)."""
+    if varlen_q:
+        return rows_q // tile_m + batch + 1
+    return batch * -(-rows_q // tile_m)
+
+
+@dataclass(frozen=True)
+class DqConvertKernelConfig:
+    """Compile key of the fused backward's dQ convert kernel (kernels/bwd_dq_convert.py): reads the fp32 workspace
+    of the fused kernel ``tile_m`` x ``head_dim`` per tile, in the order its query-row mma holds it, scales by the
+    softmax scale and stores dQ in ``dtype``."""
+
+    dtype: str
+    head_dim: int
+    tile_m: int
+    num_warps: int
+    varlen_q: bool = False
+    seqused_q: bool = False
+    # SeqInfo's flags of the key side (this kernel touches no keys)
+    varlen_k = False
+    seqused_k = False
+
+    def name(self) -> str:
+        return (f"dqcvt_{self.dtype}_d{self.head_dim}_{self.tile_m}w{self.num_warps}"
+                + ("_vq" if self.varlen_q else "") + ("_uq" if self.seqused_q else ""))
+
+
+def dq_convert_config(fused: BwdKernelConfig) -> DqConvertKernelConfig:
+    return DqConvertKernelConfig(fused.dtype, fused.head_dim, fused.tile_m, fused.num_warps, fused.varlen_q,
+                                 fused.seqused_q)
 
 
 # dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two

@@ -11,8 +11,9 @@ a dict lookup.
   capability and what is supported, before anything compiles.
 * ``CUTE_DSL_ARCH`` (CuTe-DSL's target override) must be one of the targets the device runs; another is refused
   the same way (a cubin built for another target does not load, or fails in ptxas).
-* ``FA4_SM120_FORCE_CPASYNC=1`` (read on every call; for the GPU tests) makes the record say "no TMA", so the
-  proxy runs the tile selection of an SM80/SM86/SM89 device: the cp.async kernels everywhere.
+* ``FA4_SM120_FORCE_CPASYNC=1`` (read on every call; for the GPU tests) makes the record say "no TMA" (and no
+  vector reductions), so the proxy runs the selection of an SM80/SM86/SM89 device: the cp.async kernels
+  everywhere, and the backward's kernel pair instead of the fused kernel.
 
 Host-only module: no CuTe-DSL import; torch only queries device properties.
 """
@@ -43,15 +44,18 @@ class ArchFeatures:
     smem_per_block: int
     registers: int
     family: str
+    red_f32x2: bool = True  # red.global.add.v2.f32 (sm_90 and later): the fused backward's dQ adds
 
 
 # The single place that maps a compute capability to what the kernels may use.  mma.sync m16n8k16 with bf16 and
 # cp.async need capability 8.0; TMA, mbarrier tx-counts, setmaxnreg and griddepcontrol need 9.0 (sm_90a) and are
 # present on SM120/SM121 too.
 CAPABILITIES: dict[tuple[int, int], ArchFeatures] = {
-    (8, 0): ArchFeatures("sm_80", (), False, False, 166912, 65536, "Ampere (A100, A30)"),
-    (8, 6): ArchFeatures("sm_86", ("sm_80",), False, False, 101376, 65536, "Ampere (RTX 30xx, A40, A10)"),
-    (8, 9): ArchFeatures("sm_89", ("sm_80", "sm_86"), False, False, 101376, 65536, "Ada (RTX 40xx, L4, L40)"),
+    (8, 0): ArchFeatures("sm_80", (), False, False, 166912, 65536, "Ampere (A100, A30)", red_f32x2=False),
+    (8, 6): ArchFeatures("sm_86", ("sm_80",), False, False, 101376, 65536, "Ampere (RTX 30xx, A40, A10)",
+                         red_f32x2=False),
+    (8, 9): ArchFeatures("sm_89", ("sm_80", "sm_86"), False, False, 101376, 65536, "Ada (RTX 40xx, L4, L40)",
+                         red_f32x2=False),
     (9, 0): ArchFeatures("sm_90a", (), True, True, 232448, 65536, "Hopper (H100, H200; the test proxy)"),
     (12, 0): ArchFeatures("sm_120a", ("sm_120f",), True, True, 101376, 65536,
                           "consumer Blackwell (RTX 50xx, RTX PRO 6000)"),
@@ -90,6 +94,7 @@ class DeviceCaps:
     smem_per_block: int
     registers: int
     num_sms: int
+    red_f32x2: bool = True  # the fused backward may run (ArchFeatures.red_f32x2)
 
     def describe(self) -> str:
         return f"{self.name} (compute capability {self.capability[0]}.{self.capability[1]})"
@@ -116,7 +121,7 @@ def caps_from_properties(name: str, major: int, minor: int, smem_per_block: int 
         raise UnsupportedDeviceError(
             f"{what} has {regs} registers per SM; the kernels need {REGISTERS_NEEDED}. Supported: {supported_text()}")
     return DeviceCaps(name, (major, minor), feat.arch, (feat.arch, *feat.also_runs), feat.tma, feat.pdl, smem, regs,
-                      num_sms)
+                      num_sms, feat.red_f32x2)
 
 
 _CAPS: dict[int, DeviceCaps] = {}
@@ -147,8 +152,8 @@ def device_caps(device) -> DeviceCaps:
         raise UnsupportedDeviceError(
             f"CUTE_DSL_ARCH={forced} does not run on {caps.describe()}: its cubins load on {' or '.join(caps.archs)} "
             f"targets only. Unset CUTE_DSL_ARCH or set it to {caps.arch}")
-    if caps.tma and os.environ.get(FORCE_CPASYNC_ENV, "0") == "1":
-        caps = replace(caps, tma=False)
+    if caps.tma and os.environ.get(FORCE_CPASYNC_ENV, "0") == "1":  # what an SM8x device selects
+        caps = replace(caps, tma=False, red_f32x2=False)
     return caps
 
 

@@ -81,6 +81,8 @@ class FwdMeta:
     sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
     dropout: D.DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
     mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
+    # the backward runs the atomic-free kernel pair (bitwise reproducible), not the fused kernel
+    deterministic: bool = False
 
 
 def _rng_args(drop) -> tuple:
@@ -384,7 +386,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                 learnable_sink=None, softcap=0.0, pack_gqa=None, needs_grad=False, debug_checks=None,
                 page_table=None, num_splits=1, block_sparse_tensors=None, block_sparse_tensors_bwd=None,
-                dropout_p=0.0, dropout_seed=None, dropout_offset=None, mods=None, aux_tensors=()):
+                dropout_p=0.0, dropout_seed=None, dropout_offset=None, mods=None, aux_tensors=(),
+                deterministic=False):
     """Validate, then run the forward kernel.  Returns (out, lse, meta, sink_fp32).  With ``needs_grad`` the
     backward configuration is validated too, before anything launches.  ``page_table``: paged K/V (inference
     only: with ``needs_grad`` or dropout it raises).  ``num_splits``: split-KV (splitkv.py; 1 = none, <= 0 =
@@ -419,6 +422,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         debug_checks=debug_checks, page_table=page_table)
+    if deterministic:
+        meta = replace(meta, deterministic=True)
     drop = None
     if p_drop > 0.0:
         drop = D.resolve(p_drop, dropout_seed, dropout_offset, dev, _capturing())

@@ -12,8 +12,10 @@ import torch
 
 from . import block_sparse as BS
 from . import validate as V
-from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS
-from .config_bwd import BwdPreKernelConfig
+
+from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
+from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, fused_for
+from .device import device_caps
 from .dispatch import FwdMeta, _log2_scales, _nograd, _plan, _rng_args, _sparse_bwd_key
 from .launch import compiled_kernel as _kernel, launch as _launch
 
@@ -37,6 +39,19 @@ def _row_valid(lse, cu_q, used_q):
 
 
 _PRE_KERNELS: dict[tuple, object] = {}
+# the fused backward of a dK/dV configuration on a device: (fused config, convert config, compiled fused kernel,
+# compiled convert kernel), or None where no fused tile fits
+_FUSED: dict[tuple, tuple | None] = {}
+
+
+def fused_plan(bwd_cfg, device: torch.device):
+    """The fused backward (config_bwd.fused_for) for the call whose dK/dV configuration is ``bwd_cfg``, compiled
+    and memoised per device; None where the kernel pair runs it, or on a device without vector reductions."""
+    key = (bwd_cfg, device.index, device_caps(device).red_f32x2)
+    if key not in _FUSED:
+        cfgs = fused_for(bwd_cfg) if key[2] else None
+        _FUSED[key] = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
+    return _FUSED[key]
 # rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
 # last CTA's rows past the end
 PRE_MAX_ROWS = (1 << 31) - (1 << 16)
@@ -92,10 +107,12 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
                  cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
-    Two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), so gradients are always bitwise
-    reproducible (block-sparse calls too: ``meta.sparse`` holds their lists), after the preprocess kernel
-    (kernels/bwd_preprocess.py): D = rowsum(dO * O) in fp32 (minus dLSE when the caller differentiates through the
-    returned LSE).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
+    After the preprocess kernel (kernels/bwd_preprocess.py: D = rowsum(dO * O) in fp32, minus dLSE when the
+    caller differentiates through the returned LSE), by default the fused kernel (kernels/bwd_dkdv.py with
+    ``fused_dq``: dK, dV and dQ from one pass, dQ added into a zeroed fp32 workspace) and the dQ convert kernel.
+    With ``meta.deterministic``, a learnable sink, block sparsity or a feature set no fused tile takes: two
+    atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), bitwise reproducible (block-sparse calls too:
+    ``meta.sparse`` holds their lists).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
     d sink_h = -sum_i exp(sink_h - lse_i) D_i over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ
     kernel."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
@@ -131,7 +148,10 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
                      varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
                      sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,
                      seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods)
-        if plan.bwd_fn is None:
+        fused = None
+        if sink is None and not meta.deterministic:
+            fused = fused_plan(plan.bwd_cfg, q.device)
+        if plan.bwd_fn is None and fused is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
         scale_log2, prescale = _log2_scales(meta)
         thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop)
@@ -147,8 +167,20 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
         sparse_dkdv = dict(zip(names, sg.backward_tensors() if sg is not None else (None,) * 4))
         sparse_dq = dict(zip(names, sg.fwd_tensors if sg is not None else (None,) * 4))
+        if fused is not None:
+            fcfg, _, fused_fn, cvt_fn = fused
+            rows_q = q.shape[0] if varlen_q else q.shape[1]
+            dq_accum = torch.zeros((dq_accum_blocks(fcfg.tile_m, meta.batch, rows_q, varlen_q), hq,
+                                    fcfg.tile_m * d), dtype=torch.float32, device=q.device)
+            _launch(fused_fn, BWD_DKDV_ARGS, q.device, dict(
+                common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum,
+                num_n_blocks=-(-meta.max_k // fcfg.tile_n), num_kv_heads=hkv))
+            _launch(cvt_fn, DQ_CONVERT_ARGS, q.device, dict(
+                dq_accum=dq_accum, dq=dq, cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q, softmax_scale=meta.scale,
+                num_m_blocks=-(-meta.max_q // fcfg.tile_m), num_heads=hq, num_batch=meta.batch))
+            return dq, dk, dv, None
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(
-            common, **sparse_dkdv, dk=dk, dv=dv, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n),
+            common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=None, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n),
             num_kv_heads=hkv))
         _launch(plan.dq_fn, BWD_DQ_ARGS, q.device, dict(
             common, **sparse_dq, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m),

@@ -44,7 +44,8 @@ def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, bl
                              "block_sparse_tensors (the forward's lists): give both, or neither")
     if p > 0:
         require("dropout", f"dropout_p={dropout_p}")
-    # deterministic: accepted for compatibility; the backward is always deterministic (no atomics)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -113,7 +114,7 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
             q, k, v, learnable_sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"],
             kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"], kw["causal"], left, right,
             float(kw["softcap"] or 0.0), kw["pack_gqa"], kw["debug_checks"], kw.get("page_table"),
-            float(kw.get("dropout_p", 0.0)), seed_int, seed_tensor, offset,
+            float(kw.get("dropout_p", 0.0)), seed_int, seed_tensor, offset, bool(kw.get("deterministic")),
         )
     elif needs_grad:
         out, lse = FlashAttnFunction.apply(q, k, v, learnable_sink, kw)
@@ -185,7 +186,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, pack_gqa=pack_gqa,
         debug_checks=None, page_table=page_table, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic,
         mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 
@@ -258,7 +259,7 @@ def flash_attn_varlen_func(
         window_size=window_size, softcap=softcap, pack_gqa=pack_gqa, debug_checks=debug_checks,
         page_table=page_table, num_splits=num_splits, block_sparse_tensors=block_sparse_tensors,
         block_sparse_tensors_bwd=block_sparse_tensors_bwd,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic,
         mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
     ))
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .arguments import ArgRecord
 from .config_combine import COMBINE_VEC, CombineKernelConfig
-from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqKernelConfig
+from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqConvertKernelConfig, DqKernelConfig
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -171,6 +171,10 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
             out.append(rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim)))
         elif arg.kind == "strided":
             out.append(strided(arg.rank))
+        elif arg.kind == "dqacc":  # (blocks, H, tile_m * head_dim), contiguous: 16-byte aligned tiles
+            per_tile = cfg.tile_m * cfg.head_dim
+            out.append(cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), per_tile),
+                                                     stride=(cute.sym_int64(), per_tile, 1), assumed_align=16))
         elif arg.kind == "i32vec":
             out.append(vec(cutlass.Int32))
         elif arg.kind == "i32mat":
@@ -213,6 +217,10 @@ def kernel_class(cfg):
         from .kernels.bwd_preprocess import FlashBwdPreprocess
 
         return FlashBwdPreprocess
+    if isinstance(cfg, DqConvertKernelConfig):
+        from .kernels.bwd_dq_convert import FlashBwdDqConvert
+
+        return FlashBwdDqConvert
     if isinstance(cfg, DqKernelConfig):
         from .kernels.bwd_dq import FlashBwdDq
 

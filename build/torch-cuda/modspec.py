@@ -289,6 +289,10 @@ def gate_worklist() -> list:
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
         out += _key_row_heaviest(full, bwd_heavy, {})
+        for d, windowed in ((64, True), (96, True), (128, False), (128, True)):  # config_bwd._FUSED_TILES
+            fused = config_bwd.select_fused_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=windowed))
+            if fused is not None:
+                out.append(fused)
     # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
     # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
     # aux-reading mask mod and score mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both

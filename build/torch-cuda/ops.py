@@ -46,7 +46,7 @@ def fwd(
     softmax_scale: float | None, causal: bool, window_left: int | None, window_right: int | None, softcap: float,
     pack_gqa: bool | None, debug_checks: bool | None, page_table: torch.Tensor | None = None,
     dropout_p: float = 0.0, dropout_seed: int | None = None, dropout_seed_tensor: torch.Tensor | None = None,
-    dropout_offset: int | None = None,
+    dropout_offset: int | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out, lse, rng): rng is a CPU int64 (2,) tensor, the (seed, offset) the call used (its bits), for
     the backward."""
@@ -68,7 +68,7 @@ def fwd(
 @fwd.register_fake
 def _fwd_fake(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, pack_gqa, debug_checks, page_table=None,
-              dropout_p=0.0, dropout_seed=None, dropout_seed_tensor=None, dropout_offset=None):
+              dropout_p=0.0, dropout_seed=None, dropout_seed_tensor=None, dropout_offset=None, deterministic=False):
     check_p(dropout_p)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
@@ -82,12 +82,14 @@ def bwd(
     cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
     max_seqlen_q: int | None, max_seqlen_k: int | None, softmax_scale: float | None, causal: bool,
     window_left: int | None, window_right: int | None, softcap: float, dropout_p: float = 0.0,
-    rng: torch.Tensor | None = None, dropout_seed_tensor: torch.Tensor | None = None,
+    rng: torch.Tensor | None = None, dropout_seed_tensor: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     meta = forward_meta(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                         softcap=softcap)
+    if deterministic:
+        meta = replace(meta, deterministic=True)
     if dropout_p > 0.0:
         seed, offset = (int(x) & _U64 for x in rng.tolist())  # rng is on the CPU: no device sync
         meta = replace(meta, dropout=DropoutArgs(dropout_p, seed, offset, dropout_seed_tensor))
@@ -104,17 +106,18 @@ def bwd(
 @bwd.register_fake
 def _bwd_fake(dout, dlse, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0, rng=None,
-              dropout_seed_tensor=None):
+              dropout_seed_tensor=None, deterministic=False):
     dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 _SAVED_ARGS = ("sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "dropout_seed_tensor")
 _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
-                "dropout_p")
+                "dropout_p", "deterministic")
 _FWD_ARG_NAMES = ("q", "k", "v", "sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                   "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap", "pack_gqa",
-                  "debug_checks", "page_table", "dropout_p", "dropout_seed", "dropout_seed_tensor", "dropout_offset")
+                  "debug_checks", "page_table", "dropout_p", "dropout_seed", "dropout_seed_tensor", "dropout_offset",
+                  "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
@@ -122,6 +125,7 @@ def _setup_context(ctx, inputs, output):
     args.setdefault("page_table", None)
     args.setdefault("dropout_p", 0.0)
     args.setdefault("dropout_seed_tensor", None)
+    args.setdefault("deterministic", False)
     out, lse, rng = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, rng, *(args[n] for n in _SAVED_ARGS))
     ctx.static = {n: args[n] for n in _STATIC_ARGS}

@@ -9,9 +9,18 @@ never with atomics) and every block of ``tile_m`` queries that can see these key
     S  = Q K^T, P = exp2(S*c - LSE*log2e) (masked, softcapped), dP = dO V^T, dS = P * (dP - D)
     dV += P^T dO, dK += dS^T Q           (P and dS go through smem to change the mma partition)
 dK/dV are scaled by the softmax scale at the end and stored once.  Rows past the sequence are zero-filled, so
-their P and dS are exactly 0.  dQ comes from bwd_dq.py (Q-stationary, no atomics): measured on the H100
-proxy, the two kernels together were 1.2-2.3x faster than accumulating dQ here with fp32 atomics, and bitwise
-reproducible.
+their P and dS are exactly 0.
+
+dQ, two ways:
+  * fused (config ``fused_dq``, the default backward): dQ_tile = dS K is computed here, from the dS tile already in
+    smem and the resident K, on the query-row warp grid, and added into an fp32 workspace with
+    ``red.global.add.v2.f32``.  The workspace keeps each tile in the order the mma's threads hold it (value pair j
+    of thread t at (j * threads + t) * 2), so one warp instruction adds 256 contiguous bytes; dQ comes after the dK
+    mma (the next Q tile loads under it) and its adds drain under the next block's S mma.
+    kernels/bwd_dq_convert.py scales and casts the workspace.  The order in which
+    the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible.
+  * otherwise kernels/bwd_dq.py (Q-stationary, no atomics) recomputes S and dP: bitwise reproducible
+    (``deterministic=True``) and the path of a learnable sink, whose gradient needs that kernel's row sums.
 
 Block sparsity (config ``block_sparse``): the CTA visits only the query blocks the KV-major lists give its KV block,
 for each query head of the group (kernels/block_sparse.py SparseQList); mask blocks get the causal/window masks
@@ -35,7 +44,7 @@ from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
 
-def _mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
+def bwd_tiled_mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
     """Warps split over M (up to tile_rows/warp_rows: a warp's m16 atoms repeat every wm*16 rows) and N: each warp
     owns 16 adjacent columns per repetition (the N permutation puts a warp's two n8 atoms side by side), so every
     thread's columns come as (c, c+1, c+8, c+9) with c % 16 < 8 — one Philox call's quad of dropout columns."""
@@ -58,7 +67,7 @@ class FlashBwdDkdv(KernelStateMixin):
         self.num_warps = cfg.num_warps
         self.num_threads = cfg.num_warps * 32
         self.smem_bytes = bwd_smem_bytes(cfg)
-        # every thread's S columns come in quads (c, c+1, c+8, c+9), c % 16 < 8 (_mma's N permutation)
+        # every thread's S columns come in quads (c, c+1, c+8, c+9), c % 16 < 8 (bwd_tiled_mma's N permutation)
         self.dropout_quad_ok = True
         # measured on sm_120a (compile gate): the 64x128 tile (d64) spilled 2 STL/LDL in the fp16 d64/dv32 heaviest
         # dropout set with the Philox calls of a row unrolled, none with them in a loop
@@ -75,6 +84,7 @@ class FlashBwdDkdv(KernelStateMixin):
         dpsum: cute.Tensor,
         dk: cute.Tensor,
         dv: cute.Tensor,
+        dq_accum: cute.Tensor | None,
         cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
@@ -106,7 +116,7 @@ class FlashBwdDkdv(KernelStateMixin):
         (sQ_l, sdO_l, sK_l, sV_l, sP_l), SharedStorage = self.smem_plan()
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            q, k, v, dout, lse, dpsum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            q, k, v, dout, lse, dpsum, dk, dv, dq_accum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
             softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
             dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
@@ -147,11 +157,12 @@ class FlashBwdDkdv(KernelStateMixin):
     def tiled_mmas(self):
         """Trace time: (mma over query rows: S, dP, dQ-like; mma over key rows: dV, dK)."""
         dt = self.dtype
-        return _mma(dt, self.tile_m, self.num_warps), _mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows)
+        return (bwd_tiled_mma(dt, self.tile_m, self.num_warps),
+                bwd_tiled_mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows))
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32,
         dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
@@ -170,7 +181,7 @@ class FlashBwdDkdv(KernelStateMixin):
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
-                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
                 qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
 
@@ -188,6 +199,22 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def add_dq(self, mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx):
+        """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
+        (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
+        tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
+        wrong sums, never a write outside it."""
+        if const_expr(self.cfg.varlen_q):
+            blk = seq.offset_q // self.tile_m + seq.batch + m_block
+        else:
+            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        if blk < mDqAccum.shape[0]:
+            tile = mDqAccum[blk, head, None]
+            addr = (tile.iterator + tidx * 2).toint()
+            for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+                cu.red_add_f32x2(addr + j * self.num_threads * 8, acc_dQ[2 * j], acc_dQ[2 * j + 1])
+
+    @cute.jit
     def dense_entry(self, first_head, m_min, num_m, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
         inner."""
@@ -201,12 +228,14 @@ class FlashBwdDkdv(KernelStateMixin):
         that are not windowed keep masking the sequence end on every tile (only the last key block is cut, the same
         for the whole CTA; the branch cost the key-row kernel 4% there with dropout)."""
         cfg = self.cfg
+        if cfg.fused_dq:  # every dense walk without mods: the fused tiles measured faster with the branch
+            return not cfg.block_sparse and cfg.mods is None
         return (not cfg.block_sparse and cfg.mods is None and cfg.windowed
                 and max(cfg.head_dim, cfg.head_dim_v) <= 128)
 
     @cute.jit
     def process(
-        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
         qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
         n_block, kv_head,
     ):
@@ -253,6 +282,15 @@ class FlashBwdDkdv(KernelStateMixin):
         acc_dK = cute.make_rmem_tensor(thr_n.partition_shape_C((self.tile_n, self.d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
+        # dQ = dS K (fused): rows = queries (mma_m), A = dS, B = K read transposed
+        if const_expr(cfg.fused_dq):
+            sKt = cu.transpose_view(sK)
+            tQrdS = thr_m.make_fragment_A(thr_m.partition_A(sdS))
+            tQrKt = thr_m.make_fragment_B(thr_m.partition_B(sKt))
+            cpBt_m = cute.make_tiled_copy_B(ld(dt, True), mma_m).get_slice(tidx)
+            tQsdS, tQsKt = cpA_m.partition_S(sdS), cpBt_m.partition_S(sKt)
+            acc_shape_dq = thr_m.partition_shape_C((self.tile_m, self.d))
+            rows_q, _ = self.seq_rows(mQ, mK)
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
         st_m = cute.make_tiled_copy_C(st_atom, mma_m).get_slice(tidx)
 
@@ -379,6 +417,14 @@ class FlashBwdDkdv(KernelStateMixin):
                 else:
                     next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, True, False)
+            if const_expr(cfg.fused_dq):
+                # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
+                # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
+                # iteration orders its sdS reads before the next block's writes
+                acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
+                acc_dQ.fill(0.0)
+                cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
+                self.add_dq(mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 

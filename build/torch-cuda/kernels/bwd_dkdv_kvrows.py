@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from . import cute_utils as cu
 from .block_sparse import SparseQList
-from .bwd_dkdv import FlashBwdDkdv, _mma
+from .bwd_dkdv import FlashBwdDkdv, bwd_tiled_mma
 from .rows import load_rows, store_rows_from_acc
 
 
@@ -50,7 +50,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
 
     def tiled_mmas(self):
         """One mma over key rows for every product: 16 keys per warp, wn = 1 (config_bwd.bwd_problems)."""
-        mma = _mma(self.dtype, self.tile_n, self.num_warps)
+        mma = bwd_tiled_mma(self.dtype, self.tile_n, self.num_warps)
         return mma, mma
 
     @cute.jit
@@ -73,7 +73,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
 
     @cute.jit
     def process(
-        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, sparse, softmax_scale,
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
         qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
         n_block, kv_head,
     ):

@@ -9,7 +9,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -195,6 +195,7 @@ __all__ = [
     "mma_ss",
     "mma_rs",
     "lt_abs_mask_f16x2",
+    "red_add_f32x2",
     "ldmatrix_atom",
     "tiled_mma_16816",
 ]
@@ -210,6 +211,17 @@ def lt_abs_mask_f16x2(a, b, *, loc=None, ip=None) -> Uint32:
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b32 abs_a;\nabs.f16x2 abs_a, $1;\nset.lt.u32.f16x2 $0, abs_a, $2;\n}", "=r,r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def red_add_f32x2(addr, a, b, *, loc=None, ip=None) -> None:
+    """Add (a, b) to the two fp32 values at global address ``addr`` (8-byte aligned): one vector reduction with no
+    return value (``red.global.add.v2.f32``, an sm_90 instruction that SM120 has)."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+               Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 class SmemRows:
