@@ -1,4 +1,5 @@
-"""Backward benchmark: ours vs SDPA FLASH (FlashAttention-2) and flash-attn-4 (SM120 path forced), one process.
+"""Backward benchmark: ours (default and deterministic=True) vs SDPA FLASH (FlashAttention-2), flash-attn-4 (SM120
+path forced) and NVIDIA FROST's SM120 backward (cuDNN-frontend, capability presented as 12.0), one process.
 
     python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h100.jsonl
 
@@ -83,6 +84,20 @@ def main(argv=None):
     except Exception as exc:  # noqa: BLE001
         fa4_func = None
         notes.append(f"fa4_sm120 skipped: {type(exc).__name__}: {exc}")
+    try:  # NVIDIA FROST's SM120 backward (cuDNN-frontend), run with the capability presented as 12.0
+        from cudnn.sdpa.bwd.api_dsl import sdpa_bwd_wrapper_dsl_sm120 as frost_bwd
+    except Exception as exc:  # noqa: BLE001
+        frost_bwd = None
+        notes.append(f"frost_sm120 skipped: {type(exc).__name__}: {exc}")
+    real_capability = torch.cuda.get_device_capability
+
+    def as_sm120(fn):
+        torch.cuda.get_device_capability = lambda *a, **k: (12, 0)
+        try:
+            return fn()
+        finally:
+            torch.cuda.get_device_capability = real_capability
+
     rows = []
     t0 = time.time()
     cells = [(name, hq, hkv, d, s, s, max(1, TOKENS // s), causal, False)
@@ -107,11 +122,20 @@ def main(argv=None):
             row["seqlen_k"] = sk
         refs = reference_grads(q, k, v, gout, causal)
         group = hq // hkv
-        out, _ = fa.flash_attn_func(q, k, v, causal=causal)
+        out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
         grads = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
         if check_grads(row, "ours", grads, refs, group):
             row["ours_ms"] = time_fn(lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True))
             row["ours_tflops"] = fl / row["ours_ms"] / 1e9
+        del grads
+        # deterministic=True: the atomic-free dK/dV + dQ kernel pair (the default fuses dQ into one kernel with
+        # fp32 adds where that measured faster)
+        out_det, _ = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+        grads = torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True)
+        if check_grads(row, "ours_deterministic", grads, refs, group):
+            row["ours_deterministic_ms"] = time_fn(lambda: torch.autograd.grad(out_det, (q, k, v), gout,
+                                                                               retain_graph=True))
+            row["ours_deterministic_tflops"] = fl / row["ours_deterministic_ms"] / 1e9
         del grads
         if chunked:  # SDPA's is_causal aligns top-left: no like-for-like call
             row["sdpa_flash_error"] = "n/a: SDPA's is_causal aligns top-left (no bottom-right option)"
@@ -140,17 +164,38 @@ def main(argv=None):
                 del grads
             except Exception as exc:  # noqa: BLE001
                 row["fa4_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if frost_bwd is not None:  # BHSD views, the forward's O and natural-log LSE as (B, H, S, 1)
+            try:
+                o_d, lse4 = out.detach(), lse.detach().unsqueeze(-1).contiguous()
+
+                def frost():
+                    r = as_sm120(lambda: frost_bwd(q.detach().transpose(1, 2), k.detach().transpose(1, 2),
+                                                   v.detach().transpose(1, 2), o_d.transpose(1, 2),
+                                                   gout.transpose(1, 2), lse4, is_causal=causal,
+                                                   causal_bottom_right=chunked))
+                    return r["dq_tensor"], r["dk_tensor"], r["dv_tensor"]
+                grads = tuple(t.transpose(1, 2) for t in frost())
+                if check_grads(row, "frost_sm120", grads, refs, group):
+                    row["frost_sm120_ms"] = time_fn(frost)
+                    row["frost_sm120_tflops"] = fl / row["frost_sm120_ms"] / 1e9
+                del grads
+            except Exception as exc:  # noqa: BLE001
+                row["frost_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if "ours_tflops" not in row:  # a failed check is an error row: no ratio, never a win
             rows.append(row)
             print(json.dumps(row), flush=True)
             continue
-        peers = [row[f"{p}_tflops"] for p in ("sdpa_flash", "fa4_sm120") if f"{p}_tflops" in row]
+        peers = [row[f"{p}_tflops"] for p in ("sdpa_flash", "fa4_sm120", "frost_sm120") if f"{p}_tflops" in row]
         if peers:
             row["ratio_vs_best_peer"] = row["ours_tflops"] / max(peers)
         if "sdpa_flash_tflops" in row:
             row["ratio_vs_sdpa_flash"] = row["ours_tflops"] / row["sdpa_flash_tflops"]
         if "fa4_sm120_tflops" in row:
             row["ratio_vs_fa4_sm120"] = row["ours_tflops"] / row["fa4_sm120_tflops"]
+        if "frost_sm120_tflops" in row:
+            row["ratio_vs_frost_sm120"] = row["ours_tflops"] / row["frost_sm120_tflops"]
+        if "ours_deterministic_tflops" in row:
+            row["deterministic_vs_default"] = row["ours_deterministic_tflops"] / row["ours_tflops"]
         rows.append(row)
         print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}),
               flush=True)
@@ -167,11 +212,16 @@ def main(argv=None):
                 geomean_vs_best_peer=geo([r.get("ratio_vs_best_peer") for r in grid]),
                 geomean_vs_sdpa_flash=geo([r.get("ratio_vs_sdpa_flash") for r in grid]),
                 geomean_vs_fa4_sm120=geo([r.get("ratio_vs_fa4_sm120") for r in grid]),
+                geomean_vs_frost_sm120=geo([r.get("ratio_vs_frost_sm120") for r in grid]),
+                weakest_cell_vs_frost_sm120=min((r["ratio_vs_frost_sm120"] for r in grid
+                                                 if "ratio_vs_frost_sm120" in r), default=None),
+                geomean_deterministic_vs_default=geo([r.get("deterministic_vs_default") for r in grid]),
                 best_cell_tflops=max((r["ours_tflops"] for r in grid), default=None),
                 weakest_cell_vs_sdpa_flash=min((r["ratio_vs_sdpa_flash"] for r in grid if "ratio_vs_sdpa_flash" in r),
                                                default=None),
                 extra_geomean_vs_sdpa_flash=geo([r.get("ratio_vs_sdpa_flash") for r in rows if r["extra"]]),
                 extra_geomean_vs_best_peer=geo([r.get("ratio_vs_best_peer") for r in rows if r["extra"]]),
+                extra_geomean_vs_frost_sm120=geo([r.get("ratio_vs_frost_sm120") for r in rows if r["extra"]]),
                 seconds=round(time.time() - t0, 1))
     print(json.dumps(summ), flush=True)
     if args.out:

@@ -7,7 +7,7 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
     python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
                                                    # not in CI (README "SM121"); sm_120f, the family target, builds too
-    python scripts/compile_gate.py --arch sm_80    # a target without TMA (also sm_86, sm_89): the cp.async worklist
+    python scripts/compile_gate.py --arch sm_80    # the target without TMA (8.0, 8.6 and 8.9 devices): cp.async
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
@@ -19,7 +19,7 @@ config_bwd.fused_gate_worklist),
 plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
 (config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
 
-Targets without TMA (sm_80, sm_86, sm_89: device.CAPABILITIES) build what such a device selects: every TMA tile
+The target without TMA (sm_80, which 8.6 and 8.9 devices load too: device.CAPABILITIES) builds what such a device selects: every TMA tile
 replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
 needs sm_90), and fail on any TMA, mbarrier-tx or setmaxnreg instruction (sass_check.FORBIDDEN_WITHOUT_TMA).
 """

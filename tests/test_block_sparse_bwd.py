@@ -286,9 +286,13 @@ def recorded_launches(monkeypatch):
             return
         real_check(name, t, rank, device)
 
+    from flash_attn_4_sm120 import device as DV
+
     calls = []
     monkeypatch.setattr(V, "check_tensor", check_tensor)
+    caps = DV.caps_from_properties("an SM120 card (test)", 12, 0, None, None, 188)
     for mod in (dispatch, dispatch_bwd):  # the forward and the backward path
+        monkeypatch.setattr(mod, "device_caps", lambda dev: caps)
         monkeypatch.setattr(mod, "_kernel", lambda cfg, dev: cfg)
         monkeypatch.setattr(mod, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
     dispatch._PLANS.clear()
@@ -344,15 +348,21 @@ def test_dense_backward_launches_carry_no_lists(recorded_launches):
     import flash_attn_4_sm120 as fa
 
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, requires_grad=True)
-    out, _ = fa.flash_attn_func(q, q, q, return_lse=True)
-    torch.autograd.grad(out, (q,), torch.ones_like(out))
-    assert [rec for _, rec, _ in recorded_launches] == [arguments.FWD_ARGS, arguments.BWD_PRE_ARGS,
-                                                        arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS]
-    for cfg, rec, vals in recorded_launches:
-        if rec is arguments.BWD_PRE_ARGS:  # no block lists
-            continue
-        assert not cfg.block_sparse
-        assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
+    # the default backward at d64 is the fused kernel (dK, dV, dQ into the fp32 workspace) and the dQ convert;
+    # deterministic=True the atomic-free dK/dV + dQ pair
+    for det, expect in ((False, [arguments.BWD_DKDV_ARGS, arguments.DQ_CONVERT_ARGS]),
+                        (True, [arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS])):
+        recorded_launches.clear()
+        out, _ = fa.flash_attn_func(q, q, q, return_lse=True, deterministic=det)
+        torch.autograd.grad(out, (q,), torch.ones_like(out))
+        assert [rec for _, rec, _ in recorded_launches] == [arguments.FWD_ARGS, arguments.BWD_PRE_ARGS, *expect]
+        for cfg, rec, vals in recorded_launches:
+            if rec in (arguments.BWD_PRE_ARGS, arguments.DQ_CONVERT_ARGS):  # no block lists
+                continue
+            assert not cfg.block_sparse
+            assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
+            if rec is arguments.BWD_DKDV_ARGS:
+                assert cfg.fused_dq is (not det) and (vals["dq_accum"] is None) is det
 
 
 # ---- the kernels' schedules, emulated in PyTorch (design check: they visit exactly the right (query, key) pairs) ----

@@ -80,10 +80,10 @@ def test_forced_arch_that_does_not_match_the_device_is_refused(fake_device, monk
     fake_device(8, 6, name="RTX 3090")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
     with pytest.raises(DV.UnsupportedDeviceError,
-                       match=r"CUTE_DSL_ARCH=sm_120a does not run on RTX 3090 \(compute capability 8\.6\).*sm_86"):
+                       match=r"CUTE_DSL_ARCH=sm_120a does not run on RTX 3090 \(compute capability 8\.6\).*sm_80"):
         DV.device_caps(0)
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")  # an sm_80 cubin runs on an sm_86 device
-    assert DV.device_caps(0).arch == "sm_86"
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_86")  # an sm_86 cubin runs on an sm_86 device too
+    assert DV.device_caps(0).arch == "sm_80"
     fake_device(12, 0)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     with pytest.raises(DV.UnsupportedDeviceError, match="CUTE_DSL_ARCH=sm_90a"):
@@ -93,7 +93,7 @@ def test_forced_arch_that_does_not_match_the_device_is_refused(fake_device, monk
 def test_target_arch_comes_from_the_table(fake_device, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fake_device(8, 9)
-    assert jit.target_arch() == "sm_89"
+    assert jit.target_arch() == "sm_80"  # sm_80 cubins run on 8.6 / 8.9: the gate's sm_80 run covers them
     fake_device(9, 0)
     assert jit.target_arch() == "sm_90a"
     fake_device(7, 5)
@@ -111,7 +111,8 @@ def test_force_cpasync_hook_is_read_per_call(fake_device, monkeypatch):
 
 
 def test_features_of_arch_for_the_gate():
-    assert not DV.features_of_arch("sm_80").tma and not DV.features_of_arch("sm_89").pdl
+    assert not DV.features_of_arch("sm_80").tma and not DV.features_of_arch("sm_80").pdl
+    assert not DV.features_of_arch("sm_80").red_f32x2 and DV.features_of_arch("sm_120a").red_f32x2
     assert DV.features_of_arch("sm_120a").tma
     with pytest.raises(ValueError, match="sm_75"):
         DV.features_of_arch("sm_75")
