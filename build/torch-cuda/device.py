@@ -52,9 +52,11 @@ class ArchFeatures:
 # present on SM120/SM121 too.
 CAPABILITIES: dict[tuple[int, int], ArchFeatures] = {
     (8, 0): ArchFeatures("sm_80", (), False, False, 166912, 65536, "Ampere (A100, A30)", red_f32x2=False),
-    (8, 6): ArchFeatures("sm_86", ("sm_80",), False, False, 101376, 65536, "Ampere (RTX 30xx, A40, A10)",
+    # 8.6 and 8.9 run sm_80 cubins (one compile target, and one gate run, for the three: the compile gate's
+    # sm_80 full run vouches for what they load)
+    (8, 6): ArchFeatures("sm_80", ("sm_86",), False, False, 101376, 65536, "Ampere (RTX 30xx, A40, A10)",
                          red_f32x2=False),
-    (8, 9): ArchFeatures("sm_89", ("sm_80", "sm_86"), False, False, 101376, 65536, "Ada (RTX 40xx, L4, L40)",
+    (8, 9): ArchFeatures("sm_80", ("sm_86", "sm_89"), False, False, 101376, 65536, "Ada (RTX 40xx, L4, L40)",
                          red_f32x2=False),
     (9, 0): ArchFeatures("sm_90a", (), True, True, 232448, 65536, "Hopper (H100, H200; the test proxy)"),
     (12, 0): ArchFeatures("sm_120a", ("sm_120f",), True, True, 101376, 65536,

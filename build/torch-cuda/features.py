@@ -98,7 +98,8 @@ FEATURES: dict[str, Feature] = {
                 "cp.async otherwise"),
         Feature("devices", SUPPORTED, "(automatic: device.py's capability table)",
                 "compute capability 12.0 / 12.1 (sm_120a / sm_121a) and 9.0 (sm_90a) on every kernel; 8.0 / 8.6 / "
-                "8.9 (sm_80 / sm_86 / sm_89: A100, RTX 30xx, RTX 40xx) on the cp.async kernels, without split-KV "
+                "8.9 (sm_80 cubins: A100, RTX 30xx, RTX 40xx) on the cp.async kernels and the backward's kernel pair, "
+                "without split-KV "
                 "and without score/mask mods together with dropout at head dim <= 128; any other device, or a "
                 "CUTE_DSL_ARCH its cubins cannot run on, raises ValueError naming it before any compile"),
     )
