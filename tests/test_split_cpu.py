@@ -144,16 +144,27 @@ _INFER = dict(needs_grad=False, dropout=False, block_sparse=False, compiling=Fal
               kv_extent_static=True)
 
 
-def test_default_is_automatic_for_an_inference_call():
+@pytest.fixture(autouse=False)
+def auto_default(monkeypatch):
+    monkeypatch.setattr(SK, "DEFAULT_SPLITS_AUTO", True)
+
+
+def test_default_is_no_split_as_shipped():
+    """Off until it measures faster end to end (splitkv.DEFAULT_SPLITS_AUTO: results/generate_h100.jsonl)."""
+    assert SK.DEFAULT_SPLITS_AUTO is False
+    assert SK.default_num_splits(**_INFER) == 1
+
+
+def test_default_is_automatic_for_an_inference_call(auto_default):
     assert SK.default_num_splits(**_INFER) == 0
 
 
 @pytest.mark.parametrize("flag", ["needs_grad", "dropout", "block_sparse", "compiling"])
-def test_default_never_splits_training_dropout_sparse_or_compiled_calls(flag):
+def test_default_never_splits_training_dropout_sparse_or_compiled_calls(flag, auto_default):
     assert SK.default_num_splits(**dict(_INFER, **{flag: True})) == 1
 
 
-def test_default_under_capture_splits_only_a_static_kv_extent():
+def test_default_under_capture_splits_only_a_static_kv_extent(auto_default):
     assert SK.default_num_splits(**dict(_INFER, capturing=True)) == 0  # k's shape: fixed for the graph
     assert SK.default_num_splits(**dict(_INFER, capturing=True, kv_extent_static=False)) == 1  # max_seqlen_k given
     assert SK.default_num_splits(**dict(_INFER, kv_extent_static=False)) == 0  # eager: read per call
@@ -164,7 +175,7 @@ def test_default_switch_restores_no_split(monkeypatch):
     assert SK.default_num_splits(**_INFER) == 1
 
 
-def test_default_splits_an_underfilled_decode_grid_and_not_a_full_one(monkeypatch):
+def test_default_splits_an_underfilled_decode_grid_and_not_a_full_one(monkeypatch, auto_default):
     """The automatic count the default leads to: B=1 decode (8 KV heads, 32K keys in 64-key blocks) on 132 SMs
     splits; a prefill grid that fills the SMs does not."""
     monkeypatch.setattr(SK, "sm_count", lambda device: 132)

@@ -221,8 +221,9 @@ def test_auto_split_count_on_this_gpu():
 @pytest.fixture
 def split_plans(monkeypatch):
     """Whether each forward plan the calls of a test make is a split one."""
-    from flash_attn_4_sm120 import dispatch
+    from flash_attn_4_sm120 import dispatch, splitkv
 
+    monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)  # the automatic default (shipped off: splitkv.py)
     seen = []
     real = dispatch._plan
 

@@ -120,7 +120,9 @@ _BWD_TILES = {
 _BWD_SPILLING = {
     ((32, 32, 4, 32, False), 256): {"sparse"},
     ((32, 32, 4, 16, False), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
-    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod"},  # 10 STL/LDL with the document mask_mod: 64x64 instead
+    # 10 STL/LDL with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile
+    # gate's class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
+    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
     # the key-row tiles (255 registers at d128 without features).  32x128 (d128): dropout with softcap 2-5
     # STL/LDL, a windowed call with a mod that reads aux tensors (document, relative bias) 4-17, mods with dropout
     # 8 (relative bias).  64x128 (d64, d96): mods that read aux tensors 2-9 (relative bias, prefix-LM from a tensor;
@@ -130,6 +132,9 @@ _BWD_SPILLING = {
     # varlen k or a seqused is on without varlen q, with dropout or an aux-reading mod ("partial_varlen").
     ((32, 128, 8, 16, True), 128): {"dropout_softcap", "window_aux_mods", "mods_dropout", "partial_varlen"},
     ((64, 128, 8, 16, True), 96): {"aux_mods", "dropout"},
+    # the fused backward's d64 tile (config fused_dq): a windowed call with an aux-reading mod (relative bias) 5
+    # STL/LDL; such calls take the 64x64 fused tile
+    ((64, 128, 8, 16, False), 64): {"aux_mods"},
     ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
 }
 

@@ -34,9 +34,11 @@ SPLIT_GRAD_ERROR = (
 )
 
 
-# The default (num_splits=None) splits inference calls automatically; False makes it mean 1 (no split), as before
-# (benchmarks/bench_generate.py flips it to measure the default against no split in one process).
-DEFAULT_SPLITS_AUTO = True
+# Whether the default (num_splits=None) splits inference calls automatically (True) or means 1, no split (False).
+# Off: through transformers' greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the automatic default ran 0.76x
+# (4K context) and 0.80x (16K) the tokens/s of no split (benchmarks/results/generate_h100.jsonl); the decode
+# kernel's gain is smaller than the split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
+DEFAULT_SPLITS_AUTO = False
 
 
 def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, compiling: bool, capturing: bool,
