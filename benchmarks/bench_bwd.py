@@ -64,6 +64,15 @@ def check_grads(row, label, grads, refs, group):
     return True
 
 
+def check_then_time(row, label, run, refs, group, fl, view=None) -> None:
+    """Check the gradients ``run()`` returns (``view`` maps them to (B, S, H, D) tensors) and, when they pass, time
+    ``run``: ``<label>_ms`` and ``<label>_tflops`` (``fl``: the cell's FLOPs)."""
+    grads = run()
+    if check_grads(row, label, view(grads) if view else grads, refs, group):
+        row[f"{label}_ms"] = time_fn(run)
+        row[f"{label}_tflops"] = fl / row[f"{label}_ms"] / 1e9
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -123,20 +132,13 @@ def main(argv=None):
         refs = reference_grads(q, k, v, gout, causal)
         group = hq // hkv
         out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-        grads = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
-        if check_grads(row, "ours", grads, refs, group):
-            row["ours_ms"] = time_fn(lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True))
-            row["ours_tflops"] = fl / row["ours_ms"] / 1e9
-        del grads
+        check_then_time(row, "ours", lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True), refs,
+                        group, fl)
         # deterministic=True: the atomic-free dK/dV + dQ kernel pair (the default fuses dQ into one kernel with
         # fp32 adds where that measured faster)
         out_det, _ = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
-        grads = torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True)
-        if check_grads(row, "ours_deterministic", grads, refs, group):
-            row["ours_deterministic_ms"] = time_fn(lambda: torch.autograd.grad(out_det, (q, k, v), gout,
-                                                                               retain_graph=True))
-            row["ours_deterministic_tflops"] = fl / row["ours_deterministic_ms"] / 1e9
-        del grads
+        check_then_time(row, "ours_deterministic",
+                        lambda: torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True), refs, group, fl)
         if chunked:  # SDPA's is_causal aligns top-left: no like-for-like call
             row["sdpa_flash_error"] = "n/a: SDPA's is_causal aligns top-left (no bottom-right option)"
         else:
@@ -146,22 +148,15 @@ def main(argv=None):
                 ref = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
                                                      is_causal=causal)
             g_t = gout.transpose(1, 2)
-            grads = torch.autograd.grad(ref, (q, kk, vv), g_t, retain_graph=True)
-            if check_grads(row, "sdpa_flash", grads, refs, group):
-                row["sdpa_flash_ms"] = time_fn(lambda: torch.autograd.grad(ref, (q, kk, vv), g_t,
-                                                                           retain_graph=True))
-                row["sdpa_flash_tflops"] = fl / row["sdpa_flash_ms"] / 1e9
-            del grads, ref, kk, vv
+            check_then_time(row, "sdpa_flash", lambda: torch.autograd.grad(ref, (q, kk, vv), g_t, retain_graph=True),
+                            refs, group, fl)
+            del ref, kk, vv
         if fa4_func is not None:
             try:
                 o4 = fa4_func(q, k, v, causal=causal)
                 o4 = o4[0] if isinstance(o4, tuple) else o4
-                grads = torch.autograd.grad(o4, (q, k, v), gout, retain_graph=True)
-                if check_grads(row, "fa4_sm120", grads, refs, group):
-                    row["fa4_sm120_ms"] = time_fn(lambda: torch.autograd.grad(o4, (q, k, v), gout,
-                                                                              retain_graph=True))
-                    row["fa4_sm120_tflops"] = fl / row["fa4_sm120_ms"] / 1e9
-                del grads
+                check_then_time(row, "fa4_sm120", lambda: torch.autograd.grad(o4, (q, k, v), gout, retain_graph=True),
+                                refs, group, fl)
             except Exception as exc:  # noqa: BLE001
                 row["fa4_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if frost_bwd is not None:  # BHSD views, the forward's O and natural-log LSE as (B, H, S, 1)
@@ -174,11 +169,8 @@ def main(argv=None):
                                                    gout.transpose(1, 2), lse4, is_causal=causal,
                                                    causal_bottom_right=chunked))
                     return r["dq_tensor"], r["dk_tensor"], r["dv_tensor"]
-                grads = tuple(t.transpose(1, 2) for t in frost())
-                if check_grads(row, "frost_sm120", grads, refs, group):
-                    row["frost_sm120_ms"] = time_fn(frost)
-                    row["frost_sm120_tflops"] = fl / row["frost_sm120_ms"] / 1e9
-                del grads
+                check_then_time(row, "frost_sm120", frost, refs, group, fl,
+                                view=lambda g: tuple(t.transpose(1, 2) for t in g))  # BHSD -> BSHD
             except Exception as exc:  # noqa: BLE001
                 row["frost_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if "ours_tflops" not in row:  # a failed check is an error row: no ratio, never a win
