@@ -239,26 +239,29 @@ def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKerne
 
 
 def fused_gate_worklist() -> list:
-    """The fused backward configurations the compile gate builds, with their convert kernels: per head-dim pair a
-    fused tile serves, in bf16, the lightest set, the heaviest (every flag the tile's walks allow), dropout alone
-    and with the heaviest set and a seed tensor; fp16 at the heaviest; the intermediate windowed-with-dropout set
-    (the one that spilled the key-row tile where heavier ones did not)."""
-    out = []
+    """The fused backward configurations the compile gate builds, with their convert kernels: per fused tile and
+    walk, at the largest head-dim pair that tile serves and at the smallest dv beside its largest d, in bf16 the
+    lightest set, the heaviest (every flag of the walk), dropout alone and with the heaviest set and a seed tensor;
+    fp16 at the heaviest.  (Every intermediate class the dispatcher selects is in the class sweep,
+    scripts/gate_classes.py.)"""
+    groups: dict[tuple, list] = {}
     for d, dv in sorted(supported_head_dim_pairs()):
-        tiles = _FUSED_TILES.get(max(d, dv), ())
-        if not tiles:
-            continue
-        sets = []
-        for windowed in sorted({w != "plain" for _, w in tiles} | ({False} if any(w == "all" for _, w in tiles)
-                                                                 else set())):
-            heavy = dict(_BWD_HEAVY, windowed=windowed)
-            sets += [("bf16", dict(windowed=windowed)), ("bf16", heavy), ("bf16", dict(windowed=windowed,
-                     has_dropout=True)), ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)),
-                     ("fp16", heavy)]
-        for dtype, flags in sets:
-            cfg = select_fused_config(dtype, d, dv, **flags)
+        for windowed in (False, True):
+            cfg = select_fused_config("bf16", d, dv, windowed=windowed)
             if cfg is not None:
-                out += [cfg, dq_convert_config(cfg)]
+                groups.setdefault((cfg.tile_m, cfg.tile_n, cfg.num_warps, windowed), []).append((d, dv))
+    out = []
+    for (_, _, _, windowed), pairs in groups.items():
+        big = max(pairs)
+        thin = min((p for p in pairs if p[0] == big[0]), key=lambda p: p[1])
+        heavy = dict(_BWD_HEAVY, windowed=windowed)
+        for d, dv in sorted({big, thin}):
+            for dtype, flags in (("bf16", dict(windowed=windowed)), ("bf16", heavy),
+                                 ("bf16", dict(windowed=windowed, has_dropout=True)),
+                                 ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)):
+                cfg = select_fused_config(dtype, d, dv, **flags)
+                if cfg is not None:
+                    out += [cfg, dq_convert_config(cfg)]
     return out
 
 
