@@ -469,10 +469,6 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     tile_m = plan.fwd_cfg.tile.tile_m
     ratio = hq // hkv
     pack = 1 if sparse else _choose_pack(pack_gqa, ratio, meta.max_q, tile_m)
-    if in_kernel and pack > 1 and plan.fwd_cfg.tile.tile_n > 64:
-        # known issue (H100, 2026-11-22): the packed-row keep bits on the 128-key tiles (d <= 64 with causal or
-        # a window) gave wrong outputs; those calls run unpacked (same result, one head per tile row block)
-        pack = 1
     if in_kernel and pack > 1:  # packed rows make the keep bits row by row (config.FwdKernelConfig.dropout_packed)
         plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
                      cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
