@@ -18,7 +18,8 @@ run_step() {
     host) timeout 300 python3 benchmarks/bench_host.py --out "$out/host_bench.jsonl" 2>&1 | tee "$out/host.log" ;;
     jit) timeout 300 python3 benchmarks/bench_jit.py 2>&1 | tee "$out/jit.log" ;;
     decode) timeout 300 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
-              tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py 2>&1 | tail -n 60 \
+              tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py tests/test_kvcache_gpu.py \
+              2>&1 | tail -n 60 \
               | tee "$out/decode_test.log"
             timeout 200 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit deep4 deep5 deep4_all \
               --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log"
