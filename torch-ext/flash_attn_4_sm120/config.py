@@ -225,18 +225,18 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
 
 # Causal / windowed forward tiles launch longest first across every (head group, batch), not only inside one,
 # on grids of FWD_LPT_MIN_COLUMNS to FWD_LPT_MAX_COLUMNS tile columns (kernels/fwd_base.py ``cta_coords``).
-# Measured on the H100 proxy (benchmarks/results/lpt_h100.jsonl, causal, bench_fwd's cells, two sessions-25 runs):
+# Measured on the H100 proxy (benchmarks/experiments/results/lpt_h100.jsonl, causal, bench_fwd's cells, two sessions-25 runs):
 # S=4K (32-64 columns) +2.4% to +13.5% (d256 0.955 -> 0.851 ms); S=1K (8-16 columns) -1% to -5% and S=16K
 # (128-256 columns) -2.4% to +1.9%, where the plain order keeps a head's tiles, and so its K/V in L2, together
 # (S=1K needs few waves; S=16K's tail is a small share of the call).  ``False`` restores the plain order
-# everywhere (an A/B switch for benchmarks/probe_lpt.py; none of these is part of the compile key).
+# everywhere (an A/B switch for benchmarks/experiments/probe_lpt.py; none of these is part of the compile key).
 FWD_LPT_ORDER = True
 FWD_LPT_MIN_COLUMNS = 32
 FWD_LPT_MAX_COLUMNS = 127
 
 # ---- tile table --------------------------------------------------------------------------------------------
 # Preference order per head dim (first that fits wins).  Measured on the H100 proxy, 2026-11-21
-# (benchmarks/results/tile_sweep_h100_v*.jsonl), SM120 limits kept:
+# (benchmarks/experiments/results/tile_sweep_h100_v*.jsonl), SM120 limits kept:
 #  * 16 or 32 query rows per warp; 4-warp 128-row tiles spill at d=128 on sm_120a (255 regs + 152 B stack).
 #  * tma=True: warp-specialised kernel, TMA producer warpgroup + 8 mma warps (kernels/fwd_tma.py); it beat the
 #    all-warps cp.async kernel at d=64..128 (d=128, S=4096: 356 vs 287 TFLOPS).

@@ -98,7 +98,7 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
 
 
 # (tile_m, tile_n, num_warps[, kv_warp_rows[, kv_rows]]) per max(head_dim, head_dim_v), first that fits wins; every
-# (wm, wn) warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/
+# (wm, wn) warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/experiments/results/bwd_tile_sweep_h100_v2/
 # v4.jsonl): 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128
 # (32x128; 2-7% slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10%
 # causal at d256 (neutral at d128: kept at 16).  The key-row kernel (``kv_rows``, bwd_dkdv_kvrows.py; v5.jsonl,
@@ -302,7 +302,7 @@ def dq_convert_config(fused: BwdKernelConfig) -> DqConvertKernelConfig:
 
 # dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
 # stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
-# proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
+# proxy (benchmarks/experiments/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
 # two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
 # The fifth field, ``split_kv_wait`` (one stage, V and K waited for separately, dP before S), measured against the
 # same tile without it (bwd_tile_sweep_h100_v6.jsonl, dQ kernel device time): d128 +2% / -6% (S=4K non-causal /

@@ -23,7 +23,7 @@ DECODE_MAX_ROWS = 64
 # groups of two warps, rows <= 16 (GQA 4:1 decode) four groups of one warp.  Entries: (most rows, tile), the first
 # that holds the call's rows per CTA and fits wins; key-split entries only while DECODE_KEY_SPLIT is on.
 #
-# Measured on the H100 proxy (benchmarks/results/decode_tiles_h100_s25.jsonl, 8-call graphs, % of copy bandwidth,
+# Measured on the H100 proxy (benchmarks/experiments/results/decode_tiles_h100_s25.jsonl, 8-call graphs, % of copy bandwidth,
 # 64-row tiles -> key split): MQA B=1 KV 32K 34.6 -> 38.5%, B=8 55.3 -> 56.6%, B=64 72.0 -> 73.4%, MQA d256 B=8
 # 58.0 -> 65.8%, paged MQA (page 64) 26.9 -> 29.3%, GQA 4:1 d128 B=1 86.7 -> 88.3% (paged, page 16: 79.7 -> 83.3%);
 # no case slower (d128 B=64: 180.2 vs 180.4 us).  Two groups for <= 16 rows too (H200, same session) tie with four groups overall (B=64 +5%,

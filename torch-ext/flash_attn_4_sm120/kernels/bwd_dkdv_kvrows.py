@@ -65,7 +65,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
 
     def branch_masks(self) -> bool:
         """``FlashBwdDkdv.branch_masks`` for this kernel: dense windowed walks at head dim 128 only.  Measured on the
-        H100 proxy (per-kernel time, causal, results/bwd_mask_branch_h100_s28.jsonl): d128 -8% with dropout, -1 to
+        H100 proxy (per-kernel time, causal, experiments/results/bwd_mask_branch_h100_s28.jsonl): d128 -8% with dropout, -1 to
         -2% without; d64 -0.5%; d96 +6% (kept masking every tile there)."""
         cfg = self.cfg
         return (not cfg.block_sparse and cfg.mods is None and cfg.windowed

@@ -347,7 +347,7 @@ class FlashBwdDq(KernelStateMixin):
         """Trace time: whether ``step`` masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
         per tile) instead of every tile: dense walks without mods (block-sparse walks mask by block kind), except
         the windowed one without dropout.  Measured on the H100 proxy (d128, S=4096, per-kernel time,
-        results/bwd_mask_branch_h100_s28.jsonl): not windowed -11% (-15% with dropout: the sequence-end mask
+        experiments/results/bwd_mask_branch_h100_s28.jsonl): not windowed -11% (-15% with dropout: the sequence-end mask
         leaves all tiles but the last), causal with dropout -2%, causal without dropout +2% (kept masking all)."""
         cfg = self.cfg
         return not cfg.block_sparse and cfg.mods is None and (not cfg.windowed or cfg.has_dropout)
