@@ -328,9 +328,10 @@ _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
     256: (FwdTile(64, 32, 4, 2),),
 }
 # Score/mask mods with block sparsity: the d <= 64 and d192 TMA tiles with Q in registers spilled on sm_120a with
-# the relative-bias score_mod (a 2-D aux table) and the heaviest feature set (the aux reads need registers Q
-# holds); reading Q from shared memory they compile without spills.  Same shapes: the same block sizes are
-# valid.
+# the relative-bias score_mod (a 2-D aux table) and the heaviest feature set; Q read from shared memory frees
+# the registers that held it, and so they compiled without spills then (the session-30 hand gate lists the d64
+# windowed one with the relative-bias mod spilling again: benchmarks/results/gate_hand_sm120a_device_s30.jsonl).
+# Same shapes: the same block sizes are valid.
 _SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True),
                       FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True)}
 
