@@ -8,7 +8,7 @@ split count (``num_splits=None``: automatic for inference calls), no split (the 
 The model is Llama-3-8B-shaped (hidden 4096, 32 query heads, 8 KV heads, head dim 128, FFN 14336, vocab 128256)
 with random weights and a few layers; batch 1, bf16, a DynamicCache (the default).  transformers loads the bundle
 itself, as a user's ``attn_implementation="org/repo"`` does: the committed build/torch-cuda is served by the test
-suite's local hub (tests/hub_server.py), so nothing is downloaded.
+suite's local hub (tests/packaging/hub_server.py), so nothing is downloaded.
 
 Per (context, implementation): the prompt is random token ids of that length; ``generate(max_new_tokens=1)``
 (prefill + one step) and ``generate(max_new_tokens=1 + N)`` are timed (CUDA-synchronised wall clock, median of
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-REPO = "kernels-test/flash-attn-4-sm120"  # the test hub's trusted org (tests/hubtools.py)
+sys.path.insert(0, str(ROOT / "tests" / "packaging"))
+REPO = "kernels-test/flash-attn-4-sm120"  # the test hub's trusted org (tests/packaging/hubtools.py)
 
 
 def device_tag(name: str) -> str:

@@ -18,12 +18,15 @@ run_step() {
     host) timeout 300 python3 benchmarks/bench_host.py --out "$out/host_bench.jsonl" 2>&1 | tee "$out/host.log" ;;
     jit) timeout 300 python3 benchmarks/bench_jit.py 2>&1 | tee "$out/jit.log" ;;
     decode) timeout 300 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
-              tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py 2>&1 | tail -n 60 \
+              tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py tests/test_kvcache_gpu.py \
+              2>&1 | tail -n 60 \
               | tee "$out/decode_test.log"
-            timeout 200 python3 benchmarks/probe_decode_tiles.py --variants rows64 keysplit deep4 deep5 deep4_all \
-              --out "$out/decode_tiles.jsonl" 2>&1 | tee "$out/decode_tiles.log"
-            timeout 100 python3 benchmarks/probe_decode_tiles.py --only mqa --variants keysplit deep4 deep5 \
-              --splits 0 32 96 --profile --out "$out/decode_tiles.jsonl" 2>&1 | tee -a "$out/decode_tiles.log" ;;
+            timeout 200 python3 benchmarks/experiments/probe_decode_tiles.py \
+              --variants rows64 keysplit deep4 deep5 deep4_all --out "$out/decode_tiles.jsonl" 2>&1 \
+              | tee "$out/decode_tiles.log"
+            timeout 100 python3 benchmarks/experiments/probe_decode_tiles.py \
+              --only mqa --variants keysplit deep4 deep5 --splits 0 32 96 --profile --out "$out/decode_tiles.jsonl" \
+              2>&1 | tee -a "$out/decode_tiles.log" ;;
     lies) SANITIZE_TIMEOUT=500 bash benchmarks/sanitize_lying_metadata.sh 2>&1 | tee "$out/sanitize_lies.log" ;;
     sanitize) timeout 540 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
             tests/test_fwd_gpu.py -k "varlen or seqused or zero_length" 2>&1 | tail -n 60 | tee "$out/sanitize.log" ;;

@@ -6,7 +6,7 @@ Steps, each printed as it runs:
  1. create a new venv (DIR, else a temporary one) and ``pip install -r requirements.txt`` into it
     (pip's own configuration decides where wheels come from, e.g. a local CPU torch wheel);
  2. build the bundle with that venv into a temporary build/ (the repository's build/ is not touched);
- 3. start tests/hub_server.py (a local Hub-compatible server) serving that build as ``smoke-test/<name>`` v1;
+ 3. start tests/packaging/hub_server.py (a local Hub-compatible server) serving that build as ``smoke-test/<name>`` v1;
  4. load it in the venv with ``kernels.get_kernel("smoke-test/<name>", version=1, trust_remote_code=True)`` from
     a fresh cache and check the module: name equals the metadata id, ``__version__``, ``FEATURES``;
  5. run ``scripts/compile_gate.py --limit 1`` in the venv when that script exists (it also installs the
@@ -108,13 +108,13 @@ def dev_pin(name: str) -> str | None:
 
 
 def start_hub(python: Path, root: Path, repo_id: str, build_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([str(python), str(ROOT / "tests" / "hub_server.py"), "--root", str(root),
+    proc = subprocess.Popen([str(python), str(ROOT / "tests" / "packaging" / "hub_server.py"), "--root", str(root),
                              "--trusted", ORG, "--seed", f"{repo_id}={build_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     endpoint = proc.stdout.readline().strip()
     if not endpoint.startswith("http://127.0.0.1:"):
         proc.kill()
-        raise SmokeError(f"tests/hub_server.py did not start: {endpoint}\n{proc.stderr.read()}")
+        raise SmokeError(f"tests/packaging/hub_server.py did not start: {endpoint}\n{proc.stderr.read()}")
     return proc, endpoint
 
 

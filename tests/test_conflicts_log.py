@@ -28,9 +28,9 @@ def test_every_cited_test_exists():
     """Names in the log's [brackets] that look like tests are test functions or test files; ``test_x_*`` is a
     prefix of at least one."""
     tests = ROOT / "tests"
-    source = "\n".join(p.read_text() for p in tests.glob("*.py"))
+    source = "\n".join(p.read_text() for p in tests.rglob("*.py"))
     defined = set(re.findall(r"^def (test_\w+)", source, re.M))
-    files = {p.stem for p in tests.glob("test_*.py")}
+    files = {p.stem for p in tests.rglob("test_*.py")}
     cited = set()
     for bracket in re.findall(r"\[([^\]]*)\]", LOG):
         cited |= set(re.findall(r"\btest_\w+\*?", bracket))

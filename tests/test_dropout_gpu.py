@@ -86,7 +86,7 @@ def test_packed_mask_on_the_128_key_tile(monkeypatch, sq, sk, hq, hkv, d, p):
     """Packed GQA rows with dropout on the windowed d <= 64 tile (128x128; a window wider than both sequences keeps
     P uniform): the keep mask is the contract's, and the dispatcher runs these calls packed (``dropout_packed``).
     Its keep bits of two 32-column rows once came out wrong from a loop-carried 64-bit shift register
-    (benchmarks/results/packed_dropout_probe_h100_s31.log); the register is now two 32-bit halves."""
+    (benchmarks/experiments/results/packed_dropout_probe_h100_s31.log); the register is now two 32-bit halves."""
     from flash_attn_4_sm120 import dispatch
 
     packed = []

@@ -1,7 +1,7 @@
 """Experiment: the fused backward (default) against the two-kernel path (deterministic=True) and the peers, on
 issue 30's 17 cells, one process, one GPU.
 
-    python benchmarks/experiments/bwd_fused_ab.py --out benchmarks/results/bwd_fused_ab_<gpu>.jsonl
+    python benchmarks/experiments/bwd_fused_ab.py --out benchmarks/experiments/results/bwd_fused_ab_<gpu>.jsonl
 
 Backward only: ours, SDPA FLASH and flash-attn-4 (SM120 path forced) through torch.autograd.grad of a fixed forward
 graph; FROST (cuDNN-frontend's SM120 backward, capability presented as 12.0) called directly with the forward's O

@@ -255,8 +255,8 @@ class SparseGrad:
 
 
 # The KV-major lists built from a forward's lists, kept for the next backward with the same lists: a training loop
-# passes one mask every step, and building them is ~15 small launches (0.1 ms and their host cost per step, d128
-# causal S=4K).  An entry is used only for the very same tensor objects (weak references), unmodified since (their
+# passes one mask every step, and building them is about fifteen small launches (their GPU time and host cost on
+# every step).  An entry is used only for the very same tensor objects (weak references), unmodified since (their
 # version counters), on the same stream; never while a CUDA graph is being captured.
 _TRANSPOSED: OrderedDict = OrderedDict()
 _TRANSPOSED_MAX = 8

@@ -477,7 +477,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                      mods=mods, tma=caps.tma)
     scale_log2, prescale = _log2_scales(meta)
     # decode (few query rows per CTA: q_len x the packed GQA group <= DECODE_MAX_ROWS) runs the decode tile, split
-    # or not (H100, B=64 KV 2K d128: 210 us on the 128-row TMA tile, 183 us on it; paged 267 -> 191 us)
+    # or not: the prefill tile's 128 rows would be mostly padding (config_decode.py)
     # (not with in-kernel dropout: its tiles are gated on the prefill tiles)
     # (not with mods either: the d256 decode tile is not among the tiles gated with mods, config.MODS_TILE_FALLBACK)
     # (the fewer rows, the more warp groups split each K/V tile's keys: config_decode.py, kernels/fwd_decode.py)

@@ -38,7 +38,7 @@ def _t_hi(t: Uint32) -> Uint32:
 def _shift_pair(lo: Uint32, hi: Uint32, n: int, row: Uint32, at: int):
     """Trace time: the 64-bit shift register (hi:lo) moved down ``n`` bits (0 < n <= 32), then ``row`` (n bits)
     ORed in at bit ``at`` (at + n <= 64), in 32-bit halves.  A loop-carried Uint64 register here gave wrong high
-    words on the H100 (packed GQA rows on the 128-key tile; benchmarks/results/packed_dropout_probe_h100_s31.log)."""
+    words on the H100 (packed GQA rows on the 128-key tile; benchmarks/experiments/results/packed_dropout_probe_h100_s31.log)."""
     if n == 32:
         lo, hi = hi, Uint32(0)
     else:
@@ -73,7 +73,7 @@ class DropoutScore:
     # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
     # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
     # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code (in the
-    # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, 0 spills); the
+    # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, unspilled); the
     # backward consumers read one bit per element, the forward (``dropout_fwd``, drop bits) two per PRMT + LOP3.
     def _dropout_groups(self, t0ScS_mn):
         """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
@@ -87,7 +87,7 @@ class DropoutScore:
         is an XOR of disjoint bits, which Philox's first XOR absorbs: the per-call group costs one LOP3 with the
         loop-invariant rest, not a shift-and-add chain from the column.  The forward's (``dropout_fwd_direct``);
         the keep-bit paths form the group from the column (folded in the windowed dQ kernel, its loop-invariant
-        parts took registers, 242 -> 255, and its loop grew by 11 instructions on sm_120a)."""
+        parts held registers for the whole loop, up to the 255 limit, and the loop grew on sm_120a)."""
         g_tile = Uint32(n_block) * Uint32(self.tile_n // 4)
         g_thr = Uint32(((col_thr >> 4) << 2) + ((col_thr & 7) >> 1))
         split = self.tile_n % 16 == 0
@@ -512,9 +512,9 @@ class DropoutScore:
     def _ds_dropout(self, s, p, dp, d_r, keep):
         """(dS, P * keep, keep dP / (1-p)) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS.  Without a
         window the keep test selects the scale (0 for a dropped element), so that dP * scale - D contracts to one
-        FFMA; with one, dP * scale is selected.  Measured on the H100 proxy (Nsight Compute cycles, d128, S=4096,
-        p=0.1): the FFMA form made the key-row dK/dV kernel 5% faster without a window and 5% slower with one
-        (the causal kernel; its sm_120a loop is 13 instructions shorter either way: a scheduling effect)."""
+        FFMA; with one, dP * scale is selected: in Nsight Compute cycles (d128, S=4096, p=0.1) the FFMA form made the
+        key-row dK/dV kernel faster without a window and slower with one, although its sm_120a loop is shorter
+        either way (a scheduling effect)."""
         dp_eff = Float32(0.0)
         ds = Float32(0.0)
         if const_expr(self.windowed):

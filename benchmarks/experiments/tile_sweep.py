@@ -1,6 +1,6 @@
 """Tile sweep for the forward kernel: time candidate tiles per head dim on representative cells.
 
-    python benchmarks/tile_sweep.py --out benchmarks/results/tile_sweep_h100.jsonl
+    python benchmarks/experiments/tile_sweep.py --out benchmarks/experiments/results/tile_sweep_h100.jsonl
 
 Candidates are compiled in parallel worker processes into the disk cache first (so the sweep also exercises
 the export/load path), then each (tile, cell) is timed with CUDA events (median after warm-up).  The result
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import flops, time_fn  # noqa: E402
 
 import flash_attn_4_sm120 as fa  # noqa: E402

@@ -1,6 +1,6 @@
-"""Paged K/V and flash_attn_with_kvcache on the host: every bad input raises a clear error before any launch
-(no GPU needed: the checks run before anything touches CUDA), the paged configuration's compile key, tile
-choice and argument record."""
+"""Paged K/V on the host: every bad input raises a clear error before any launch (no GPU needed: the checks run
+before anything touches CUDA), the paged configuration's compile key, tile choice and argument record.
+flash_attn_with_kvcache's own arguments (append, cache layouts, refusals): tests/test_kvcache.py."""
 
 import inspect
 
@@ -97,82 +97,6 @@ def test_run_forward_refuses_grad_with_pages():
     assert "inference-only" in dispatch.PAGED_GRAD_ERROR
     src = inspect.getsource(dispatch.run_forward)
     assert "page_table is not None and needs_grad" in src
-
-
-@pytest.mark.parametrize("kw,exc,needle", [
-    (dict(rotary_cos=torch.zeros(1)), NotImplementedError, "rotary"),
-    (dict(rotary_sin=torch.zeros(1)), NotImplementedError, "rotary"),
-    (dict(alibi_slopes=torch.zeros(4)), NotImplementedError, "alibi_slopes"),
-    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad"),
-    (dict(attention_chunk=128), NotImplementedError, "attention_chunk"),
-    (dict(sm_margin=4), NotImplementedError, "sm_margin"),
-    (dict(cu_seqlens_k_new=torch.zeros(3, dtype=torch.int32)), NotImplementedError, "cu_seqlens_k_new"),
-    (dict(scheduler_metadata=torch.zeros(1, dtype=torch.int32)), NotImplementedError, "scheduler_metadata"),
-    (dict(qv=torch.zeros(2, 1, 4, 64)), NotImplementedError, "qv"),
-    (dict(q_descale=torch.ones(1)), NotImplementedError, "q_descale"),
-    (dict(page_table=_table(), block_table=_table()), ValueError, "not both"),
-    (dict(page_table=_table(), cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError, "cache_batch_idx"),
-])
-def test_kvcache_rejects(kw, exc, needle):
-    q = torch.zeros(2, 1, 4, 64)
-    k, v = _pool()
-    with pytest.raises(exc) as info:
-        fa.flash_attn_with_kvcache(q, k, v, **kw)
-    assert needle in str(info.value), str(info.value)
-
-
-def test_kvcache_append_with_varlen_q_is_refused(monkeypatch):
-    """New k/v with cu_seqlens_q: NotImplementedError naming both (the tensor checks, which need CUDA tensors, are
-    stubbed out here; the refusal comes after them and before anything is written or launched)."""
-    from flash_attn_4_sm120 import interface
-
-    monkeypatch.setattr(interface.V, "check_tensor", lambda *args, **kwargs: None)
-    q = torch.zeros(3, 4, 64)
-    kc, vc = torch.zeros(2, 32, 2, 64), torch.zeros(2, 32, 2, 64)
-    new = torch.zeros(2, 1, 2, 64)
-    with pytest.raises(NotImplementedError, match=r"appending k/v with cu_seqlens_q \(varlen q\)"):
-        fa.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=1,
-                                   cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), max_seqlen_q=2)
-    assert kc.count_nonzero() == 0 and vc.count_nonzero() == 0
-
-
-def test_kvcache_new_kv_and_cache_seqlens_checks():
-    from flash_attn_4_sm120 import kvcache as KV
-
-    kc, vc = torch.zeros(2, 32, 2, 64), torch.zeros(2, 32, 2, 64)
-    with pytest.raises(ValueError, match="together"):
-        KV.check_new_kv(torch.zeros(2, 1, 2, 64), None, kc, vc, 2, CPU)
-    with pytest.raises(ValueError, match="int or an int32"):
-        KV.check_cache_seqlens(3.0, 2, 32, 1, CPU)
-    with pytest.raises(ValueError, match="int or an int32"):
-        KV.check_cache_seqlens(True, 2, 32, 1, CPU)
-    with pytest.raises(ValueError, match="does not fit"):
-        KV.check_cache_seqlens(32, 2, 32, 1, CPU)
-    with pytest.raises(ValueError, match="does not fit"):
-        KV.check_cache_seqlens(-1, 2, 32, 0, CPU)
-    with pytest.raises(ValueError, match="int32"):
-        KV.check_cache_seqlens(torch.zeros(2, dtype=torch.int64), 2, 32, 1, CPU)
-    got = KV.check_cache_seqlens(5, 2, 32, 1, CPU)
-    assert got.dtype == torch.int32 and got.tolist() == [5, 5]
-
-
-def test_kvcache_append_contiguous_and_paged_on_cpu():
-    """The append itself is plain torch indexing: check its positions on the CPU (page crossing included)."""
-    from flash_attn_4_sm120 import kvcache as KV
-
-    k = torch.arange(2 * 3 * 1 * 1, dtype=torch.float32).view(2, 3, 1, 1) + 1
-    # contiguous with cache_batch_idx
-    kc, vc = torch.zeros(3, 8, 1, 1), torch.zeros(3, 8, 1, 1)
-    KV.append(kc, vc, k, -k, torch.tensor([2, 6 - 1], dtype=torch.int32), None, torch.tensor([2, 0]))
-    assert kc[2, 2:5, 0, 0].tolist() == [1, 2, 3] and kc[0, 5:8, 0, 0].tolist() == [4, 5, 6]
-    assert vc[2, 2:5, 0, 0].tolist() == [-1, -2, -3] and kc.count_nonzero() == 6
-    # paged, page size 2: sequence 0 at 3 crosses from its 2nd page (table col 1) into its 3rd (col 2)
-    kp, vp = torch.zeros(6, 2, 1, 1), torch.zeros(6, 2, 1, 1)
-    table = torch.tensor([[4, 1, 3], [0, 5, 2]], dtype=torch.int32)
-    KV.append(kp, vp, k, k, torch.tensor([3, 0], dtype=torch.int32), table, None)
-    assert kp[1, 1, 0, 0] == 1 and kp[3, 0, 0, 0] == 2 and kp[3, 1, 0, 0] == 3
-    assert kp[0, 0, 0, 0] == 4 and kp[0, 1, 0, 0] == 5 and kp[5, 0, 0, 0] == 6
-    assert kp.count_nonzero() == 6
 
 
 def test_paged_config_runs_the_cpasync_kernel():
@@ -323,13 +247,3 @@ def test_paged_gate_worklist_covers_each_paged_tile():
                     assert any(c.tile == t and c.windowed and c.has_softcap and c.has_sink and c.varlen_q
                                and c.seqused_k and c.head_dim == d for c in tma)
     assert tma and not any(c.split_kv for c in tma)
-
-
-def test_kvcache_signature_is_fa2_fa3_compatible():
-    params = inspect.signature(fa.flash_attn_with_kvcache).parameters
-    assert list(params)[:5] == ["q", "k_cache", "v_cache", "k", "v"]
-    for n in ("cache_seqlens", "cache_batch_idx", "page_table", "block_table", "softmax_scale", "causal",
-              "window_size", "softcap", "learnable_sink", "num_splits", "return_softmax_lse", "rotary_cos",
-              "rotary_sin", "rotary_interleaved", "cache_leftpad", "alibi_slopes"):
-        assert params[n].kind is inspect.Parameter.KEYWORD_ONLY, n
-    assert params["num_splits"].default == 0  # FA2/FA3's default: automatic (one split in this release)

@@ -2,7 +2,7 @@
 ~50 us for GQA at the same bytes): torch.profiler over back-to-back eager flash_attn_with_kvcache calls, CPU ops
 and CUDA kernels, MQA and GQA side by side.
 
-    python benchmarks/probe_decode_eager.py [--calls 50] [--out F]
+    python benchmarks/experiments/probe_decode_eager.py [--calls 50] [--out F]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import append_jsonl  # noqa: E402
 
 CASES = (("mqa", 8, 8192, 32, 1, 128), ("gqa", 8, 8192, 32, 8, 128), ("mqa", 1, 32768, 32, 1, 128))

@@ -2,7 +2,8 @@
 mask_mod call, forward and backward, so a gap in the benchmark can be put on a kernel; and of bench_dropout.py's
 (the call without dropout against p = 0.1).
 
-    python benchmarks/profile_mods.py [--case causal4k|causal16k|document|dropout|dropout_causal] [--iters 10]
+    python benchmarks/experiments/profile_mods.py [--case causal4k|causal16k|document|dropout|dropout_causal] \\
+        [--iters 10]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_mods import _blocks_causal, _blocks_document  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 bench_host.py (B=1, S=128, Hq 8 / Hkv 2, d128, bf16, causal), forward and forward+backward, plus the GPU kernels
 of one forward+backward (torch.profiler), to tell host-bound from GPU-bound.
 
-    python benchmarks/profile_host.py [--calls 500] [--top 25]
+    python benchmarks/experiments/profile_host.py [--calls 500] [--top 25]
 """
 
 from __future__ import annotations

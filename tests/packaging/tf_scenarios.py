@@ -1,6 +1,7 @@
-"""Child-side scenarios for the transformers tests (tests/test_transformers*.py run this file in a fresh process).
+"""Child-side scenarios for the transformers tests (tests/packaging/test_transformers*.py run this file in a fresh
+process).
 
-    python tests/tf_scenarios.py SCENARIO --repo ORG/NAME [--family F] [--padded] [--reference-kernel] [...]
+    python tests/packaging/tf_scenarios.py SCENARIO --repo ORG/NAME [--family F] [--padded] [--reference-kernel] [...]
 
 prints one JSON line: the measurements of SCENARIO, which the parent test judges. The environment (HF_ENDPOINT of a
 local hub, HF_HOME, ...) is the parent's business; this file only uses public transformers/kernels API to load the
@@ -18,7 +19,7 @@ counting spies, so a scenario proves that the kernel was really called, with whi
 its functions are replaced by a pure-PyTorch FlashAttention reference (tests/reference.py) with the same keywords,
 so the whole harness (transformers' call forms, masks, tolerances, controls) runs without a GPU. On CPU torch the
 kernels library needs ``torch.version.cuda`` set to pick the torch-cuda variant (a test-only workaround, see
-tests/hubtools.py).
+tests/packaging/hubtools.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import inspect
 import json
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -127,9 +129,19 @@ def _spy(name, fn):
     return spy
 
 
+def _reference():
+    """tests/reference.py's attention_ref: this file runs as a script from tests/packaging/, so the folder above
+    goes on sys.path first."""
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from reference import attention_ref
+    return attention_ref
+
+
 def _ref_dense(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
                softcap=0.0, dropout_p=0.0, deterministic=False, **rest):
-    from reference import attention_ref
+    attention_ref = _reference()
     if dropout_p:
         raise ValueError("the reference kernel has no dropout")
     out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window=tuple(window_size),
@@ -140,7 +152,7 @@ def _ref_dense(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, 
 def _ref_varlen(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
                 dropout_p=0.0, deterministic=False, **rest):
-    from reference import attention_ref
+    attention_ref = _reference()
     if dropout_p:
         raise ValueError("the reference kernel has no dropout")
     outs = []
@@ -161,7 +173,7 @@ def _ref_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cac
                  learnable_sink=None, num_splits=0, return_softmax_lse=False, max_seqlen_q=None, **rest):
     """flash_attn_with_kvcache in plain PyTorch (dense q (B, Sq, H, D)): append k/v at cache_seqlens, then attend
     over the first cache_seqlens + Sq_new keys of each sequence (paged through the block table, or row b)."""
-    from reference import attention_ref
+    attention_ref = _reference()
     pages = page_table if page_table is not None else block_table
     batch, ps = q.shape[0], k_cache.shape[1]
     seqlens = cache_seqlens

@@ -22,7 +22,7 @@ import pytest
 
 from hub_server import LocalHub, HubStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"
 PYTHON = sys.executable
 TRUSTED_ORG = "kernels-test"
@@ -139,12 +139,12 @@ def script(name: str, *args: str, env: dict[str, str] | None = None, cwd: Path |
     return run([PYTHON, str(ROOT / "scripts" / name), *args], env if env is not None else dict(os.environ), cwd=cwd)
 
 
-# -- transformers scenarios (tests/tf_scenarios.py runs in the child) -------------------------------------------------
+# -- transformers scenarios (tests/packaging/tf_scenarios.py runs in the child) ----------------------------------
 TF_SCENARIOS = Path(__file__).resolve().parent / "tf_scenarios.py"
 
 
 def run_tf_scenario(hub: LocalHub, home: Path, scenario: str, *args: str, timeout: float = 900) -> dict:
-    """Run one tests/tf_scenarios.py scenario against `hub` in a fresh interpreter and return its JSON result.
+    """Run one tests/packaging/tf_scenarios.py scenario against `hub` in a fresh interpreter and return its JSON result.
 
     The child sees the transformers that this interpreter imports (its folder goes on PYTHONPATH when it is not one
     of the interpreter's own site-packages, e.g. an extra payload), the local hub as HF_ENDPOINT and a private HF

@@ -1,8 +1,8 @@
 """Same-run comparison of two builds of this package (e.g. a refactor against the code before it), forward and
 backward, on the benchmark grid of bench_fwd.py / bench_bwd.py.
 
-    python benchmarks/compare_versions.py --path /tmp/base --baseline flash_attn_4_sm120_base \
-        --out benchmarks/results/refactor_vs_previous_h100.jsonl
+    python benchmarks/experiments/compare_versions.py --path /tmp/base --baseline flash_attn_4_sm120_base \
+        --out benchmarks/experiments/results/refactor_vs_previous_h100.jsonl
 
 The baseline is a copy of the package under another module name (``--path`` is added to sys.path).  Each cell is
 timed alternately (baseline then new, new then baseline, ...; ``--rounds`` rounds of CUDA-event medians) so drift in
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import SEQLENS, SHAPES, TOKENS, flops, time_fn  # noqa: E402
 
 

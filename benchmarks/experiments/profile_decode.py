@@ -3,7 +3,7 @@ flash_attn_with_kvcache with each candidate split tile and split count, eagerly 
 graph removes the host cost, which is what a serving engine that captures its decode step sees), and print the
 per-kernel GPU times of one call from torch.profiler.
 
-    python benchmarks/profile_decode.py [--out benchmarks/results/decode_tiles_<gpu>.jsonl]
+    python benchmarks/experiments/profile_decode.py [--out benchmarks/experiments/results/decode_tiles_<gpu>.jsonl]
 
 The tile override patches the dispatcher's split-tile rule for the duration of one measurement (config.clear_caches
 before and after), so every row runs the same public call.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_decode import copy_gbps, gpu_tag, make_cache  # noqa: E402
 from bench_fwd import time_fn  # noqa: E402
 

@@ -2,7 +2,7 @@
 repeated calls on a tiny problem, so the per-call Python cost shows by function.  Cases: dense flash_attn_func; flash_attn_with_kvcache decode (B=1, Hq 32 /
 Hkv 8, d128, KV 4K) with num_splits=1 and automatic splits, contiguous and paged.
 
-    python benchmarks/profile_host_decode.py [--calls 500] [--top 25]
+    python benchmarks/experiments/profile_host_decode.py [--calls 500] [--top 25]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training smoke: a small causal transformer trained with our attention and with SDPA from the same seed.
 
-    python benchmarks/train_smoke.py --steps 300 --out benchmarks/results/train_smoke_h100.jsonl
+    python benchmarks/experiments/train_smoke.py --steps 300 --out benchmarks/experiments/results/train_smoke_h100.jsonl
 
 Task: sequences made of a random 16-token block repeated 16 times (every copy after the first is predictable
 by attending 16 positions back, so the loss falls well below log(vocab) only if attention — forward and

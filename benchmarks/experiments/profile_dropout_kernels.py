@@ -1,7 +1,7 @@
 """Per-kernel GPU time of the d128 dropout calls of bench_dropout (S=4096, B=4, H=16, p=0.1 and p=0), forward and
 backward, causal and not, from torch.profiler: which kernel a dropout change moved.
 
-    python benchmarks/profile_dropout_kernels.py [--tag NAME]
+    python benchmarks/experiments/profile_dropout_kernels.py [--tag NAME]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 config.FWD_LPT_ORDER on (every head's longest tile launches before any second-longest, kernels/fwd_base.py
 ``cta_coords``) against off (tile columns reversed inside each head only), on bench_fwd's causal cells.
 
-    python benchmarks/probe_lpt.py [--only mha-d64 ...] [--seqlens 1024 4096] [--rounds 3] [--out F]
+    python benchmarks/experiments/probe_lpt.py [--only mha-d64 ...] [--seqlens 1024 4096] [--rounds 3] [--out F]
 
 Each round times both orders (CUDA-event medians after warm-up, bench_fwd.time_fn); the kernels of the two orders
 are compiled separately and swapped into jit's memory cache (the disk cache is off).  Reported: ms and
@@ -22,7 +22,7 @@ os.environ["FA4_SM120_DISK_CACHE"] = "0"  # the order is not part of the compile
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
 

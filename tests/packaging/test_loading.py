@@ -2,7 +2,7 @@
 
 Covers local paths, LOCAL_KERNELS, online get_kernel against the local hub, the offline pitfalls of kernels 0.17.2
 and how scripts/prefetch.py fixes them, publisher trust, pinned production with `kernels lock` + load_kernel,
-unknown repos/revisions, and what a CPU-only machine is told. See tests/hubtools.py for the CPU workaround.
+unknown repos/revisions, and what a CPU-only machine is told. See tests/packaging/hubtools.py for the CPU workaround.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 grows, in bench_decode's 8-call CUDA graph (each call over its own copy of the cache), against the floor of any
 two-kernel call (two dependent tiny kernels per call in the same kind of graph).
 
-    python benchmarks/probe_decode_floor.py [--out benchmarks/results/decode_floor_h100.jsonl]
+    python benchmarks/experiments/probe_decode_floor.py [--out benchmarks/experiments/results/decode_floor_h100.jsonl]
 
 Per case (Hq 32, d128, bf16, q_len 1, contiguous cache) and KV length: ms per call with the automatic split count,
 the K+V bytes read and their rate.  A least-squares line over the KV lengths gives a fixed cost per call (its
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_decode import LAYERS, copy_gbps, make_cache, time_graph_layers  # noqa: E402
 from bench_fwd import append_jsonl  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Per-kernel GPU times (torch.profiler) of single calls, for deciding where the time of an issue's case goes
 (a tuning aid, not a peer benchmark).
 
-    python benchmarks/probe_kernels.py decode   [--splits 0 32 64 128 256]   # MQA/GQA decode: attention vs combine
-    python benchmarks/probe_kernels.py mods                                  # causal/document block masks, fwd+bwd
-    python benchmarks/probe_kernels.py dropout  [--rounds 10]                # d128 S4K dropout fwd (see --rounds)
+    python benchmarks/experiments/probe_kernels.py decode [--splits 0 32 64 128 256]  # MQA/GQA: attention vs combine
+    python benchmarks/experiments/probe_kernels.py mods        # causal/document block masks, fwd+bwd
+    python benchmarks/experiments/probe_kernels.py dropout [--rounds 10]  # d128 S4K dropout fwd (see --rounds)
 
 ``dropout --rounds R`` compiles the kernels with R Philox rounds (an experiment: the shipped contract is
 dropout.PHILOX_ROUNDS); run each R in its own process with its own FA4_SM120_CACHE_DIR, since the compile key
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import time_fn  # noqa: E402
 
 

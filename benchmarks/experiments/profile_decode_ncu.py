@@ -2,7 +2,8 @@
 tuning aid): the split forward and the combine of ``flash_attn_with_kvcache`` with the automatic split count.
 
     ncu --kernel-name regex:"decode|combine" --launch-skip 4 --launch-count 2 --section SpeedOfLight \\
-        --section WarpStateStats --section Occupancy --csv python benchmarks/profile_decode_ncu.py --case mqa
+        --section WarpStateStats --section Occupancy --csv \\
+        python benchmarks/experiments/profile_decode_ncu.py --case mqa
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_decode import make_cache  # noqa: E402
 
 CASES = {  # batch, kv_len, hq, hkv, d (bench_decode's cases)

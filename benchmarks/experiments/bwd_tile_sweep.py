@@ -1,6 +1,6 @@
 """Backward tile sweep: time candidate dK/dV and dQ tiles per head dim, kernel by kernel.
 
-    python benchmarks/bwd_tile_sweep.py --out benchmarks/results/bwd_tile_sweep_h100.jsonl
+    python benchmarks/experiments/bwd_tile_sweep.py --out benchmarks/experiments/results/bwd_tile_sweep_h100.jsonl
 
 Each candidate replaces one kernel's tile (the other kernel keeps the shipped tile); the candidates are compiled in
 parallel worker processes into the disk cache first, then every (candidate, cell) backward is run under
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import flops, time_fn  # noqa: E402
 
 import flash_attn_4_sm120 as fa  # noqa: E402

@@ -14,7 +14,7 @@ EntryNotFound, as the Hub does. Every request is recorded in ``LocalHub.requests
 offline load made none.
 
 Use it in-process (``with LocalHub(root) as hub: hub.endpoint``) or as a process:
-``python tests/hub_server.py --root DIR [--trusted ORG] [--untrusted ORG]`` prints the endpoint URL and serves
+``python tests/packaging/hub_server.py --root DIR [--trusted ORG] [--untrusted ORG]`` prints the endpoint URL and serves
 until killed. Standard library only; binds 127.0.0.1 on a random port.
 """
 

@@ -2,7 +2,7 @@
 profiler range, for Nsight Compute's pipe and stall metrics:
 
     ncu --profile-from-start off --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --section SchedulerStats --csv python benchmarks/profile_dropout_pipes.py [--causal]
+        --section SchedulerStats --csv python benchmarks/experiments/profile_dropout_pipes.py [--causal]
 
 The compiles and a warm-up call of each run before the ranges, so only the two attention kernels are profiled.
 """

@@ -4,10 +4,10 @@ path's cp.async tile, and on paged caches (the dispatcher's kernel: TMA on prefi
 multiple of the tile's tile_n, ``paged_tma_eligible`` in the output, decode and split calls keep cp.async;
 ``paged_cpasync`` forces the cp.async kernel); with ``--ncu`` it runs each variant once, for Nsight Compute:
 
-    python benchmarks/paged_vs_contiguous.py                                  # decode (q_len 1)
-    python benchmarks/paged_vs_contiguous.py --q-len 512 --shapes 1x8192      # chunked prefill, causal
+    python benchmarks/experiments/paged_vs_contiguous.py                                  # decode (q_len 1)
+    python benchmarks/experiments/paged_vs_contiguous.py --q-len 512 --shapes 1x8192      # chunked prefill, causal
     ncu --kernel-name regex:fwd_cpasync --section SpeedOfLight --section WarpStateStats \\
-        python benchmarks/paged_vs_contiguous.py --ncu
+        python benchmarks/experiments/paged_vs_contiguous.py --ncu
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_decode import copy_gbps, make_cache, time_graph  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Probe (issue 10): the forward's dropout ratio (time without / with, p = 0.1, d128, bf16) across sequence
 lengths and masks at a fixed token count, to separate per-tile from per-CTA costs of dropout.
 
-    python benchmarks/probe_dropout_shapes.py --out benchmarks/results/dropout_shapes_h100.jsonl
+    python benchmarks/experiments/probe_dropout_shapes.py --out benchmarks/experiments/results/dropout_shapes_h100.jsonl
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import time_fn  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """A/B of the decode tiles in one process (a tuning aid for issue 8, not the peer benchmark): the shipped table
 (config_decode._DECODE_TILES, DECODE_KEY_SPLIT) against variants, on bench_decode's cases.
 
-    python benchmarks/probe_decode_tiles.py [--variants rows64 keysplit ...] [--splits 0 128] [--out F]
+    python benchmarks/experiments/probe_decode_tiles.py [--variants rows64 keysplit ...] [--splits 0 128] [--out F]
 
 Variants: ``pack16`` / ``pack8`` (the key split, but MQA's 32 query heads packed 16 or 8 per CTA: more head
 groups, fewer rows per CTA, the same splits' worth of CTAs from fewer splits), ``rows64`` (config_decode.DECODE_KEY_SPLIT off: every decode call on the 64-row tiles), ``keysplit``
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_decode import LAYERS, copy_gbps, make_cache, time_graph, time_graph_layers  # noqa: E402
 from bench_fwd import append_jsonl  # noqa: E402
 

@@ -1,15 +1,15 @@
 """Hugging Face transformers runs, trains and generates with the bundle (GPU).
 
 transformers itself loads the bundle: ``from_config(cfg, attn_implementation="kernels-test/flash-attn-4-sm120")``
-resolves the repo through ``kernels.get_kernel`` against tests/hub_server.py, which serves the committed
+resolves the repo through ``kernels.get_kernel`` against tests/packaging/hub_server.py, which serves the committed
 build/torch-cuda (no internet needed: the hub is on 127.0.0.1). Each scenario runs in its own interpreter
-(tests/tf_scenarios.py) and compares three models with the same random weights: ours (bf16, the bundle), ref (bf16,
-transformers' sdpa or eager) and gold (fp32 eager). Ours must be as close to gold as ref is (bf16-level tolerance),
+(tests/packaging/tf_scenarios.py) and compares three models with the same random weights: ours (bf16, the bundle),
+ref (bf16, transformers' sdpa or eager) and gold (fp32 eager). Ours must be as close to gold as ref is (bf16-level tolerance),
 a control model without the feature under test (window, softcap, sinks) must be far from gold (the comparison can
 fail), the two bf16 models must really use different implementations, and spies on the functions transformers took
 from the bundle must have seen the calls.
 
-    python -m pytest -m gpu -q tests/test_transformers_gpu.py
+    python -m pytest -m gpu -q tests/packaging/test_transformers_gpu.py
 
 The first run compiles each kernel variant once (disk cache ~/.cache/flash_attn_4_sm120); later runs are fast.
 """
@@ -50,8 +50,8 @@ def scenario(hub, home, name, family, *extra):
     return run_tf_scenario(hub, home, name, "--repo", REPO, "--family", family, *extra)
 
 
-# The check_* functions judge one scenario's result; tests/test_transformers.py runs the same checks on CPU with
-# the pure-PyTorch reference in place of the kernel, which tests this harness without a GPU.
+# The check_* functions judge one scenario's result; tests/packaging/test_transformers.py runs the same checks on CPU
+# with the pure-PyTorch reference in place of the kernel, which tests this harness without a GPU.
 
 
 def assert_our_kernel_loaded(r: dict, family: str, home: Path) -> None:

@@ -2,8 +2,8 @@
 11): ours or SDPA FLASH (FlashAttention-2), forward or backward, so the two can be profiled side by side.
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --csv \\
-        --launch-skip 3 --launch-count 3 python benchmarks/profile_cells_ncu.py --shape mha-d64 --seqlen 1024 \\
-        --causal --impl ours --direction fwd
+        --launch-skip 3 --launch-count 3 python benchmarks/experiments/profile_cells_ncu.py --shape mha-d64 \\
+        --seqlen 1024 --causal --impl ours --direction fwd
 
 ``--calls`` calls after the first (warm-up and compile); the backward calls are torch.autograd.grad of one
 forward graph (the forward itself runs once, before).
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SHAPES, TOKENS  # noqa: E402
 
 

@@ -2,9 +2,9 @@
 
 The selection path needs no GPU: transformers resolves ``attn_implementation="<org>/flash-attn-4-sm120"`` through
 kernels against the local hub, registers the bundle's functions and decides from their signatures which keywords
-to pass. The GPU suite's own checks (tests/test_transformers_gpu.py) are also run here on a few scenarios with a
-pure-PyTorch FlashAttention reference in place of the kernel (``--reference-kernel``), which tests the harness:
-transformers' call forms, masks, the tolerances and the controls.
+to pass. The GPU suite's own checks (tests/packaging/test_transformers_gpu.py) are also run here on a few
+scenarios with a pure-PyTorch FlashAttention reference in place of the kernel (``--reference-kernel``), which tests
+the harness: transformers' call forms, masks, the tolerances and the controls.
 """
 
 from __future__ import annotations
