@@ -29,6 +29,7 @@ CELLS = [  # (name, Hq, Hkv, D, S, causal), batch 16384 // S
     ("mha-d256", 8, 8, 256, 4096, False), ("mha-d256", 8, 8, 256, 4096, True),
     ("llama3-70b", 64, 8, 128, 2048, True), ("phi-d96", 16, 16, 96, 2048, True),
     ("gemma-d256-gqa", 16, 8, 256, 4096, True),
+    ("phi-d96", 16, 16, 96, 2048, False),  # bench_bwd's other d96 cell (index 17)
 ]
 
 
@@ -78,7 +79,7 @@ def main(argv=None):
         from flash_attn_4_sm120 import config_bwd
 
         d_, tile = args.fused_tile.split(":")
-        config_bwd._FUSED_TILES[int(d_)] = ((tuple(int(x) for x in tile.split(",")), True),)  # every walk
+        config_bwd._FUSED_TILES[int(d_)] = ((tuple(int(x) for x in tile.split(",")), "all"),)  # every walk
         variant = args.fused_tile
 
     fa4 = frost = None

@@ -196,12 +196,13 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
 # live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
 # only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
 # benchmarks/experiments/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
-# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on windowed walks
-# (the only d96 cell is causal).  d192 and d256
+# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on every walk
+# (benchmarks/experiments/results/bwd_fused_ab_d96_h200_s31.jsonl; 64x128 and 128x64 exceed the shared memory at
+# d96).  d192 and d256
 # (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
 _FUSED_TILES = {
     64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
-    96: (((64, 64, 8), "windowed"),),
+    96: (((64, 64, 8), "all"),),
     128: (((32, 128, 8), "plain"), ((64, 64, 8), "windowed")),
 }
 
