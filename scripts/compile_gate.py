@@ -13,11 +13,11 @@ A configuration passes when its cubin has HMMA (mma.sync) instructions (the atte
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
-config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist,
-config_bwd.fused_gate_worklist),
-plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
-(config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
+lightest and heaviest feature set: the hand-made worklists of scripts/gate_lists.py (per tile, paged, block-sparse,
+decode, backward, dropout, fused backward, combine, backward preprocess and the library mods), plus, unless
+--no-classes, every class the dispatcher can select at its lightest and heaviest flag set (scripts/gate_classes.py).
+--json writes the rows and a first line that records the run (target, CuTe-DSL version and libs, commit, the
+fingerprint of the sources the gate builds; scripts/gate_ci.py).
 
 The target without TMA (sm_80, which 8.6 and 8.9 devices load too: device.CAPABILITIES) builds what such a device selects: every TMA tile
 replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
@@ -93,25 +93,10 @@ def _worklist(pattern: str | None, arch: str = "sm_120a", classes: bool = True):
     and no combine kernel).  ``classes``: also every class the dispatcher can select, at its lightest and heaviest
     flag set (scripts/gate_classes.py); without it, the hand-made worklists only."""
     _package()
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode, device
+    from flash_attn_4_sm120 import config_bwd, config_combine, device
+    from scripts.gate_lists import hand_worklist
 
-    items = []
-    for dtype, d, dv, tile in config.all_fwd_tile_configs():
-        items += config.gate_configs(dtype, d, dv, tile)
-    items += config.paged_gate_worklist()
-    items += config.sparse_gate_worklist()
-    items += config_decode.decode_gate_worklist()
-    items += config_bwd.sparse_bwd_gate_worklist()
-    for dtype in config.DTYPES:
-        for d, dv in config.supported_head_dim_pairs():
-            items += config_bwd.bwd_gate_configs(dtype, d, dv)
-    items += config_bwd.dropout_gate_worklist()
-    items += config_bwd.fused_gate_worklist()
-    items += config_combine.combine_gate_configs()
-    items += config_bwd.bwd_pre_gate_configs()
-    from flash_attn_4_sm120 import modspec
-
-    items += modspec.gate_worklist()
+    items = hand_worklist()
     feat = device.features_of_arch(arch)
     if classes:
         from scripts.gate_classes import class_worklist

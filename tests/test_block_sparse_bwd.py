@@ -8,6 +8,7 @@ import torch
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
 from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch, dispatch_bwd
+from scripts import gate_lists as GL
 
 
 def _transpose_ref(cnt, idx, num_kv_blocks):
@@ -221,7 +222,7 @@ def test_sparse_backward_configs_records_and_plan():
     assert not config_bwd.select_bwd_config("bf16", 128, 128).block_sparse
     dq = config_bwd.select_dq_config("bf16", 128, 128, sparse_q_ratio=1, sparse_kv_ratio=2)
     assert dq.block_sparse and dq.name().startswith("dq") and "sparse1x2" in dq.name()
-    work = config_bwd.sparse_bwd_gate_worklist()
+    work = GL.sparse_bwd_gate_worklist()
     assert 0 < len(work) <= 20 and all(c.block_sparse for c in work)
     assert {type(c) for c in work} == {config_bwd.BwdKernelConfig, config_bwd.DqKernelConfig}
     plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
