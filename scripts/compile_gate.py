@@ -239,8 +239,8 @@ def _ci(args) -> int:
             continue
         index = GC.ci_shard_index(count)
         # with a stale or missing full run CI fails anyway: the shard only, not "everything changed" (hours)
-        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(GC.last_commit(
-            str(GC.full_run_path(arch).relative_to(GC.ROOT)))))
+        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(
+            GC.read_run(GC.full_run_path(arch))[0]))
         todo = [c for c in work if GC.in_shard(c.name(), index, count) or kind(c) in changed]
         print(f"compile gate --ci {arch}: shard {index}/{count} and the kinds changed since the full run "
               f"({', '.join(sorted(changed)) or 'none'}): {len(todo)} of {len(work)} configurations", flush=True)
@@ -288,8 +288,11 @@ def _report(rows: list[dict], args) -> None:
             f"| {r['config']:<58} | {r.get('regs', '-'):>4} | {r.get('spills', '-'):>6} | {r.get('frame', '-'):>5} "
             f"| {r.get('hmma', '-'):>4} | {r.get('ex2', '-'):>3} | {r.get('smem', '-'):>8} | {res} |"
         )
-    if args.json:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.json:  # the run's record first (scripts/gate_ci.py reads it), then one row per configuration
+        from scripts.gate_ci import run_meta
+
+        meta = run_meta(args.arch, len(rows), args.jobs)
+        args.json.write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))
     bad = [r for r in rows if r["problems"]]
     print(f"\ncompile gate: {len(rows) - len(bad)}/{len(rows)} configurations pass for {args.arch}")
 
