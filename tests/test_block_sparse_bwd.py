@@ -473,3 +473,17 @@ def test_emulated_schedules_give_the_reference_gradients(causal, given):
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
         # the reference rounds the scores to fp32; a schedule error would be O(1)
         assert torch.allclose(a, r, atol=2e-5, rtol=1e-4), f"{name}: {(a - r).abs().max().item():.3e}"
+
+
+def test_fp16_sparse_backward_at_d256_raises():
+    """The d256 dK/dV tiles spill with block sparsity in fp16 (config_bwd._BWD_SPILLING, "sparse_fp16"): planning
+    such a call with grad raises before launch; bf16, fp16 without sparsity and fp16 sparse inference plan."""
+    sparse = dict(sparse_q_ratio=1, sparse_kv_ratio=1)
+    with pytest.raises(ValueError, match="sparse_fp16"):
+        config_bwd.select_bwd_config("fp16", 256, 256, **sparse)
+    assert config_bwd.select_bwd_config("bf16", 256, 256, **sparse).block_sparse
+    assert not config_bwd.select_bwd_config("fp16", 256, 256).block_sparse
+    args = ("fp16", 256, 256, False, False, False, False, False, False, False)
+    with pytest.raises(ValueError, match="sparse_fp16"):
+        dispatch._plan(*args, True, 0, sparse=(1, 1, 64, 32), sparse_bwd=(1, 1, 2, 1))
+    assert dispatch._plan(*args, False, 0, sparse=(1, 1, 64, 32)).bwd_cfg is None

@@ -110,7 +110,10 @@ _BWD_TILES = {
 # spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
 _BWD_SPILLING = {
     ((32, 32, 4, 32, False), 256): {"sparse"},
-    ((32, 32, 4, 16, False), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    # 35 STL/LDL with the document mask_mod; in fp16 block sparsity alone spills (54-85 STL/LDL, 1x1 and 2x2 blocks,
+    # lightest to heaviest set, benchmarks/results/gate_spill_probes_sm120a_s31.jsonl; bf16 compiles with 0), so an
+    # fp16 block-sparse call at d256 that needs grad raises before launch
+    ((32, 32, 4, 16, False), 256): {"sparse_mask_mod", "sparse_fp16"},
     # 10 STL/LDL with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile
     # gate's class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
     ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
@@ -142,6 +145,7 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
     for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
                         ("sparse_mask_mod", cfg.block_sparse and mask_mod),
+                        ("sparse_fp16", cfg.block_sparse and cfg.dtype == "fp16"),
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
                         ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
                         ("mods_dropout", cfg.has_dropout and cfg.mods is not None),
