@@ -12,7 +12,7 @@ H100 proxy: at most 101376 B of shared memory per CTA, mma.sync m16n8k16 only, n
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, replace  # noqa: F401 (config.replace: tests and benchmarks use it)
 
 # ---- hardware budget (SM120 / SM121) -------------------------------------------------------------------------
 SMEM_LIMIT_BYTES = 101376  # max dynamic shared memory per block on SM12x (99 KB)
@@ -431,19 +431,6 @@ def _supported_head_dim_pairs(_version: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def all_fwd_tile_configs(tma: bool = True) -> list[tuple[str, int, int, FwdTile]]:
-    """Every (dtype, head_dim, head_dim_v, tile) the dispatcher can select — the compile gate's worklist
-    (``tma``: on a device with TMA or without)."""
-    out = []
-    for dtype in DTYPES:
-        for d, dv in supported_head_dim_pairs():
-            for windowed in (False, True):
-                tile = select_fwd_tile(d, dv, windowed, tma=tma)
-                item = (dtype, d, dv, tile)
-                if item not in out:
-                    out.append(item)
-    return out
-
 
 # Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
 # set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
@@ -508,87 +495,3 @@ def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int, tma: bool = True) -> F
     raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
                      f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "
                      "forward tile spills registers with both); use dropout_p=0 or no mods at this head dim")
-
-
-def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
-    heaviest split-KV variant (dropout variants: ``dropout_gate_configs``).  Feature flags only add code on boundary
-    tiles, the epilogue or the prologue; the heaviest variant bounds register pressure from above."""
-    base = FwdKernelConfig(dtype, d, dv, tile)
-    heavy = replace(
-        base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
-        seqused_k=True,
-    )
-    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
-    # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    out = [base, heavy]
-    if dtype == "bf16":
-        out.append(replace(heavy, split_kv=True, tile=split_tile(tile)))
-    return out
-
-
-def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """The dropout variants the compile gate builds for a forward tile: the lightest and the heaviest feature set
-    with dropout (Philox work on every tile), on the tile ``dropout_fwd_tile`` gives."""
-    base, heavy = gate_configs(dtype, d, dv, tile)[:2]
-    dtile = dropout_fwd_tile(d, dv, tile)
-    return [replace(base, tile=dtile, has_dropout=True),
-            replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
-
-
-def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
-    """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
-    return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
-
-
-def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
-    """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
-    lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one; for each distinct TMA-paged
-    tile (``paged_tma_tile``), the lightest and the heaviest (never split: split and decode calls keep the
-    cp.async tiles)."""
-    out = []
-    for windowed in (False, True):
-        tile = select_fwd_tile(d, dv, windowed, paged=True)
-        base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
-        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
-                        seqused_k=True)
-        out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
-    for windowed in (False, True):
-        tile = paged_tma_tile(d, dv, windowed)
-        if tile is not None:
-            base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
-            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
-                            seqused_k=True)
-            out += [c for c in (base, heavy) if c not in out]
-    return out
-
-
-def sparse_gate_worklist() -> list[FwdKernelConfig]:
-    """The block-sparse configurations the compile gate builds: bf16, per distinct sparse tile a block size can
-    select (TMA or cp.async), at the largest head_dim_v that runs it (dv == d but for the d192 TMA tile with Q in
-    registers, which serves dv < 192), the lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with
-    every flag sparsity combines with)."""
-    out = []
-    seen = set()
-    for d, dv in sorted(supported_head_dim_pairs(), key=lambda p: (p[0], -p[1])):
-        for windowed in (False, True):
-            for tile in reachable_sparse_tiles(d, dv, windowed):
-                if (d, tile) in seen:
-                    continue
-                seen.add((d, tile))
-                base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
-                heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
-                                seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
-                out += [base, heavy]
-    return out
-
-
-def paged_gate_worklist() -> list[FwdKernelConfig]:
-    """The paged configurations the compile gate builds: bf16 (fp16 differs only in the mma type), head-dim pairs
-    with dv == d (the most registers and shared memory of each tile), lightest and heaviest feature set."""
-    out = []
-    for d, dv in supported_head_dim_pairs():
-        if d == dv:
-            out += paged_gate_configs("bf16", d, dv)
-    return out
