@@ -327,9 +327,11 @@ _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
 # Score/mask mods with block sparsity: the d <= 64 and d192 TMA tiles with Q in registers spilled on sm_120a with
 # the relative-bias score_mod (a 2-D aux table) and the heaviest feature set (2 STL/LDL each, 2x2 blocks, d64 at 1x1
 # too; compile gate 2026-11-24); reading Q from shared memory they compile with 0.  Same shapes: the same block
-# sizes are valid.
+# sizes are valid.  Without TMA (sm_80) the d <= 64 cp.async tile with Q in registers spilled the same way, with Q
+# from shared memory it compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).
 _SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True),
-                      FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True)}
+                      FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True),
+                      FwdTile(128, 128, 8, 2, True): FwdTile(128, 128, 8, 2)}
 
 
 def sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool, tma: bool = True) -> tuple[FwdTile, ...]:
