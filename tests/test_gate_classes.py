@@ -285,3 +285,16 @@ def test_ci_adds_the_kinds_changed_since_a_fresh_full_run(monkeypatch):
     dq = [c for c in work if C.kind(c) == "dq"]
     assert dq and any(not GC.in_shard(c.name(), index, 8) for c in dq)  # every dQ configuration, not its shard
     assert all(GC.in_shard(c.name(), index, 8) for c in work if C.kind(c) != "dq")
+
+
+def test_a_json_run_writes_its_record_first(tmp_path, capsys):
+    import argparse
+
+    out = tmp_path / "run.jsonl"
+    rows = [{"config": "b", "problems": []}, {"config": "a", "problems": ["spills (2 STL/LDL, frame 8 B)"]}]
+    G._report(rows, argparse.Namespace(arch="sm_80", jobs=3, json=out))
+    meta, read = GC.read_run(out)
+    assert meta["arch"] == "sm_80" and meta["configs"] == 2 and meta["jobs"] == 3
+    assert meta["sources"] == GC.source_hashes() and "kernels/fwd_tma.py" in meta["sources"]
+    assert sorted(read) == ["a", "b"] and read["a"]["problems"]
+    assert "1/2 configurations pass for sm_80" in capsys.readouterr().out
