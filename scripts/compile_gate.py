@@ -67,9 +67,23 @@ def _without_tma(cfg):
 
     from flash_attn_4_sm120 import config
 
-    if not isinstance(cfg, config.FwdKernelConfig) or not cfg.tile.tma:
+    if not isinstance(cfg, config.FwdKernelConfig):
         return cfg
     d, dv, tile = cfg.head_dim, cfg.head_dim_v, cfg.tile
+    plain = not (cfg.split_kv or cfg.block_sparse or tile.kv_groups > 1 or cfg.mods is not None)
+    if not tile.tma and plain and cfg.paged:  # a paged prefill tile: the one such a device picks for paged K/V
+        rows = [w for w in (False, True) if tile == config.select_fwd_tile(d, dv, w, paged=True)]
+        if rows and tile in config.candidate_tiles(d, dv, rows[0], paged=True):
+            return replace(cfg, tile=config.select_fwd_tile(d, dv, rows[0], paged=True, tma=False))
+        return cfg
+    if not tile.tma and plain and cfg.has_dropout:  # a cp.async dropout tile: the same choice without TMA
+        rows = [w for w in (False, True) if tile == config.dropout_fwd_tile(d, dv, config.select_fwd_tile(d, dv, w))]
+        if rows:
+            new = config.select_fwd_tile(d, dv, rows[0], tma=False)
+            return replace(cfg, tile=config.dropout_fwd_tile(d, dv, new, tma=False))
+        return cfg
+    if not tile.tma:
+        return cfg
     if cfg.mods is not None and cfg.has_dropout:
         try:
             return replace(cfg, tile=config.mods_dropout_fwd_tile(d, dv, tma=False))

@@ -34,7 +34,7 @@ PKG = "torch-ext/flash_attn_4_sm120"
 # device.CAPABILITIES); and the shard count CI builds of each.  Sized from the measured compile time: the hand-made
 # sm_120a worklist (672 configurations) took 33 min in CI on 2 cores, 5.9 core-seconds each
 # (benchmarks/results/gate_timing_sample.jsonl: 4.2-10.2 s per configuration at one job on a shared 2-core CPU); the
-# largest shards of today's full worklists (2436 / 14 -> 195, 1572 / 24 -> 87) make 282 configurations, about 14
+# largest shards of today's full worklists (2436 / 14 -> 195, 1548 / 24 -> 84) make 279 configurations, about 14
 # minutes at 2 jobs (tests/test_gate_classes.py checks the bound)
 FULL_ARCHS = ("sm_120a", "sm_80")
 CI_SHARDS = {"sm_120a": 14, "sm_80": 24}

@@ -298,3 +298,23 @@ def test_a_json_run_writes_its_record_first(tmp_path, capsys):
     assert meta["sources"] == GC.source_hashes() and "kernels/fwd_tma.py" in meta["sources"]
     assert sorted(read) == ["a", "b"] and read["a"]["problems"]
     assert "1/2 configurations pass for sm_80" in capsys.readouterr().out
+
+
+def test_targets_without_tma_take_the_tiles_that_do_not_spill_there():
+    """sm_80 reroutes (benchmarks/results/gate_spill_probes_sm80_s31.jsonl): paged d256 -> 64x32 two stages, dropout
+    d256 -> 64x16, block sparsity with mods at d64 -> Q from shared memory; SM120 (TMA) keeps its tiles; and the
+    gate's sm_80 worklist builds the rerouted tiles, not the ones such a device never runs."""
+    from flash_attn_4_sm120.config import FwdTile
+
+    flags = ("bf16", 256, 256, False, False, False, False, False, False, True, False, 0)
+    assert dispatch._plan(*flags, paged=True, tma=False).fwd_cfg.tile == FwdTile(64, 32, 4, 2)
+    assert dispatch._plan(*flags, paged=True, tma=True).fwd_cfg.tile == FwdTile(64, 64, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, dropout_packed=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, tma=True).fwd_cfg.tile == FwdTile(64, 32, 4, 1)
+    assert config.select_sparse_tile(64, 64, True, mods=True, tma=False) == FwdTile(128, 128, 8, 2)
+    names = [c.name() for c in G._worklist(None, "sm_80")]
+    assert not [n for n in names if "d256v256_64x64w4s1" in n and "_paged" in n]
+    assert not [n for n in names if "d256v256_64x32w4s1" in n and "_drop" in n]
+    assert not [n for n in names if "128x128w8s2q" in n and "_sparse" in n and "_mods-" in n]
+    assert [n for n in names if "d256v256_64x32w4s2" in n and "_paged" in n and "_win_" in n]
