@@ -274,7 +274,15 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
         tiles = _TILE_PREFERENCE[key]
     if paged or not tma:
         tiles = tuple(t for t in tiles if not t.tma)
+    if paged and not tma:
+        tiles = _PAGED_TILES_WITHOUT_TMA.get(key, ()) + tiles
     return tiles
+
+
+# Without TMA (SM80/SM86/SM89), paged K/V at head dim 256 runs the two-stage 64x32 tile (the decode tile): the row's
+# 64x64 one-stage tile spilled 8 STL/LDL under the heaviest paged set on sm_80 and 64x32 with one stage 15, the
+# two-stage one compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).  SM120 keeps 64x64 (0 spills).
+_PAGED_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {256: (FwdTile(64, 32, 4, 2),)}
 
 
 # Forward tiles that spill on sm_120a when compiled with dropout (compile gate, measured: registers/spills in
@@ -288,8 +296,11 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 
 # Without TMA (SM80/SM86/SM89), dropout at head dim 192 runs a 32-key cp.async tile: the row's 128x64 one-stage tile
 # spilled with dropout under the heaviest feature set on sm_80, the 128x32 two-stage one did not
-# (benchmarks/results/gate_sm8x_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
-_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),)}
+# (benchmarks/results/gate_sm8x_probe.jsonl).  At 256 the 64x64 and 64x32 one-stage tiles spilled 2-9 STL/LDL with
+# dropout on sm_80 (heaviest set, high-p test too), the 64x16 one compiles with 0, packed rows included
+# (gate_spill_probes_sm80_s31.jsonl).  Where it does not fit the copy (dv = 32, 96 at 256), the row's tile stays.
+_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),),
+                                                              256: (FwdTile(64, 16, 4, 1),)}
 
 
 def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile, tma: bool = True) -> FwdTile:
