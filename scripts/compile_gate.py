@@ -8,16 +8,19 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
                                                    # not in CI (README "SM121"); sm_120f, the family target, builds too
     python scripts/compile_gate.py --arch sm_80    # the target without TMA (8.0, 8.6 and 8.9 devices): cp.async
+    python scripts/compile_gate.py --ci            # CI: the committed full runs' checks and one shard (gate_ci.py)
+    # a full run to commit (outside a git checkout, FA4_GATE_COMMIT=<sha> names the commit in its record):
+    python scripts/compile_gate.py --arch sm_120a --jobs 16 --json benchmarks/results/gate_full_sm_120a.jsonl
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
 (wgmma/GMMA, UTC*/tcgen05, 2-CTA TMA), no spills (STL/LDL, stack frame 0), and its dynamic shared memory is
 at most 101376 B.  Configurations are (dtype, head_dim, head_dim_v, tile) from the tile tables, each at its
-lightest and heaviest feature set (config.gate_configs, config_bwd.dropout_gate_worklist, config.paged_gate_worklist,
-config.sparse_gate_worklist, config_decode.decode_gate_worklist, config_bwd.bwd_gate_configs, config_bwd.sparse_bwd_gate_worklist,
-config_bwd.fused_gate_worklist),
-plus the combine kernel's (config_combine.combine_gate_configs), the backward preprocess kernel's
-(config_bwd.bwd_pre_gate_configs) and the library mods' (modspec.gate_worklist).
+lightest and heaviest feature set: the hand-made worklists of scripts/gate_lists.py (per tile, paged, block-sparse,
+decode, backward, dropout, fused backward, combine, backward preprocess and the library mods), plus, unless
+--no-classes, every class the dispatcher can select at its lightest and heaviest flag set (scripts/gate_classes.py).
+--json writes the rows and a first line that records the run (target, CuTe-DSL version and libs, commit, the
+fingerprint of the sources the gate builds; scripts/gate_ci.py).
 
 The target without TMA (sm_80, which 8.6 and 8.9 devices load too: device.CAPABILITIES) builds what such a device selects: every TMA tile
 replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
@@ -64,9 +67,23 @@ def _without_tma(cfg):
 
     from flash_attn_4_sm120 import config
 
-    if not isinstance(cfg, config.FwdKernelConfig) or not cfg.tile.tma:
+    if not isinstance(cfg, config.FwdKernelConfig):
         return cfg
     d, dv, tile = cfg.head_dim, cfg.head_dim_v, cfg.tile
+    plain = not (cfg.split_kv or cfg.block_sparse or tile.kv_groups > 1 or cfg.mods is not None)
+    if not tile.tma and plain and cfg.paged:  # a paged prefill tile: the one such a device picks for paged K/V
+        rows = [w for w in (False, True) if tile == config.select_fwd_tile(d, dv, w, paged=True)]
+        if rows and tile in config.candidate_tiles(d, dv, rows[0], paged=True):
+            return replace(cfg, tile=config.select_fwd_tile(d, dv, rows[0], paged=True, tma=False))
+        return cfg
+    if not tile.tma and plain and cfg.has_dropout:  # a cp.async dropout tile: the same choice without TMA
+        rows = [w for w in (False, True) if tile == config.dropout_fwd_tile(d, dv, config.select_fwd_tile(d, dv, w))]
+        if rows:
+            new = config.select_fwd_tile(d, dv, rows[0], tma=False)
+            return replace(cfg, tile=config.dropout_fwd_tile(d, dv, new, tma=False))
+        return cfg
+    if not tile.tma:
+        return cfg
     if cfg.mods is not None and cfg.has_dropout:
         try:
             return replace(cfg, tile=config.mods_dropout_fwd_tile(d, dv, tma=False))
@@ -93,25 +110,10 @@ def _worklist(pattern: str | None, arch: str = "sm_120a", classes: bool = True):
     and no combine kernel).  ``classes``: also every class the dispatcher can select, at its lightest and heaviest
     flag set (scripts/gate_classes.py); without it, the hand-made worklists only."""
     _package()
-    from flash_attn_4_sm120 import config, config_bwd, config_combine, config_decode, device
+    from flash_attn_4_sm120 import config_bwd, config_combine, device
+    from scripts.gate_lists import hand_worklist
 
-    items = []
-    for dtype, d, dv, tile in config.all_fwd_tile_configs():
-        items += config.gate_configs(dtype, d, dv, tile)
-    items += config.paged_gate_worklist()
-    items += config.sparse_gate_worklist()
-    items += config_decode.decode_gate_worklist()
-    items += config_bwd.sparse_bwd_gate_worklist()
-    for dtype in config.DTYPES:
-        for d, dv in config.supported_head_dim_pairs():
-            items += config_bwd.bwd_gate_configs(dtype, d, dv)
-    items += config_bwd.dropout_gate_worklist()
-    items += config_bwd.fused_gate_worklist()
-    items += config_combine.combine_gate_configs()
-    items += config_bwd.bwd_pre_gate_configs()
-    from flash_attn_4_sm120 import modspec
-
-    items += modspec.gate_worklist()
+    items = hand_worklist()
     feat = device.features_of_arch(arch)
     if classes:
         from scripts.gate_classes import class_worklist
@@ -254,8 +256,8 @@ def _ci(args) -> int:
             continue
         index = GC.ci_shard_index(count)
         # with a stale or missing full run CI fails anyway: the shard only, not "everything changed" (hours)
-        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(GC.last_commit(
-            str(GC.full_run_path(arch).relative_to(GC.ROOT)))))
+        changed = set() if problems else GC.kinds_to_rebuild(GC.changed_kernel_files(
+            GC.read_run(GC.full_run_path(arch))[0]))
         todo = [c for c in work if GC.in_shard(c.name(), index, count) or kind(c) in changed]
         print(f"compile gate --ci {arch}: shard {index}/{count} and the kinds changed since the full run "
               f"({', '.join(sorted(changed)) or 'none'}): {len(todo)} of {len(work)} configurations", flush=True)
@@ -303,8 +305,11 @@ def _report(rows: list[dict], args) -> None:
             f"| {r['config']:<58} | {r.get('regs', '-'):>4} | {r.get('spills', '-'):>6} | {r.get('frame', '-'):>5} "
             f"| {r.get('hmma', '-'):>4} | {r.get('ex2', '-'):>3} | {r.get('smem', '-'):>8} | {res} |"
         )
-    if args.json:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.json:  # the run's record first (scripts/gate_ci.py reads it), then one row per configuration
+        from scripts.gate_ci import run_meta
+
+        meta = run_meta(args.arch, len(rows), args.jobs)
+        args.json.write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))
     bad = [r for r in rows if r["problems"]]
     print(f"\ncompile gate: {len(rows) - len(bad)}/{len(rows)} configurations pass for {args.arch}")
 

@@ -1,35 +1,45 @@
 """What CI's compile gate builds, and whether the committed full runs still hold (compile_gate --ci).
 
-The full gate (every selectable class at its lightest and heaviest flag set, scripts/gate_classes.py, plus the
-hand-made worklists) does not fit CI's time (about four times today's worklist for sm_120a, and the targets
-without TMA on top; sampled compile times: benchmarks/results/gate_timing_sample.jsonl and gate_sm8x_probe.jsonl),
-so:
+The full gate (the hand-made worklists of scripts/gate_lists.py plus every selectable class at its lightest and
+heaviest flag set, scripts/gate_classes.py) does not fit CI's time on two cores (README "Compile gate" gives the
+counts), so:
 
-* a full run per target is committed as ``benchmarks/results/gate_full_<arch>.jsonl`` (``python
-  scripts/compile_gate.py --arch <arch> --json benchmarks/results/gate_full_<arch>.jsonl``);
-* CI fails when such a file is missing, lists a failing configuration, lacks a configuration of today's full
-  worklist, or is older than the last commit that touched the kernels or a config table (``FULL_RUN_INPUTS``): the
-  commit that last wrote it must descend from that commit;
-* CI builds a deterministic shard of the full worklist (``CI_SHARDS``: shard ``HEAD mod N``, so successive commits
-  rotate through the shards) plus every configuration whose kernel file differs from the last full run's commit
-  (working tree included, so a local run with edited kernels rebuilds what the edit touches).
+* a full run per target in ``FULL_ARCHS`` is committed as ``benchmarks/results/gate_full_<arch>.jsonl``
+  (``python scripts/compile_gate.py --arch <arch> --jobs N --json benchmarks/results/gate_full_<arch>.jsonl``).  Its
+  first line records the run (``run_meta``): target, CuTe-DSL version and libs variant (cu12 / cu13), the commit,
+  and the git blob hash of every source the gate builds from (``FULL_RUN_INPUTS``: the kernels and the config
+  tables), so the check needs no git history on the machine that made the run;
+* CI fails when such a file is missing or not committed, lacks that record, was made for another target or
+  CuTe-DSL version, lists a failing configuration, lacks a configuration of today's full worklist, or is stale:
+  a source of ``FULL_RUN_INPUTS`` at HEAD differs from the one the run built (so any commit touching the kernels or
+  a config table after the run, and the file names the first such commit);
+* CI builds a deterministic shard of each target's full worklist (``CI_SHARDS``: shard ``HEAD mod N`` of a hash
+  of the configuration's name, so successive commits rotate through the shards and the CI machine's CuTe-DSL build
+  re-checks a sample of the full run), plus, while the full run is fresh, every configuration whose kernel file
+  differs in the working tree from the one the full run built (a local run with edited kernels rebuilds what the
+  edit touches; a stale run fails instead, and rebuilding "everything changed" would take hours).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "torch-ext/flash_attn_4_sm120"
-# the targets whose full run must be committed, and the shard count CI builds of each (None: none in CI)
-FULL_ARCHS = ("sm_120a", "sm_80")  # 8.6 / 8.9 devices load sm_80 cubins (device.CAPABILITIES)
-CI_SHARDS = {"sm_120a": 4, "sm_80": 8}
-# a commit touching one of these makes the full runs stale
-FULL_RUN_INPUTS = (f"{PKG}/kernels", f"{PKG}/config.py", f"{PKG}/config_bwd.py", f"{PKG}/config_decode.py",
-                   f"{PKG}/config_combine.py", f"{PKG}/device.py")
+# the targets whose full run must be committed: sm_120a (SM120 / RTX 50xx), sm_80 (what 8.0, 8.6 and 8.9 devices load,
+# device.CAPABILITIES); and the shard count CI builds of each.  Sized from the measured compile time: the hand-made
+# sm_120a worklist (672 configurations) took 33 min in CI on 2 cores, 5.9 core-seconds each
+# (benchmarks/results/gate_timing_sample.jsonl: 4.2-10.2 s per configuration at one job on a shared 2-core CPU); the
+# largest shards of today's full worklists (2436 / 14 -> 195, 1548 / 24 -> 84) make 279 configurations, about 14
+# minutes at 2 jobs (tests/test_gate_classes.py checks the bound)
+FULL_ARCHS = ("sm_120a", "sm_80")
+CI_SHARDS = {"sm_120a": 14, "sm_80": 24}
+# what a full run is built from, under PKG: a change of one of these makes the committed full runs stale
+FULL_RUN_INPUTS = ("kernels/", "config/", "config*.py", "device.py")
 
 
 def full_run_path(arch: str) -> Path:
@@ -37,13 +47,97 @@ def full_run_path(arch: str) -> Path:
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    except FileNotFoundError:  # no git on this machine
+        return subprocess.CompletedProcess(args, 127, "", "git not found")
 
 
 def last_commit(*paths: str) -> str:
     """The last commit touching any of ``paths`` ('' when none, or outside a git checkout)."""
     res = _git("log", "-1", "--format=%H", "--", *paths)
     return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def _is_input(rel: str) -> bool:
+    """Whether ``rel`` (a path relative to PKG) is one of FULL_RUN_INPUTS."""
+    import fnmatch
+
+    return rel.endswith(".py") and any(rel.startswith(p) if p.endswith("/") else fnmatch.fnmatch(rel, p)
+                                       for p in FULL_RUN_INPUTS)
+
+
+def blob_hash(data: bytes) -> str:
+    """git's object id of a file's content (so working-tree files and HEAD's tree compare without git)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def source_hashes() -> dict[str, str]:
+    """{path under PKG: blob hash} of the working tree's FULL_RUN_INPUTS."""
+    base = ROOT / PKG
+    out = {}
+    for p in sorted(base.rglob("*.py")):
+        rel = p.relative_to(base).as_posix()
+        if "__pycache__" not in rel and _is_input(rel):
+            out[rel] = blob_hash(p.read_bytes())
+    return out
+
+
+def committed_hashes() -> dict[str, str] | None:
+    """The same for HEAD's tree (None outside a git checkout)."""
+    res = _git("ls-tree", "-r", "HEAD", "--", PKG)
+    if res.returncode != 0:
+        return None
+    out = {}
+    for line in res.stdout.splitlines():
+        meta, path = line.split("\t", 1)
+        rel = path[len(PKG) + 1:]
+        if _is_input(rel):
+            out[rel] = meta.split()[2]
+    return out
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def cutlass_dsl() -> tuple[str, str]:
+    """(nvidia-cutlass-dsl version, libs variant: cu12 / cu13 / unknown) of this environment."""
+    from importlib import metadata
+
+    def version(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    libs = [v for v in ("cu13", "cu12") if version(f"nvidia-cutlass-dsl-libs-{v}")]
+    return version("nvidia-cutlass-dsl") or "unknown", "+".join(libs) or "unknown"
+
+
+def run_meta(arch: str, configs: int, jobs: int) -> dict:
+    """The record a --json gate run writes first: enough to tell later what it built, where and from what."""
+    head = _git("rev-parse", "HEAD")
+    commit = head.stdout.strip() if head.returncode == 0 else os.environ.get("FA4_GATE_COMMIT", "unknown")
+    dirty = None
+    if head.returncode == 0:
+        dirty = bool(_git("status", "--porcelain", "--", PKG).stdout.strip())
+    version, libs = cutlass_dsl()
+    return {"meta": {"arch": arch, "cutlass_dsl": version, "libs": libs, "commit": commit, "dirty": dirty,
+                     "configs": configs, "jobs": jobs, "cpus": os.cpu_count(), "sources": source_hashes()}}
+
+
+def read_run(path: Path) -> tuple[dict | None, dict[str, dict]]:
+    """(the run's record or None, {configuration name: row})."""
+    meta, rows = None, {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if "meta" in row:
+                meta = row["meta"]
+            else:
+                rows[row["config"]] = row
+    return meta, rows
 
 
 def in_shard(name: str, index: int, count: int) -> bool:
@@ -56,14 +150,14 @@ def ci_shard_index(count: int) -> int:
     return int(head[:8], 16) % count if head else 0
 
 
-def changed_kernel_files(since: str) -> list[str]:
-    """Kernel files that differ between commit ``since`` and the working tree (all of them without a commit)."""
-    kdir = ROOT / PKG / "kernels"
-    if not since:
-        return sorted(p.name for p in kdir.glob("*.py"))
-    res = _git("diff", "--name-only", since, "--", f"{PKG}/kernels")
-    untracked = _git("ls-files", "--others", "--exclude-standard", "--", f"{PKG}/kernels").stdout.split()
-    return sorted({Path(p).name for p in res.stdout.split() + untracked if p.endswith(".py")})
+def changed_kernel_files(meta: dict | None) -> list[str]:
+    """Kernel files (names under kernels/) whose working-tree content differs from the one the run of ``meta``
+    built, new and removed ones included (all of them without a record)."""
+    now = {k: v for k, v in source_hashes().items() if k.startswith("kernels/")}
+    if not meta:
+        return sorted(Path(k).name for k in now)
+    then = {k: v for k, v in meta.get("sources", {}).items() if k.startswith("kernels/")}
+    return sorted({Path(k).name for k in _differing(now, then)})
 
 
 def kinds_to_rebuild(files: list[str]) -> set[str]:
@@ -81,22 +175,29 @@ def full_run_problems(arch: str, names: list[str]) -> list[str]:
     """Why the committed full run of ``arch`` does not vouch for today's worklist ``names`` (empty: it does)."""
     path = full_run_path(arch)
     rel = path.relative_to(ROOT)
-    redo = f"run `python scripts/compile_gate.py --arch {arch} --json {rel}` and commit the file"
+    redo = (f"run `python scripts/compile_gate.py --arch {arch} --jobs N --json {rel}` (README \"Compile gate\") "
+            "and commit the file")
     if not path.exists():
         return [f"{rel} is missing: {redo}"]
-    full = last_commit(str(rel))
-    if not full:
+    if not last_commit(str(rel)):
         return [f"{rel} is not committed: commit it"]
-    inputs = last_commit(*FULL_RUN_INPUTS)
-    if inputs and _git("merge-base", "--is-ancestor", inputs, full).returncode != 0:
-        return [f"{rel} (last written in {full[:10]}) is older than {inputs[:10]}, the last commit touching the "
-                f"kernels or a config table: {redo}"]
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["config"]] = row
+    meta, rows = read_run(path)
+    if meta is None:
+        return [f"{rel} has no record of its run (its first line): {redo}"]
     problems = []
+    if meta.get("arch") != arch:
+        problems.append(f"{rel} was made for {meta.get('arch')}, not {arch}: {redo}")
+    version, _ = cutlass_dsl()
+    if meta.get("cutlass_dsl") != version:
+        problems.append(f"{rel} was built with nvidia-cutlass-dsl {meta.get('cutlass_dsl')}, this environment has "
+                        f"{version}: {redo}")
+    head = committed_hashes()
+    stale = _differing(head if head is not None else source_hashes(), meta.get("sources", {}))
+    if stale:
+        since = last_commit(*(f"{PKG}/{s}" for s in stale))
+        problems.append(f"{rel} (run at commit {str(meta.get('commit'))[:10]}) is stale: {len(stale)} of the sources "
+                        f"it builds from differ at HEAD (e.g. {', '.join(stale[:3])}; last changed in "
+                        f"{since[:10] or 'the working tree'}): {redo}")
     failing = sorted(n for n, r in rows.items() if r.get("problems"))
     if failing:
         problems.append(f"{rel} lists {len(failing)} failing configurations, e.g. {failing[0]}: "

@@ -5,7 +5,7 @@ changes its code beyond feature flags (split-KV, paged, block-sparse, dropout wi
 variants for the forward; dropout and block sparsity for the backward).  Feature flags (window, softcap, sink,
 varlen, seqused, seed tensor) add code inside a class; the gate builds each class at the lightest and the heaviest
 flag set the dispatcher produced for it (``class_worklist``).  Score/mask mods are not classes here: a user's mods
-compile at their first call, and the library mods are gated by modspec.gate_worklist.
+compile at their first call, and the library mods are gated by gate_lists.mods_worklist.
 
 ``dispatcher_configs`` walks the dispatcher itself (dispatch._plan, the memoised selection every call goes
 through) over dtypes, head-dim pairs, modes and every subset of the flags, so a class reachable only through an

@@ -557,7 +557,31 @@ def plots_section(check: bool = False) -> str:
             + "\n".join(f"![{alt}]({rel}/{name}.png)" for name, (_, _, alt) in PLOTS.items()) + "\n")
 
 
-SECTIONS = {"features": features_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
+def gate_section() -> str:
+    """The compile gate's coverage, from the committed full runs (benchmarks/results/gate_full_<arch>.jsonl) and
+    the CI shard counts of scripts/gate_ci.py (its largest shard counted over the full run's configurations)."""
+    spec = importlib.util.spec_from_file_location("_gate_ci", ROOT / "scripts" / "gate_ci.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    lines = ["| target | full run (committed) | passing | built with | CI builds per commit |", "|---|---|---|---|---|"]
+    for arch in gc.FULL_ARCHS:
+        count = gc.CI_SHARDS.get(arch)
+        path = gc.full_run_path(arch)
+        if not path.exists():
+            lines.append(f"| `{arch}` | not committed yet | - | - | 1 shard of {count} |")
+            continue
+        meta, rows = gc.read_run(path)
+        names = sorted(rows)
+        largest = max(sum(gc.in_shard(n, i, count) for n in names) for i in range(count)) if count else 0
+        ok = sum(1 for r in rows.values() if not r.get("problems"))
+        built = (f"nvidia-cutlass-dsl {meta.get('cutlass_dsl')} ({meta.get('libs')}), commit "
+                 f"{str(meta.get('commit'))[:10]}") if meta else "no record"
+        lines.append(f"| `{arch}` | {len(rows):,} configurations (`{path.relative_to(ROOT)}`) | {ok:,} | {built} | "
+                     f"1 shard of {count} (at most {largest} configurations) |")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {"features": features_section, "gate": gate_section, "bench-fwd": bench_fwd_section, "bench-bwd": bench_bwd_section,
             "bench-host": bench_host_section, "bench-decode": bench_decode_section,
             "bench-dropout": bench_dropout_section, "bench-fwd-targets": bench_fwd_targets_section,
             "bench-bwd-targets": bench_bwd_targets_section, "bench-decode-summary": bench_decode_summary_section,

@@ -10,6 +10,7 @@ import torch
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_flex, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
 from flash_attn_4_sm120 import arguments, config, dispatch, modspec
+from scripts import gate_lists as GL
 from reference import attention_ref, sparse_allowed
 
 
@@ -205,7 +206,7 @@ def test_sparse_compile_key_and_records():
     names = arguments.FWD_ARGS.names
     for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
         assert n in names
-    gated = config.sparse_gate_worklist()
+    gated = GL.sparse_gate_worklist()
     for c in gated:
         assert c.block_sparse and c.tile in config.reachable_sparse_tiles(c.head_dim, c.head_dim_v, c.windowed)
     # every tile a block size can select is gated (TMA and cp.async), at some head_dim_v
@@ -257,7 +258,7 @@ def test_d192_block_size_picks_the_plan_tile():
         assert (plan.fwd_cfg.sparse_q_ratio, plan.fwd_cfg.sparse_kv_ratio) == ratios
     # with a mod the TMA tile reads Q from shared memory (same shape)
     plan = dispatch._plan("bf16", 64, 64, True, False, False, False, False, False, False, False, 0, False,
-                          sparse=(1, 1, 128, 128), mods=modspec._recipe_placeholder("causal", (), (), False))
+                          sparse=(1, 1, 128, 128), mods=modspec.recipe_placeholder("causal", (), (), False))
     assert plan.fwd_cfg.tile.tma and not plan.fwd_cfg.tile.q_in_regs
 
 

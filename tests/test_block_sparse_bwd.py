@@ -8,6 +8,7 @@ import torch
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
 from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch, dispatch_bwd
+from scripts import gate_lists as GL
 
 
 def _transpose_ref(cnt, idx, num_kv_blocks):
@@ -221,7 +222,7 @@ def test_sparse_backward_configs_records_and_plan():
     assert not config_bwd.select_bwd_config("bf16", 128, 128).block_sparse
     dq = config_bwd.select_dq_config("bf16", 128, 128, sparse_q_ratio=1, sparse_kv_ratio=2)
     assert dq.block_sparse and dq.name().startswith("dq") and "sparse1x2" in dq.name()
-    work = config_bwd.sparse_bwd_gate_worklist()
+    work = GL.sparse_bwd_gate_worklist()
     assert 0 < len(work) <= 20 and all(c.block_sparse for c in work)
     assert {type(c) for c in work} == {config_bwd.BwdKernelConfig, config_bwd.DqKernelConfig}
     plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
@@ -472,3 +473,17 @@ def test_emulated_schedules_give_the_reference_gradients(causal, given):
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
         # the reference rounds the scores to fp32; a schedule error would be O(1)
         assert torch.allclose(a, r, atol=2e-5, rtol=1e-4), f"{name}: {(a - r).abs().max().item():.3e}"
+
+
+def test_fp16_sparse_backward_at_d256_raises():
+    """The d256 dK/dV tiles spill with block sparsity in fp16 (config_bwd._BWD_SPILLING, "sparse_fp16"): planning
+    such a call with grad raises before launch; bf16, fp16 without sparsity and fp16 sparse inference plan."""
+    sparse = dict(sparse_q_ratio=1, sparse_kv_ratio=1)
+    with pytest.raises(ValueError, match="sparse_fp16"):
+        config_bwd.select_bwd_config("fp16", 256, 256, **sparse)
+    assert config_bwd.select_bwd_config("bf16", 256, 256, **sparse).block_sparse
+    assert not config_bwd.select_bwd_config("fp16", 256, 256).block_sparse
+    args = ("fp16", 256, 256, False, False, False, False, False, False, False)
+    with pytest.raises(ValueError, match="sparse_fp16"):
+        dispatch._plan(*args, True, 0, sparse=(1, 1, 64, 32), sparse_bwd=(1, 1, 2, 1))
+    assert dispatch._plan(*args, False, 0, sparse=(1, 1, 64, 32)).bwd_cfg is None

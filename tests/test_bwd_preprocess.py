@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch_bwd
+from scripts import gate_lists as GL
 from reference import dpsum_ref
 
 
@@ -20,7 +21,7 @@ def test_config_is_a_frozen_key_with_a_name():
     assert config_bwd.BwdPreKernelConfig("fp16", 96, True).name() == "dpsum_fp16_dv96_dlse"
     with pytest.raises(AttributeError):
         a.head_dim_v = 64
-    names = [c.name() for c in config_bwd.bwd_pre_gate_configs()]
+    names = [c.name() for c in GL.bwd_pre_gate_configs()]
     assert len(set(names)) == len(names) and all(n.startswith("dpsum_") for n in names)
 
 

@@ -8,10 +8,11 @@ import pytest
 from flash_attn_4_sm120 import FEATURES, config, config_bwd, dispatch, features, interface
 from flash_attn_4_sm120 import validate as V
 from flash_attn_4_sm120.config import FwdTile
+from scripts import gate_lists as GL
 
 
 def test_every_selected_tile_fits_sm120():
-    for dtype, d, dv, tile in config.all_fwd_tile_configs():
+    for dtype, d, dv, tile in GL.all_fwd_tile_configs():
         assert config.fwd_smem_bytes(d, dv, tile) <= config.SMEM_LIMIT_BYTES, (d, dv, tile)
         assert config.fwd_tile_problems(d, dv, tile) == []
 
@@ -59,26 +60,26 @@ def test_config_name_and_hash_are_stable():
 
 
 def test_gate_configs_light_heavy_and_split():
-    light, heavy, split = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    light, heavy, split = GL.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
     assert not light.windowed and heavy.windowed and heavy.has_sink and heavy.varlen_q
     assert split.split_kv and split.has_sink and split.windowed and split.varlen_q
     assert not light.split_kv and not heavy.split_kv
 
 
 def test_dropout_gate_configs_light_and_heavy():
-    light, heavy, _split = config.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
-    drop_light, drop_heavy = config.dropout_gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    light, heavy, _split = GL.gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
+    drop_light, drop_heavy = GL.dropout_gate_configs("bf16", 64, 64, FwdTile(128, 128, 8, 2, True))
     assert not light.has_dropout and not heavy.has_dropout and not _split.has_dropout
     assert drop_light == config.replace(light, has_dropout=True)
     assert drop_heavy == config.replace(heavy, has_dropout=True, dropout_seed_tensor=True)
-    assert not any(c.has_dropout for c in config_bwd.bwd_gate_configs("bf16", 128, 128))
+    assert not any(c.has_dropout for c in GL.bwd_gate_configs("bf16", 128, 128))
     assert "_drop" in drop_light.name() and "_drop" not in light.name()
 
 
 def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
     """Every tile of every kernel that dropout can run gets its lightest and heaviest dropout set in the gate, and
     the list stays small (CI time)."""
-    work = config_bwd.dropout_gate_worklist()
+    work = GL.dropout_gate_worklist()
     assert all(c.has_dropout for c in work) and len(work) <= 90  # 86: +1 per forward tile for dropout_high_p
     assert len({c.name() for c in work}) == len(work)
 
@@ -114,7 +115,7 @@ def test_dq_row_sums_only_with_a_learnable_sink():
     assert with_sink.dq_cfg.name() == without.dq_cfg.name() + "_sinkg"
     (arg,) = [a for a in BWD_DQ_ARGS.args if a.name == "pdpsum"]
     assert arg.when == "sink_grad"
-    dq_gate = [c for d, dv in config.supported_head_dim_pairs() for c in config_bwd.bwd_gate_configs("bf16", d, dv)
+    dq_gate = [c for d, dv in config.supported_head_dim_pairs() for c in GL.bwd_gate_configs("bf16", d, dv)
                if isinstance(c, config_bwd.DqKernelConfig)]
     assert {c.sink_grad for c in dq_gate} == {False, True}
 
@@ -132,7 +133,7 @@ def test_dropout_keeps_the_tile_except_where_it_spills():
                 moved[(d, dv)] = (tile.name(), dtile.name())
     assert moved == {(192, 128): ("128x64w8s1qt", "128x64w8s1t"), (256, 256): ("64x64w4s1", "64x32w4s1")}
     tile = config.select_fwd_tile(256, 256, False)
-    drop_light, drop_heavy = config.dropout_gate_configs("bf16", 256, 256, tile)
+    drop_light, drop_heavy = GL.dropout_gate_configs("bf16", 256, 256, tile)
     assert drop_light.tile == drop_heavy.tile == FwdTile(64, 32, 4, 1, False)
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, config_bwd, dropout, interface, jit
+from flash_attn_4_sm120 import arguments, config, dropout, interface, jit
+from scripts import gate_lists as GL
 
 # Random123 known-answer vectors for Philox4x32-10 (kat_vectors): counter, key -> output
 KAT_10 = [
@@ -365,7 +366,7 @@ def test_dropout_forward_variants_keep_the_tile(flag, tag, windowed):
     variant = dispatch._plan(*args, dropout=True, **{flag: True}).fwd_cfg
     assert not getattr(plain, flag) and getattr(variant, flag) and variant.tile == plain.tile
     assert tag in variant.name() and tag not in plain.name()
-    fwd = [c for c in config_bwd.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
+    fwd = [c for c in GL.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]
     assert {c.tile for c in fwd if getattr(c, flag)} == {c.tile for c in fwd}
 
 

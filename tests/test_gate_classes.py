@@ -111,15 +111,53 @@ def test_no_tma_targets_build_no_tma_tile_and_no_split():
         assert not getattr(cfg, "fused_dq", False), cfg.name()  # red.global.add.v2.f32 is sm_90+
 
 
+# ---- the walk meets only what a call can run ------------------------------------------------------------------
+def test_the_walk_builds_no_paged_call_with_cu_seqlens_k():
+    """A call refuses page_table with cu_seqlens_k (dispatch._check_inputs), and so does the plan: the class walk,
+    which enumerates every flag subset with every mode, keeps no paged configuration with varlen k (they were 149
+    "unreachable" classes that failed to compile, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl)."""
+    for arch in TARGETS:
+        work = G._worklist(None, arch)
+        paged = [c for c in work if getattr(c, "paged", False)]
+        assert paged and not [c.name() for c in paged if c.varlen_k]
+        # the heaviest paged set is still built: every other flag on
+        assert any(c.windowed and c.has_softcap and c.has_sink and c.varlen_q and c.seqused_k for c in paged)
+
+
+@pytest.mark.parametrize("kw", [dict(vk=True), dict(needs_grad=True), dict(dropout=True),
+                                dict(sparse=(1, 1, 128, 128))])
+def test_the_plan_refuses_what_paged_calls_cannot_run(kw):
+    flags = dict(windowed=False, softcap=False, sink=False, vq=False, vk=False, uq=False, uk=True, needs_grad=False)
+    flags.update({k: kw[k] for k in flags.keys() & kw.keys()})
+    extra = {k: v for k, v in kw.items() if k not in flags}
+    args = ("bf16", 128, 128, *flags.values(), 0)
+    dispatch._plan(*args, **extra)  # contiguous K/V: planned
+    with pytest.raises(ValueError, match="paged K/V"):
+        dispatch._plan(*args, paged=True, **extra)
+
+
 # ---- sharding --------------------------------------------------------------------------------------------------
-def test_shards_partition_the_worklist_deterministically():
-    names = [c.name() for c in G._worklist(None, "sm_120a")]
-    count = GC.CI_SHARDS["sm_120a"]
+@pytest.mark.parametrize("arch", sorted(GC.CI_SHARDS))
+def test_shards_partition_the_worklist_deterministically(arch):
+    names = [c.name() for c in G._worklist(None, arch)]
+    count = GC.CI_SHARDS[arch]
     shards = [[n for n in names if GC.in_shard(n, i, count)] for i in range(count)]
-    assert sorted(sum(shards, [])) == sorted(names)
-    assert all(len(s) < len(names) / 2 for s in shards)  # no shard is most of the work
-    assert GC.in_shard("fwd_bf16_d128v128_128x64w8s2qt", 0, 4) == GC.in_shard("fwd_bf16_d128v128_128x64w8s2qt", 0, 4)
+    assert sorted(sum(shards, [])) == sorted(names)  # every configuration in exactly one shard
+    assert all(len(s) < 2 * len(names) / count for s in shards)  # balanced: none twice the mean
+    assert GC.in_shard("fwd_bf16_d128v128_128x64w8s2qt", 3, 12) == (
+        int(__import__("hashlib").sha256(b"fwd_bf16_d128v128_128x64w8s2qt").hexdigest()[:8], 16) % 12 == 3)
     assert 0 <= GC.ci_shard_index(count) < count
+
+
+def test_ci_fits_its_time():
+    """CI builds one shard of each target: at most ~300 configurations (about 15 min at 2 jobs, 5.9 core-seconds a
+    configuration as CI measured for the hand-made worklist), and every full-run target has a shard."""
+    assert set(GC.CI_SHARDS) == set(GC.FULL_ARCHS) and "sm_120a" in GC.FULL_ARCHS
+    biggest = 0
+    for arch, n in GC.CI_SHARDS.items():
+        names = [c.name() for c in G._worklist(None, arch)]
+        biggest += max(sum(GC.in_shard(x, i, n) for x in names) for i in range(n))
+    assert biggest * 5.9 / 2 <= 15 * 60, biggest
 
 
 def test_changed_kernel_files_pick_their_kinds():
@@ -127,6 +165,11 @@ def test_changed_kernel_files_pick_their_kinds():
     assert GC.kinds_to_rebuild(["fwd_cpasync.py"]) == {"fwd_cpasync", "fwd_decode"}
     assert GC.kinds_to_rebuild(["softmax.py"]) == set(C.KERNEL_FILES)  # shared: everything
     assert GC.kinds_to_rebuild([]) == set()
+
+
+def test_every_kernel_file_of_a_kind_exists():
+    kdir = ROOT / GC.PKG / "kernels"
+    assert all((kdir / f).exists() for fs in C.KERNEL_FILES.values() for f in fs)
 
 
 # ---- freshness of the committed full runs ------------------------------------------------------------------
@@ -139,6 +182,8 @@ def _git(repo, *args):
 def repo(tmp_path, monkeypatch):
     (tmp_path / GC.PKG / "kernels").mkdir(parents=True)
     (tmp_path / GC.PKG / "kernels" / "fwd_tma.py").write_text("x = 1\n")
+    (tmp_path / GC.PKG / "config.py").write_text("T = 1\n")
+    (tmp_path / GC.PKG / "interface.py").write_text("f = 1\n")
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "add", "-A")
@@ -147,29 +192,61 @@ def repo(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _write_full(repo, rows, commit=True):
+def _write_full(repo, rows, commit=True, meta=True, **over):
     path = repo / "benchmarks" / "results" / "gate_full_sm_120a.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    head = [{**GC.run_meta("sm_120a", len(rows), 1), "meta": {**GC.run_meta("sm_120a", len(rows), 1)["meta"],
+                                                              **over}}] if meta else []
+    path.write_text("".join(json.dumps(r) + "\n" for r in head + rows))
     if commit:
         _git(repo, "add", "-A")
         _git(repo, "commit", "-qm", "full gate")
 
 
+OK = [{"config": "a", "problems": []}, {"config": "b", "problems": []}]
+
+
+def test_the_run_records_what_it_built(repo):
+    meta = GC.run_meta("sm_120a", 2, 16)["meta"]
+    assert meta["arch"] == "sm_120a" and meta["cutlass_dsl"] == GC.cutlass_dsl()[0] != "unknown"
+    assert meta["libs"] in ("cu12", "cu13", "cu13+cu12")
+    assert len(meta["commit"]) == 40 and meta["dirty"] is False
+    # the sources: the kernels and the config tables, not the rest of the package
+    assert set(meta["sources"]) == {"kernels/fwd_tma.py", "config.py"}
+    assert meta["sources"]["config.py"] == subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", f"HEAD:{GC.PKG}/config.py"], capture_output=True,
+        text=True).stdout.strip()
+
+
 def test_full_run_missing_uncommitted_fresh_and_stale(repo):
     names = ["a", "b"]
     assert "is missing" in GC.full_run_problems("sm_120a", names)[0]
-    _write_full(repo, [{"config": "a", "problems": []}, {"config": "b", "problems": []}], commit=False)
+    _write_full(repo, OK, commit=False)
     assert "not committed" in GC.full_run_problems("sm_120a", names)[0]
-    _write_full(repo, [{"config": "a", "problems": []}, {"config": "b", "problems": []}])
+    _write_full(repo, OK)
     assert GC.full_run_problems("sm_120a", names) == []
+    (repo / GC.PKG / "interface.py").write_text("f = 2\n")  # not a gate input
+    _git(repo, "commit", "-qam", "interface edit")
+    assert GC.full_run_problems("sm_120a", names) == []
+    # a kernel edit in the working tree: still fresh (HEAD is what the run built), and its kind is rebuilt
     (repo / GC.PKG / "kernels" / "fwd_tma.py").write_text("x = 2\n")
-    assert GC.changed_kernel_files(GC.last_commit("benchmarks/results/gate_full_sm_120a.jsonl")) == ["fwd_tma.py"]
-    _git(repo, "commit", "-qam", "kernel edit")
+    assert GC.full_run_problems("sm_120a", names) == []
+    assert GC.changed_kernel_files(GC.read_run(GC.full_run_path("sm_120a"))[0]) == ["fwd_tma.py"]
+    _git(repo, "commit", "-qam", "kernel edit")  # committed: stale
     problems = GC.full_run_problems("sm_120a", names)
-    assert len(problems) == 1 and "is older than" in problems[0] and "last commit touching" in problems[0]
+    assert len(problems) == 1 and "is stale" in problems[0] and "kernels/fwd_tma.py" in problems[0]
+    _write_full(repo, OK)  # a new full run makes it fresh again
+    assert GC.full_run_problems("sm_120a", names) == []
+    (repo / GC.PKG / "config.py").write_text("T = 2\n")
+    _git(repo, "commit", "-qam", "config table edit")
+    assert "is stale" in GC.full_run_problems("sm_120a", names)[0]
 
 
-def test_full_run_with_a_failure_or_a_missing_configuration(repo):
+def test_full_run_record_and_rows_are_checked(repo):
+    _write_full(repo, OK, meta=False)
+    assert "no record of its run" in GC.full_run_problems("sm_120a", ["a", "b"])[0]
+    _write_full(repo, OK, arch="sm_80", cutlass_dsl="0.0")
+    problems = GC.full_run_problems("sm_120a", ["a", "b"])
+    assert any("made for sm_80" in p for p in problems) and any("nvidia-cutlass-dsl 0.0" in p for p in problems)
     _write_full(repo, [{"config": "a", "problems": ["spills (2 STL/LDL, frame 8 B)"]}])
     problems = GC.full_run_problems("sm_120a", ["a", "b"])
     assert any("1 failing configurations, e.g. a" in p for p in problems)
@@ -190,3 +267,54 @@ def test_ci_builds_the_shard_and_fails_without_a_full_run(monkeypatch):
     (arch, names), = built
     index = GC.ci_shard_index(8)
     assert arch == "sm_80" and names and all(GC.in_shard(n, index, 8) for n in names)
+
+
+def test_ci_adds_the_kinds_changed_since_a_fresh_full_run(monkeypatch):
+    import argparse
+
+    built = []
+    monkeypatch.setattr(GC, "FULL_ARCHS", ("sm_80",))
+    monkeypatch.setattr(GC, "CI_SHARDS", {"sm_80": 8})
+    monkeypatch.setattr(GC, "full_run_problems", lambda arch, names: [])
+    monkeypatch.setattr(GC, "read_run", lambda path: ({"sources": {}}, {}))
+    monkeypatch.setattr(GC, "changed_kernel_files", lambda meta: ["bwd_dq.py"])
+    monkeypatch.setattr(G, "_gate", lambda work, args: built.append(work) or 0)
+    assert G._ci(argparse.Namespace(ci=True, jobs=1, json=None)) == 0
+    index = GC.ci_shard_index(8)
+    (work,) = built
+    dq = [c for c in work if C.kind(c) == "dq"]
+    assert dq and any(not GC.in_shard(c.name(), index, 8) for c in dq)  # every dQ configuration, not its shard
+    assert all(GC.in_shard(c.name(), index, 8) for c in work if C.kind(c) != "dq")
+
+
+def test_a_json_run_writes_its_record_first(tmp_path, capsys):
+    import argparse
+
+    out = tmp_path / "run.jsonl"
+    rows = [{"config": "b", "problems": []}, {"config": "a", "problems": ["spills (2 STL/LDL, frame 8 B)"]}]
+    G._report(rows, argparse.Namespace(arch="sm_80", jobs=3, json=out))
+    meta, read = GC.read_run(out)
+    assert meta["arch"] == "sm_80" and meta["configs"] == 2 and meta["jobs"] == 3
+    assert meta["sources"] == GC.source_hashes() and "kernels/fwd_tma.py" in meta["sources"]
+    assert sorted(read) == ["a", "b"] and read["a"]["problems"]
+    assert "1/2 configurations pass for sm_80" in capsys.readouterr().out
+
+
+def test_targets_without_tma_take_the_tiles_that_do_not_spill_there():
+    """sm_80 reroutes (benchmarks/results/gate_spill_probes_sm80_s31.jsonl): paged d256 -> 64x32 two stages, dropout
+    d256 -> 64x16, block sparsity with mods at d64 -> Q from shared memory; SM120 (TMA) keeps its tiles; and the
+    gate's sm_80 worklist builds the rerouted tiles, not the ones such a device never runs."""
+    from flash_attn_4_sm120.config import FwdTile
+
+    flags = ("bf16", 256, 256, False, False, False, False, False, False, True, False, 0)
+    assert dispatch._plan(*flags, paged=True, tma=False).fwd_cfg.tile == FwdTile(64, 32, 4, 2)
+    assert dispatch._plan(*flags, paged=True, tma=True).fwd_cfg.tile == FwdTile(64, 64, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, dropout_packed=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert dispatch._plan(*flags, dropout=True, tma=True).fwd_cfg.tile == FwdTile(64, 32, 4, 1)
+    assert config.select_sparse_tile(64, 64, True, mods=True, tma=False) == FwdTile(128, 128, 8, 2)
+    names = [c.name() for c in G._worklist(None, "sm_80")]
+    assert not [n for n in names if "d256v256_64x64w4s1" in n and "_paged" in n]
+    assert not [n for n in names if "d256v256_64x32w4s1" in n and "_drop" in n]
+    assert not [n for n in names if "128x128w8s2q" in n and "_sparse" in n and "_mods-" in n]
+    assert [n for n in names if "d256v256_64x32w4s2" in n and "_paged" in n and "_win_" in n]

@@ -12,6 +12,7 @@ import torch
 
 fa = pytest.importorskip("flash_attn_4_sm120")
 from flash_attn_4_sm120 import config, config_bwd, jit, modspec  # noqa: E402
+from scripts import gate_lists as GL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -77,10 +78,10 @@ def test_softcap_with_score_mod_raises_before_launch_through_the_api():
 def test_dropout_with_mods_plans_the_gated_kernels():
     """dropout_p with a score_mod runs kernels compiled with both (forward, packed forward, dK/dV, dQ), on the
     forward tile config.mods_dropout_fwd_tile gives, and those tiles are the ones the compile gate builds for
-    mods x dropout (modspec.dropout_gate_worklist)."""
+    mods x dropout (GL.mods_dropout_worklist)."""
     from flash_attn_4_sm120 import dispatch
 
-    gate = modspec.dropout_gate_worklist()
+    gate = GL.mods_dropout_worklist()
     fwd_tiles = {(max(c.head_dim, c.head_dim_v), c.tile) for c in gate if isinstance(c, config.FwdKernelConfig)}
     bwd_tiles = {(type(c).__name__, c.head_dim, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows)
                  for c in gate if not isinstance(c, config.FwdKernelConfig)}
@@ -249,7 +250,7 @@ def test_mods_tile_fits_every_head_dim_pair_or_raises():
                 split = config.mods_tile(config.split_tile(base), d, dv)
                 assert not config.fwd_tile_problems(d, dv, split), (d, dv, split)
     assert config.mods_tile(config.FwdTile(64, 64, 4, 1, False), 256, 32) == config.FwdTile(64, 32, 4, 1, False)
-    gated = {(c.head_dim, c.head_dim_v, c.tile) for c in modspec.gate_worklist()
+    gated = {(c.head_dim, c.head_dim_v, c.tile) for c in GL.mods_worklist()
              if isinstance(c, config.FwdKernelConfig) and not c.has_dropout}
     assert (256, 32, config.FwdTile(64, 32, 4, 1, False)) in gated
 

@@ -9,6 +9,7 @@ import torch
 
 import flash_attn_4_sm120 as fa
 from flash_attn_4_sm120 import arguments, config, config_decode, validate as V
+from scripts import gate_lists as GL
 
 CPU = torch.device("cpu")
 
@@ -228,7 +229,7 @@ def test_page_table_argument_in_the_forward_record():
 
 
 def test_paged_gate_worklist_covers_each_paged_tile():
-    work = config.paged_gate_worklist()
+    work = GL.paged_gate_worklist()
     tiles = {c.tile for c in work}
     for d, dv in config.supported_head_dim_pairs():
         if d == dv:

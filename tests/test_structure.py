@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flash_attn_4_sm120 import arguments, config, dispatch, dispatch_bwd, validate
+from scripts import gate_lists as GL
 
 PKG = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn_4_sm120"
 
@@ -127,7 +128,7 @@ def test_fake_args_follow_the_record():
 
     tile = config.select_fwd_tile(128, 128, False)
     light = config.FwdKernelConfig("bf16", 128, 128, tile)
-    heavy = config.gate_configs("bf16", 128, 128, tile)[1]
+    heavy = GL.gate_configs("bf16", 128, 128, tile)[1]
     for cfg in (light, heavy):
         fakes = jit.fake_args(arguments.FWD_ARGS, cfg)
         assert len(fakes) == len(arguments.FWD_ARGS.names) + 1  # + stream

@@ -12,7 +12,7 @@ H100 proxy: at most 101376 B of shared memory per CTA, mma.sync m16n8k16 only, n
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, replace  # noqa: F401 (config.replace: tests and benchmarks use it)
 
 # ---- hardware budget (SM120 / SM121) -------------------------------------------------------------------------
 SMEM_LIMIT_BYTES = 101376  # max dynamic shared memory per block on SM12x (99 KB)
@@ -274,7 +274,15 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
         tiles = _TILE_PREFERENCE[key]
     if paged or not tma:
         tiles = tuple(t for t in tiles if not t.tma)
+    if paged and not tma:
+        tiles = _PAGED_TILES_WITHOUT_TMA.get(key, ()) + tiles
     return tiles
+
+
+# Without TMA (SM80/SM86/SM89), paged K/V at head dim 256 runs the two-stage 64x32 tile (the decode tile): the row's
+# 64x64 one-stage tile spilled 8 STL/LDL under the heaviest paged set on sm_80 and 64x32 with one stage 15, the
+# two-stage one compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).  SM120 keeps 64x64 (0 spills).
+_PAGED_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {256: (FwdTile(64, 32, 4, 2),)}
 
 
 # Forward tiles that spill on sm_120a when compiled with dropout (compile gate, measured: registers/spills in
@@ -288,8 +296,11 @@ _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
 
 # Without TMA (SM80/SM86/SM89), dropout at head dim 192 runs a 32-key cp.async tile: the row's 128x64 one-stage tile
 # spilled with dropout under the heaviest feature set on sm_80, the 128x32 two-stage one did not
-# (benchmarks/results/gate_sm8x_probe.jsonl).  Where it does not fit the copy (dv = 32), the row's tile stays.
-_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),)}
+# (benchmarks/results/gate_sm8x_probe.jsonl).  At 256 the 64x64 and 64x32 one-stage tiles spilled 2-9 STL/LDL with
+# dropout on sm_80 (heaviest set, high-p test too), the 64x16 one compiles with 0, packed rows included
+# (gate_spill_probes_sm80_s31.jsonl).  Where it does not fit the copy (dv = 32, 96 at 256), the row's tile stays.
+_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(128, 32, 8, 2),),
+                                                              256: (FwdTile(64, 16, 4, 1),)}
 
 
 def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile, tma: bool = True) -> FwdTile:
@@ -327,9 +338,11 @@ _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
 # Score/mask mods with block sparsity: the d <= 64 and d192 TMA tiles with Q in registers spilled on sm_120a with
 # the relative-bias score_mod (a 2-D aux table) and the heaviest feature set (2 STL/LDL each, 2x2 blocks, d64 at 1x1
 # too; compile gate 2026-11-24); reading Q from shared memory they compile with 0.  Same shapes: the same block
-# sizes are valid.
+# sizes are valid.  Without TMA (sm_80) the d <= 64 cp.async tile with Q in registers spilled the same way, with Q
+# from shared memory it compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).
 _SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True),
-                      FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True)}
+                      FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True),
+                      FwdTile(128, 128, 8, 2, True): FwdTile(128, 128, 8, 2)}
 
 
 def sparse_tiles(head_dim: int, head_dim_v: int, windowed: bool, tma: bool = True) -> tuple[FwdTile, ...]:
@@ -431,19 +444,6 @@ def _supported_head_dim_pairs(_version: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def all_fwd_tile_configs(tma: bool = True) -> list[tuple[str, int, int, FwdTile]]:
-    """Every (dtype, head_dim, head_dim_v, tile) the dispatcher can select — the compile gate's worklist
-    (``tma``: on a device with TMA or without)."""
-    out = []
-    for dtype in DTYPES:
-        for d, dv in supported_head_dim_pairs():
-            for windowed in (False, True):
-                tile = select_fwd_tile(d, dv, windowed, tma=tma)
-                item = (dtype, d, dv, tile)
-                if item not in out:
-                    out.append(item)
-    return out
-
 
 # Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
 # set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
@@ -508,87 +508,3 @@ def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int, tma: bool = True) -> F
     raise ValueError(f"dropout_p > 0 with score_mod/mask_mod needs max(head_dim, head_dim_v) <= "
                      f"{MODS_DROPOUT_MAX_HEAD_DIM} on SM120 (head_dim={head_dim}, head_dim_v={head_dim_v}: every "
                      "forward tile spills registers with both); use dropout_p=0 or no mods at this head dim")
-
-
-def gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """Feature variants the compile gate builds per tile: the lightest and the heaviest in registers/code, and the
-    heaviest split-KV variant (dropout variants: ``dropout_gate_configs``).  Feature flags only add code on boundary
-    tiles, the epilogue or the prologue; the heaviest variant bounds register pressure from above."""
-    base = FwdKernelConfig(dtype, d, dv, tile)
-    heavy = replace(
-        base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True,
-        seqused_k=True,
-    )
-    # split-KV changes the epilogue (fp32 partials from the accumulators, the sink in split 0) and the block plan;
-    # bf16 only (fp16 differs in the mma type alone, and bf16 is the one nearer the register limit)
-    out = [base, heavy]
-    if dtype == "bf16":
-        out.append(replace(heavy, split_kv=True, tile=split_tile(tile)))
-    return out
-
-
-def dropout_gate_configs(dtype: str, d: int, dv: int, tile: FwdTile) -> list[FwdKernelConfig]:
-    """The dropout variants the compile gate builds for a forward tile: the lightest and the heaviest feature set
-    with dropout (Philox work on every tile), on the tile ``dropout_fwd_tile`` gives."""
-    base, heavy = gate_configs(dtype, d, dv, tile)[:2]
-    dtile = dropout_fwd_tile(d, dv, tile)
-    return [replace(base, tile=dtile, has_dropout=True),
-            replace(heavy, tile=dtile, has_dropout=True, dropout_seed_tensor=True)]
-
-
-def dropout_packed_gate_config(dtype: str, d: int, dv: int, tile: FwdTile) -> FwdKernelConfig:
-    """The heaviest dropout set with packed GQA rows (the row-by-row keep bits) on a forward tile."""
-    return replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_packed=True)
-
-
-def paged_gate_configs(dtype: str, d: int, dv: int) -> list[FwdKernelConfig]:
-    """Paged-KV variants the compile gate builds per head-dim pair: for each distinct paged tile (cp.async), the
-    lightest (paged only) and the heaviest feature set (paged with every flag it combines with; ``varlen_k`` is
-    excluded, a page table replaces cu_seqlens_k), and the heaviest split-KV one; for each distinct TMA-paged
-    tile (``paged_tma_tile``), the lightest and the heaviest (never split: split and decode calls keep the
-    cp.async tiles)."""
-    out = []
-    for windowed in (False, True):
-        tile = select_fwd_tile(d, dv, windowed, paged=True)
-        base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
-        heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
-                        seqused_k=True)
-        out += [c for c in (base, heavy, replace(heavy, split_kv=True, tile=split_tile(tile))) if c not in out]
-    for windowed in (False, True):
-        tile = paged_tma_tile(d, dv, windowed)
-        if tile is not None:
-            base = FwdKernelConfig(dtype, d, dv, tile, paged=True)
-            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, seqused_q=True,
-                            seqused_k=True)
-            out += [c for c in (base, heavy) if c not in out]
-    return out
-
-
-def sparse_gate_worklist() -> list[FwdKernelConfig]:
-    """The block-sparse configurations the compile gate builds: bf16, per distinct sparse tile a block size can
-    select (TMA or cp.async), at the largest head_dim_v that runs it (dv == d but for the d192 TMA tile with Q in
-    registers, which serves dv < 192), the lightest (1x1 blocks, no other flag) and the heaviest (2x2 blocks with
-    every flag sparsity combines with)."""
-    out = []
-    seen = set()
-    for d, dv in sorted(supported_head_dim_pairs(), key=lambda p: (p[0], -p[1])):
-        for windowed in (False, True):
-            for tile in reachable_sparse_tiles(d, dv, windowed):
-                if (d, tile) in seen:
-                    continue
-                seen.add((d, tile))
-                base = FwdKernelConfig("bf16", d, dv, tile, sparse_q_ratio=1, sparse_kv_ratio=1)
-                heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
-                                seqused_q=True, seqused_k=True, sparse_q_ratio=2, sparse_kv_ratio=2)
-                out += [base, heavy]
-    return out
-
-
-def paged_gate_worklist() -> list[FwdKernelConfig]:
-    """The paged configurations the compile gate builds: bf16 (fp16 differs only in the mma type), head-dim pairs
-    with dv == d (the most registers and shared memory of each tile), lightest and heaviest feature set."""
-    out = []
-    for d, dv in supported_head_dim_pairs():
-        if d == dv:
-            out += paged_gate_configs("bf16", d, dv)
-    return out

@@ -1,6 +1,6 @@
 """Host-only configuration of the backward kernels: the compile keys, tile tables and resource budgets of the
 dK/dV kernel (kernels/bwd_dkdv.py), the dQ kernel (kernels/bwd_dq.py) and the preprocess kernel
-(kernels/bwd_preprocess.py), and their compile-gate worklists.
+(kernels/bwd_preprocess.py).  (Their compile-gate worklists: scripts/gate_lists.py.)
 
 Split from ``config`` (forward, decode, split-KV combine), whose names it uses; the sweep scripts edit the tile
 tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here imports CuTe-DSL.
@@ -8,18 +8,9 @@ tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from .config import (
-    HEAD_DIMS,
-    SMEM_LIMIT_BYTES,
-    all_fwd_tile_configs,
-    copy_threads_per_row,
-    dropout_fwd_tile,
-    dropout_gate_configs,
-    dropout_packed_gate_config,
-    supported_head_dim_pairs,
-)
+from .config import SMEM_LIMIT_BYTES, copy_threads_per_row
 
 
 # ---- backward ------------------------------------------------------------------------------------------------
@@ -119,7 +110,10 @@ _BWD_TILES = {
 # spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
 _BWD_SPILLING = {
     ((32, 32, 4, 32, False), 256): {"sparse"},
-    ((32, 32, 4, 16, False), 256): {"sparse_mask_mod"},  # 35 STL/LDL with the document mask_mod
+    # 35 STL/LDL with the document mask_mod; in fp16 block sparsity alone spills (54-85 STL/LDL, 1x1 and 2x2 blocks,
+    # lightest to heaviest set, benchmarks/results/gate_spill_probes_sm120a_s31.jsonl; bf16 compiles with 0), so an
+    # fp16 block-sparse call at d256 that needs grad raises before launch
+    ((32, 32, 4, 16, False), 256): {"sparse_mask_mod", "sparse_fp16"},
     # 10 STL/LDL with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile
     # gate's class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
     ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
@@ -151,6 +145,7 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
     for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
                         ("sparse_mask_mod", cfg.block_sparse and mask_mod),
+                        ("sparse_fp16", cfg.block_sparse and cfg.dtype == "fp16"),
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
                         ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
                         ("mods_dropout", cfg.has_dropout and cfg.mods is not None),
@@ -238,31 +233,6 @@ def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKerne
     return None if cfg is None else (cfg, dq_convert_config(cfg))
 
 
-def fused_gate_worklist() -> list:
-    """The fused backward configurations the compile gate builds, with their convert kernels: per fused tile and
-    walk, at the largest head-dim pair that tile serves and at the smallest dv beside its largest d, in bf16 the
-    lightest set, the heaviest (every flag of the walk), dropout alone and with the heaviest set and a seed tensor;
-    fp16 at the heaviest.  (Every intermediate class the dispatcher selects is in the class sweep,
-    scripts/gate_classes.py.)"""
-    groups: dict[tuple, list] = {}
-    for d, dv in sorted(supported_head_dim_pairs()):
-        for windowed in (False, True):
-            cfg = select_fused_config("bf16", d, dv, windowed=windowed)
-            if cfg is not None:
-                groups.setdefault((cfg.tile_m, cfg.tile_n, cfg.num_warps, windowed), []).append((d, dv))
-    out = []
-    for (_, _, _, windowed), pairs in groups.items():
-        big = max(pairs)
-        thin = min((p for p in pairs if p[0] == big[0]), key=lambda p: p[1])
-        heavy = dict(_BWD_HEAVY, windowed=windowed)
-        for d, dv in sorted({big, thin}):
-            for dtype, flags in (("bf16", dict(windowed=windowed)), ("bf16", heavy),
-                                 ("bf16", dict(windowed=windowed, has_dropout=True)),
-                                 ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)):
-                cfg = select_fused_config(dtype, d, dv, **flags)
-                if cfg is not None:
-                    out += [cfg, dq_convert_config(cfg)]
-    return out
 
 
 def dq_accum_blocks(tile_m: int, batch: int, rows_q: int, varlen_q: bool) -> int:
@@ -367,93 +337,6 @@ def dq_smem_bytes(cfg: BwdKernelConfig) -> int:
             + align(stages * tn * cfg.head_dim) + align(stages * tn * cfg.head_dim_v))
 
 
-_BWD_HEAVY = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
-
-
-def bwd_gate_configs(dtype: str, d: int, dv: int) -> list[BwdKernelConfig]:
-    """Backward variants the compile gate builds per head-dim pair: lightest and heaviest feature set of the dK/dV
-    kernel and of the dQ kernel (dropout variants: ``dropout_gate_worklist``)."""
-    out = []
-    for cfg in (select_bwd_config(dtype, d, dv), select_dq_config(dtype, d, dv)):
-        heavy = dict(_BWD_HEAVY, sink_grad=True) if isinstance(cfg, DqKernelConfig) else _BWD_HEAVY
-        out += [cfg, replace(cfg, **heavy)]
-    return out
-
-
-def dropout_gate_worklist() -> list:
-    """The dropout configurations the compile gate builds: per tile of every kernel (forward TMA and cp.async on the
-    tile ``dropout_fwd_tile`` gives, dK/dV, dQ), the lightest dropout set (``has_dropout`` alone) and the heaviest
-    (every feature, seed tensor) in bf16 at the head-dim pair of that tile with the largest (d, dv); the heaviest
-    also at the largest d with the smallest dv (d256/dv32 was the dQ kernel's register peak, not d256/dv256), in
-    fp16 at the largest pair (fp16 differs in the mma type only), and (forward) with packed GQA rows and with the
-    complement keep test of p > 0.96875 (``dropout_high_p``).  Dropout adds the same Philox code to every
-    pair of a tile, so the pairs between these add nothing the gate would not see."""
-    groups: dict[tuple, list] = {}
-    for dtype, d, dv, tile in all_fwd_tile_configs():
-        if dtype == "bf16":
-            groups.setdefault(("fwd", dropout_fwd_tile(d, dv, tile)), []).append((d, dv, tile))
-    for d, dv in supported_head_dim_pairs():
-        for sel in (select_bwd_config, select_dq_config):
-            c = sel("bf16", d, dv, has_dropout=True)  # the tile a dropout call runs
-            groups.setdefault((sel.__name__, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows, c.kv_rows,
-                               getattr(c, "kv_stages", 1)), []).append((d, dv, None))
-    out = []
-    for key, pairs in groups.items():
-        big = max(pairs, key=lambda x: (x[0], x[1]))
-        thin = min((x for x in pairs if x[0] == big[0]), key=lambda x: x[1])
-        picks = [("bf16", big, False), ("bf16", big, True), ("fp16", big, True)]
-        if key[0] == "fwd":
-            picks += [("bf16", big, "packed"), ("bf16", big, "high_p")]
-        if thin != big:
-            picks.append(("bf16", thin, True))
-        for dtype, (d, dv, tile), heavy in picks:
-            if key[0] == "fwd" and heavy == "packed":
-                out.append(dropout_packed_gate_config(dtype, d, dv, tile))
-            elif key[0] == "fwd" and heavy == "high_p":  # the complement keep test (p > 0.96875)
-                out.append(replace(dropout_gate_configs(dtype, d, dv, tile)[1], dropout_high_p=True))
-            elif key[0] == "fwd":
-                light, hv = dropout_gate_configs(dtype, d, dv, tile)
-                out.append(hv if heavy else light)
-            else:
-                sel = select_bwd_config if key[0] == "select_bwd_config" else select_dq_config
-                flags = dict(_BWD_HEAVY, dropout_seed_tensor=True) if heavy else {}
-                if heavy and sel is select_dq_config:
-                    flags["sink_grad"] = True
-                cfg = sel(dtype, d, dv, has_dropout=True, **flags)
-                out.append(cfg)
-                if heavy and cfg.kv_rows != key[5]:  # the tile refuses softcap with dropout (_BWD_SPILLING)
-                    out.append(sel(dtype, d, dv, has_dropout=True, **dict(flags, has_softcap=False)))
-                if heavy and key[5] and dtype == "bf16":
-                    # the causal training call (window, int seed): on the key-row tile an intermediate set, which
-                    # spilled where the heavier ones did not
-                    win = sel(dtype, d, dv, has_dropout=True, windowed=True)
-                    if win.kv_rows:
-                        out.append(win)
-    return out
-
-
-def sparse_bwd_gate_worklist() -> list[BwdKernelConfig]:
-    """The block-sparse backward configurations the compile gate builds: bf16, dv == d, per distinct dK/dV and dQ
-    tile at the largest head dim that runs it (the most registers), the lightest (1x1 blocks, no other flag) and
-    the heaviest (2x2 blocks, windowed, so the mask / full branch is compiled, with every flag sparsity combines
-    with)."""
-    heavy = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
-                 sparse_q_ratio=2, sparse_kv_ratio=2)
-    out, seen = [], set()
-    for d, dv in sorted(supported_head_dim_pairs(), reverse=True):
-        if d != dv:
-            continue
-        for select in (select_bwd_config, select_dq_config):
-            base = select("bf16", d, dv, sparse_q_ratio=1, sparse_kv_ratio=1)  # the tile a sparse call runs
-            tile = (type(base), base.tile_m, base.tile_n, base.num_warps, getattr(base, "kv_stages", 1),
-                    base.kv_warp_rows, base.kv_rows)
-            if tile in seen:
-                continue
-            seen.add(tile)
-            sink = {"sink_grad": True} if select is select_dq_config else {}
-            out += [base, select("bf16", d, dv, **heavy, **sink)]
-    return out
-
 
 # ---- backward preprocess: D = rowsum(dO * O) -------------------------------------------------------------------
 BWD_PRE_VEC = 8  # 16-bit elements per 16-byte vector load
@@ -491,11 +374,3 @@ def bwd_pre_head_dim_problem(head_dim_v: int) -> str | None:
     if head_dim_v <= 0 or head_dim_v % BWD_PRE_VEC or head_dim_v > 512:
         return f"head_dim_v={head_dim_v} must be a positive multiple of {BWD_PRE_VEC} and at most 512"
     return None
-
-
-def bwd_pre_gate_configs() -> list[BwdPreKernelConfig]:
-    """Preprocess variants the compile gate builds: the lightest (one vector per row, no dLSE), the largest head
-    dim of the package with dLSE in both dtypes, and one head dim whose vectors do not fill a power of two."""
-    return [BwdPreKernelConfig("bf16", 8, False), BwdPreKernelConfig("bf16", 128, False),
-            BwdPreKernelConfig("bf16", 96, True), BwdPreKernelConfig("bf16", max(HEAD_DIMS), True),
-            BwdPreKernelConfig("fp16", max(HEAD_DIMS), True)]

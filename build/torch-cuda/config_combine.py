@@ -1,13 +1,11 @@
 """Host-only configuration of the split-KV combine kernel (kernels/combine.py): its compile key, thread layout,
-shared memory, the row-group rule and its compile-gate worklist.  Split from ``config`` (forward, decode, split-KV),
-whose head dims it uses.  Nothing here imports CuTe-DSL.
+shared memory and the row-group rule (its compile-gate worklist: scripts/gate_lists.py).  Split from ``config``
+(forward, decode, split-KV).  Nothing here imports CuTe-DSL.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from .config import HEAD_DIMS
 
 COMBINE_DTYPES = ("fp32", "bf16", "fp16")
 COMBINE_MAX_SPLITS = 256  # flash-attn-4's combine limit; the kernel's loop over splits is dynamic
@@ -71,16 +69,3 @@ def combine_head_dim_problem(head_dim: int) -> str | None:
     if head_dim <= 0 or head_dim % 8 != 0 or head_dim > COMBINE_MAX_HEAD_DIM:
         return f"head_dim={head_dim} must be a positive multiple of 8 and at most {COMBINE_MAX_HEAD_DIM}"
     return None
-
-
-def combine_gate_configs() -> list[CombineKernelConfig]:
-    """Combine variants the compile gate builds: fp32 partials (what the split forward writes) into each output
-    dtype, at the head dims of the forward (lightest: no LSE; heaviest: largest head dim with LSE)."""
-    items = [CombineKernelConfig("fp32", "bf16", d, True) for d in HEAD_DIMS]
-    items += [CombineKernelConfig("fp32", "fp32", 128, False), CombineKernelConfig("fp32", "fp16", 256, True),
-              CombineKernelConfig("bf16", "bf16", 128, True)]
-    items += [CombineKernelConfig("fp32", "bf16", d, True, COMBINE_SPLIT_GROUPS) for d in (64, 128, 256)]
-    items += [CombineKernelConfig("fp32", "fp32", 32, False, COMBINE_SPLIT_GROUPS)]
-    # a head dim of few 16-byte vectors (2 threads per row): the LSE walk that does not fit registers
-    items += [CombineKernelConfig("fp32", "bf16", 40, True)]
-    return items

@@ -128,6 +128,13 @@ def _plan(dtype: str, d: int, dv: int, windowed: bool, softcap: bool, sink: bool
     ``paged_tma``: a paged prefill call whose pages hold whole K/V tiles of the TMA tile (``paged_eligible_for_tma``;
     ignored with split or decode, which keep the cp.async tiles); ``tma``: the device has TMA (device.DeviceCaps;
     without it every forward tile is a cp.async one).  Every argument after ``device_index`` is passed by keyword."""
+    if paged and (vk or needs_grad or dropout or sparse[0]):
+        # the call path refuses these first (_check_inputs, run_forward, block_sparse.refuse_combinations); the plan
+        # refuses them too, so a walk over plans (the compile gate's class sweep) meets only what a call can run
+        what = [n for n, on in (("cu_seqlens_k", vk), ("a backward", needs_grad), ("dropout", dropout),
+                                ("block sparsity", sparse[0])) if on]
+        raise ValueError(f"paged K/V (page_table) cannot be combined with {', '.join(what)} (inference-only, "
+                         "lengths from seqused_k)")
     paged_tma = paged_tma and paged and tma and not (split or decode)
     key = (dtype, d, dv, windowed, softcap, sink, vq, vk, uq, uk, needs_grad, device_index, paged, split, sparse,
            decode, sparse_bwd, dropout, seed_tensor, dropout_packed, dropout_high_p, mods, paged_tma, tma,

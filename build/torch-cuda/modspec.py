@@ -121,7 +121,7 @@ class ModSpec:
     def __reduce__(self):
         if self.recipe is None:
             raise TypeError(f"mods {self.names} cannot be pickled (only library mods built by a recipe can)")
-        return (_recipe_placeholder, self.recipe)  # resolved at compile time (``resolved``), not at unpickling
+        return (recipe_placeholder, self.recipe)  # resolved at compile time (``resolved``), not at unpickling
 
     def resolved(self) -> "ModSpec":
         """The spec with its callables: a recipe placeholder is rebuilt from the library (imports CuTe-DSL)."""
@@ -241,153 +241,13 @@ def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, softcap, devi
     return spec, aux
 
 
-# ---- compile gate -----------------------------------------------------------------------------------------------
-# (factory, args, aux signature, has a score_mod) of each library mod the gate builds
-_MASK_FACTORIES = frozenset({"causal", "sliding_window", "document", "prefix_lm"})  # the library's mask_mods
-_GATE_MODS = (
-    ("causal", (), (), False),
-    ("sliding_window", (128, 0), (), False),
-    ("document", (True,), (("i32", 1),), False),
-    ("prefix_lm", (None,), (("i32", 1),), False),
-    ("alibi", (), (("fp32", 1),), True),
-    ("relative_bias", (64,), (("fp32", 2),), True),
-)
+# the library's mask_mods (a recipe placeholder knows it holds one by its factory's name)
+_MASK_FACTORIES = frozenset({"causal", "sliding_window", "document", "prefix_lm"})
 
 
-def _recipe_placeholder(factory: str, args: tuple, aux_sig: tuple, with_bwd: bool) -> ModSpec:
+def recipe_placeholder(factory: str, args: tuple, aux_sig: tuple, with_bwd: bool) -> ModSpec:
     """A library ModSpec named by its recipe only, built without importing CuTe-DSL: the compile gate's main
     process must not import it before its worker processes fork (each sets its dump options first).  Unpickled
     in a worker, it becomes the real spec (``_from_recipe``)."""
     key = ("recipe", factory, args, with_bwd)
     return ModSpec((key, None, None), tuple(aux_sig), 1, recipe=(factory, tuple(args), tuple(aux_sig), with_bwd))
-
-
-def gate_worklist() -> list:
-    """The mod configurations the compile gate builds (bf16): every library mod's forward on the heaviest tile
-    (d = 256, cp.async, with every flag mods combine with; relative bias also at d256/dv32, whose 64x32 fallback
-    tile differs) and its backward (dK/dV and dQ) at d = 128; the score
-    mods (whose backward also keeps the raw scores) forward on the lightest tile too (d = 64 TMA) and backward at
-    d = 256; then the mods x dropout set (``dropout_gate_worklist``)."""
-    from dataclasses import replace
-
-    from . import config, config_bwd
-
-    out = []
-    heavy = dict(windowed=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
-    bwd_heavy = {k: v for k, v in heavy.items() if k != "has_sink"}
-    for factory, args, aux_sig, score in _GATE_MODS:
-        fwd = _recipe_placeholder(factory, args, aux_sig, False)
-        full = _recipe_placeholder(factory, args, aux_sig, score)
-        tile = config.mods_tile(config.select_fwd_tile(256, 256, True), 256, 256)
-        out.append(replace(config.FwdKernelConfig("bf16", 256, 256, tile, mods=fwd), **heavy))
-        if factory == "relative_bias":  # the 64x32 fallback where 64x16 does not fit the V copy (dv = 32)
-            tile32 = config.mods_tile(config.select_fwd_tile(256, 32, True), 256, 32)
-            out.append(replace(config.FwdKernelConfig("bf16", 256, 32, tile32, mods=fwd), **heavy))
-        if score:
-            out.append(config.FwdKernelConfig("bf16", 64, 64, config.select_fwd_tile(64, 64, False), mods=fwd))
-        for d in ((128, 256) if score else (128,)):
-            out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
-        out += _key_row_heaviest(full, bwd_heavy, {})
-        for d, windowed in ((64, True), (96, True), (128, False), (128, True)):  # config_bwd._FUSED_TILES
-            fused = config_bwd.select_fused_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=windowed))
-            if fused is not None:
-                out.append(fused)
-    # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
-    # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
-    # aux-reading mask mod and score mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
-    # sparse backward kernels at the widest head dim, 2x2 blocks
-    sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)
-    for factory, args, aux_sig, score in (_GATE_MODS[0], _GATE_MODS[2], _GATE_MODS[5]):
-        fwd = _recipe_placeholder(factory, args, aux_sig, False)
-        full = _recipe_placeholder(factory, args, aux_sig, score)
-        for d in (256, 192, 128, 64):
-            for t in config.reachable_sparse_tiles(d, d, True):  # d192: the TMA tile and the cp.async 128x32 one
-                tile = config.mods_tile(config.select_sparse_tile(d, d, True, mods=True,
-                                                                  block_size=(t.tile_m, t.tile_n)), d, d)
-                out.append(replace(config.FwdKernelConfig("bf16", d, d, tile, mods=fwd, **sparse), **heavy))
-        for d in (256, 192):  # the widest head dim whose dK/dV tile takes the pair (config_bwd._BWD_SPILLING)
-            try:
-                out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **sparse))
-                break
-            except ValueError:
-                continue
-        out.append(config_bwd.select_dq_config("bf16", 256, 256, mods=full, **bwd_heavy, **sparse, sink_grad=True))
-        out.append(config_bwd.select_bwd_config("bf16", 128, 128, mods=full, **bwd_heavy, **sparse))  # 32x128 tile
-        out += _key_row_heaviest(full, bwd_heavy, sparse)
-    return out + key_row_subset_worklist() + dropout_gate_worklist()
-
-
-def key_row_subset_worklist() -> list:
-    """The key-row dK/dV tile at d = 128 (bf16) with dropout (seed tensor) and with the document mask mod (sparse
-    or not), over every subset of (window, varlen q, varlen k, seqused q, seqused k) that the tile takes: on this
-    tile an intermediate feature set spilled where the heaviest did not (config_bwd._BWD_SPILLING)."""
-    import itertools
-
-    from . import config_bwd
-
-    doc = _recipe_placeholder("document", (True,), (("i32", 1),), False)
-    names = ("windowed", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
-    out = []
-    for bits in itertools.product((False, True), repeat=len(names)):
-        flags = dict(zip(names, bits))
-        for extra in (dict(has_dropout=True, dropout_seed_tensor=True), dict(mods=doc),
-                      dict(mods=doc, sparse_q_ratio=1, sparse_kv_ratio=1)):
-            cfg = config_bwd.select_bwd_config("bf16", 128, 128, **flags, **extra)
-            if cfg.kv_rows:
-                out.append(cfg)
-    return out
-
-
-def _key_row_heaviest(full, bwd_heavy: dict, extra: dict) -> list:
-    """The heaviest feature sets of the key-row dK/dV tiles (d = 128: 32x128; d = 96: 64x128) with the mod
-    ``full``: at d = 96 the call with every flag (``bwd_heavy``), and at both the same flags without the window
-    where the call with every flag runs another tile (config_bwd._BWD_SPILLING: at d = 128 a windowed call with an
-    aux-reading mod does; at d = 96 every call with one does, so there is nothing to add)."""
-    from . import config_bwd
-
-    out = []
-    for d in (128, 96):
-        heaviest = config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy, **extra)
-        if heaviest.kv_rows:
-            if d != 128:  # d128's is in the worklist already
-                out.append(heaviest)
-            continue
-        lighter = config_bwd.select_bwd_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=False), **extra)
-        if lighter.kv_rows:
-            out.append(lighter)
-    return out
-
-
-def dropout_gate_worklist() -> list:
-    """The mods x dropout configurations the compile gate builds (bf16, every flag both combine with, seed from a
-    tensor), on the tiles ``config.mods_dropout_fwd_tile`` gives: the heaviest library score mod (relative bias: a
-    2-D aux table; its backward keeps the raw scores) forward at d = 64 and 128 (the TMA tile, unpacked and with
-    packed GQA rows) and d = 192 (64x16 cp.async, and the 128x64 TMA tile at dv = 96), backward (dK/dV and dQ) at d = 64, 128,
-    192; the heaviest mask mod (document: an aux lookup per element) forward at d = 192 and backward at d = 128.
-    d = 256 refuses the pair (no forward tile without spills)."""
-    from dataclasses import replace
-
-    from . import config, config_bwd
-
-    heavy = dict(windowed=True, has_sink=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True,
-                 has_dropout=True, dropout_seed_tensor=True)
-    bwd_heavy = {k: v for k, v in heavy.items() if k != "has_sink"}
-    score = ("relative_bias", (64,), (("fp32", 2),))
-    mask = ("document", (True,), (("i32", 1),))
-    out = []
-    for (factory, args, aux_sig), fwd_pairs, packed, bwd_dims in (
-            (score, ((64, 64), (128, 128), (192, 192), (192, 96)), ((64, 64), (192, 192)), (64, 128, 192)),
-            (mask, ((192, 192),), (), (128,))):
-        fwd = _recipe_placeholder(factory, args, aux_sig, False)
-        full = _recipe_placeholder(factory, args, aux_sig, factory == score[0])
-        for d, dv in fwd_pairs:
-            cfg = replace(config.FwdKernelConfig("bf16", d, dv, config.mods_dropout_fwd_tile(d, dv), mods=fwd),
-                          **heavy)
-            out.append(cfg)
-            if (d, dv) in packed:
-                out.append(replace(cfg, dropout_packed=True))
-        for d in bwd_dims:
-            out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
-            out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
-    return out

@@ -7,10 +7,9 @@ CuTe-DSL.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 from . import config
-from .config import FwdKernelConfig, FwdTile
+from .config import FwdTile
 
 # A call whose M tile holds few query rows runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
 # of the prefill tile, whose 128 rows would be mostly padding: the smaller tile gives twice the CTAs for the same
@@ -64,18 +63,3 @@ def decode_tiles(head_dim: int, head_dim_v: int) -> tuple[FwdTile, ...]:
     is on or not (the compile gate builds them all)."""
     return tuple(tile for _, tile in _DECODE_TILES.get(max(head_dim, head_dim_v), ())
                  if not config.fwd_tile_problems(head_dim, head_dim_v, tile))
-
-
-def decode_gate_worklist() -> list[FwdKernelConfig]:
-    """The decode tiles' configurations the compile gate builds: bf16, dv == d at the largest head dim of each
-    decode tile (and d=192, the other user of the 64x32 one): contiguous and paged, the lightest feature set and
-    the heaviest with and without split-KV."""
-    out = []
-    for d in (128, 192, 256):
-        for tile in decode_tiles(d, d):
-            base = FwdKernelConfig("bf16", d, d, tile, seqused_k=True)
-            heavy = replace(base, windowed=True, has_softcap=True, has_sink=True, varlen_q=True, varlen_k=True,
-                            seqused_q=True)
-            out += [base, heavy, replace(heavy, varlen_k=False, split_kv=True), replace(base, paged=True),
-                    replace(heavy, varlen_k=False, paged=True, split_kv=True)]
-    return out
