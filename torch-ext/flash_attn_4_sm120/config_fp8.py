@@ -1,0 +1,73 @@
+"""Host-only configuration of the FP8 (e4m3) forward, kernels/fwd_fp8.py (no CuTe-DSL import, no side effects).
+
+One frozen record per compiled kernel; ``can_implement`` raises ValueError / NotImplementedError naming the value
+and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
+q/k/v in float8_e4m3fn, head dims 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, bf16 or fp16 output, one
+(B, Hkv) fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP8_HEAD_DIMS = (64, 128)
+FP8_OUT_DTYPES = ("bf16", "fp16")
+FP8_TILE_M = 64  # 4 warps x 16 query rows
+FP8_TILE_N = 64  # keys per K/V tile
+FP8_NUM_WARPS = 4
+FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
+SMEM_LIMIT = 101376  # SM120's shared memory per block
+ROW_PAD = 16  # bytes added to each K/V smem row: 8 rows x 4 lanes of 4-byte reads hit 32 distinct banks
+
+
+@dataclass(frozen=True)
+class Fp8FwdConfig:
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    out_dtype: str = "bf16"
+    tile_m: int = FP8_TILE_M
+    tile_n: int = FP8_TILE_N
+    num_warps: int = FP8_NUM_WARPS
+    num_stages: int = FP8_NUM_STAGES
+
+    def name(self) -> str:
+        return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
+                f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
+
+
+def smem_bytes(cfg: Fp8FwdConfig) -> int:
+    return cfg.num_stages * cfg.tile_n * ((cfg.head_dim + ROW_PAD) + (cfg.head_dim_v + ROW_PAD))
+
+
+def can_implement(cfg: Fp8FwdConfig) -> None:
+    if cfg.head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"head_dim={cfg.head_dim} is not served by the FP8 forward (served: {FP8_HEAD_DIMS}); "
+                         "use bf16/fp16 inputs for other head dims")
+    if cfg.head_dim_v != cfg.head_dim:
+        raise ValueError(f"head_dim_v={cfg.head_dim_v} != head_dim={cfg.head_dim}: the FP8 forward serves equal "
+                         "head dims only")
+    if cfg.out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
+    if not isinstance(cfg.causal, bool):
+        raise ValueError(f"causal must be True or False, got {cfg.causal!r}")
+    if cfg.tile_m != 16 * cfg.num_warps:
+        raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
+    if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
+        raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
+    if cfg.num_stages not in (1, 2):
+        raise ValueError(f"num_stages={cfg.num_stages} must be 1 or 2")
+    if smem_bytes(cfg) > SMEM_LIMIT:
+        raise ValueError(f"{cfg.name()} needs {smem_bytes(cfg)} B of shared memory, over SM120's {SMEM_LIMIT} B")
+
+
+def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str) -> Fp8FwdConfig:
+    cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, out_dtype=out_dtype)
+    can_implement(cfg)
+    return cfg
+
+
+def all_configs() -> list[Fp8FwdConfig]:
+    """Every configuration the dispatcher can select (the compile gate's FP8 worklist)."""
+    return [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o)
+            for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES]
