@@ -53,23 +53,20 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         if t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"q, k, v must all be float8_e4m3fn when one is (FP8 attention); {name} is {t.dtype}. "
                              "An FP8 KV cache with a bf16/fp16 query is not implemented yet")
-        if t.dim() != 4:
-            raise NotImplementedError(f"{name} has shape {tuple(t.shape)}: the FP8 forward serves dense "
-                                      "(batch, seqlen, heads, head_dim) tensors only (no varlen / paged K/V yet)")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"{name}'s rows must be 16-byte aligned (strides {t.stride()}, a multiple of 16 "
-                             "elements): use .contiguous()")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     for name, on in unsupported.items():
         if on:
             raise NotImplementedError(f"{name} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 "
                                       "forward serves dense causal/non-causal attention with GQA); leave it at "
                                       "its default or use bf16/fp16 inputs")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise NotImplementedError(f"{name} has shape {tuple(t.shape)}: the FP8 forward serves dense "
+                                      "(batch, seqlen, heads, head_dim) tensors only (no varlen / paged K/V yet)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+        if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}'s rows must be 16-byte aligned (strides {t.stride()}, a multiple of 16 "
+                             "elements): use .contiguous()")
     b, sq, hq, d = q.shape
     _, sk, hkv, dv = v.shape
     if tuple(k.shape) != (b, sk, hkv, d) or v.shape[0] != b:
@@ -84,6 +81,10 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     descales = tuple(_check_descale(n, x, b, hkv, q.device)
                      for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.is_cuda:
+        raise ValueError(f"FP8 attention needs CUDA tensors, got device {q.device}")
     return descales, _OUT[out_dtype], out_dtype
 
 
@@ -156,3 +157,44 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
         fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd,
            scale * LOG2_E, hq // hkv, num_m_blocks)
     return out, lse
+
+
+def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, softmax_scale=None,
+                  causal=False, return_lse=False, learnable_sink=None, unsupported: dict | None = None):
+    """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None)."""
+    if not is_fp8(q, k, v):
+        given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                                ("out_dtype", out_dtype)) if x is not None]
+        raise ValueError(f"{', '.join(given)} given with {getattr(q, 'dtype', type(q).__name__)} inputs: descales "
+                         "and out_dtype apply to float8_e4m3fn q/k/v only; drop them or quantize the inputs "
+                         "(fp8_quant.quantize_qkv)")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("FP8 attention under torch.compile is not supported by flash-attn-4-sm120 yet "
+                                  "(no torch.library op for it); call it eagerly")
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                                 for t in (q, k, v, learnable_sink))
+    unsupported = dict(unsupported or {})
+    unsupported["learnable_sink"] = learnable_sink is not None
+    descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                                                   v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
+                                                   unsupported=unsupported)
+    out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
+                               out_dtype=out_torch)
+    return out, (lse if return_lse else None)
+
+
+def fp8_unsupported(*, window_size, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:
+    """name -> True for each argument of an FP8 call that the FP8 forward does not serve (non-default value).
+    ``num_splits`` None, 0 (automatic) and 1 all run one split; ``pack_gqa`` None/False (the kernel reads K/V per
+    query head, so GQA never copies K/V either way)."""
+    window = (None, None) if window_size is None else tuple(window_size)
+    bounded = any(w is not None and (not isinstance(w, int) or w >= 0) for w in window)
+    out = {
+        f"window_size={window_size!r}": bounded,
+        f"softcap={softcap!r}": bool(softcap),
+        f"num_splits={num_splits!r}": not (num_splits is None or num_splits in (0, 1)) or isinstance(num_splits, bool),
+        f"pack_gqa={pack_gqa!r}": pack_gqa is True,
+        f"dropout_p={dropout_p!r}": dropout_p != 0,
+    }
+    out.update({name: value is not None for name, value in optional.items()})
+    return out
