@@ -59,13 +59,14 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     kd = _expand_descale(k_descale.float(), sk, hq, block_size)  # (B, Hq, Sk)
     vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
     s_all = (qf @ kf.transpose(-1, -2)) * (qd[..., :, None] * kd[..., None, :]) * (scale * math.log2(math.e))
+    dev = q8.device
     if causal:
-        i = torch.arange(sq)[:, None]
-        j = torch.arange(sk)[None, :]
+        i = torch.arange(sq, device=dev)[:, None]
+        j = torch.arange(sk, device=dev)[None, :]
         s_all = s_all.masked_fill(j > i + sk - sq, -math.inf)
-    m = torch.full((b, hq, sq), -math.inf)
-    row_sum = torch.zeros(b, hq, sq)
-    acc = torch.zeros(b, hq, sq, vf.shape[-1])
+    m = torch.full((b, hq, sq), -math.inf, device=dev)
+    row_sum = torch.zeros(b, hq, sq, device=dev)
+    acc = torch.zeros(b, hq, sq, vf.shape[-1], device=dev)
     starts = list(range(0, sk, tile_n))
     for n0 in (reversed(starts) if right_to_left else starts):
         s = s_all[..., n0:n0 + tile_n]

@@ -35,7 +35,7 @@ def _check_descale(name, d, b, hkv, device):
         raise ValueError(f"{name} must have shape (batch, KV heads) = ({b}, {hkv}), got {tuple(d.shape)}")
     if d.device != device:
         raise ValueError(f"{name} is on {d.device}, q on {device}: put it on q's device")
-    return d
+    return d.contiguous()  # an expanded (stride-0) descale gets its own (B, Hkv) copy: the kernel reads rows
 
 
 def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict):
