@@ -115,3 +115,10 @@ def test_non_contiguous_rows_raise():
     q, k, v = _qkv(d=128)
     with pytest.raises(ValueError, match="last dim must be contiguous"):
         fa.flash_attn_func(q, k.transpose(1, 3), v)
+
+
+def test_targets_without_the_fp8_mma_are_refused():
+    for arch in ("sm_90a", "sm_120a", "sm_121a"):
+        C.check_target(arch, "dev")
+    with pytest.raises(ValueError, match="sm_80 cubins"):
+        C.check_target("sm_80", "RTX 4090 (compute capability 8.9)")

@@ -16,6 +16,10 @@ FP8_TILE_M = 64  # 4 warps x 16 query rows
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
+# compile targets whose cubins carry mma.sync e4m3 (PTX needs sm_89+): sm_80 cubins, which 8.0/8.6/8.9 devices
+# load (device.CAPABILITIES), do not; ptxas rejects "mma with FP8 floating point type" there
+# (benchmarks/results/fp8_gate_sm80.jsonl)
+FP8_TARGETS = ("sm_90a", "sm_120a", "sm_121a", "sm_120f")
 SMEM_LIMIT = 101376  # SM120's shared memory per block
 ROW_PAD = 16  # bytes added to each K/V smem row: 8 rows x 4 lanes of 4-byte reads hit 32 distinct banks
 
@@ -59,6 +63,12 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
         raise ValueError(f"num_stages={cfg.num_stages} must be 1 or 2")
     if smem_bytes(cfg) > SMEM_LIMIT:
         raise ValueError(f"{cfg.name()} needs {smem_bytes(cfg)} B of shared memory, over SM120's {SMEM_LIMIT} B")
+
+
+def check_target(arch: str, device_text: str) -> None:
+    if arch not in FP8_TARGETS:
+        raise ValueError(f"{device_text} runs {arch} cubins, which cannot hold the FP8 mma (targets with it: "
+                         f"{FP8_TARGETS}); use bf16/fp16 inputs on this device")
 
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str) -> Fp8FwdConfig:

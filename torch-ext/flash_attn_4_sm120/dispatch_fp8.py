@@ -133,9 +133,11 @@ def get_fp8_kernel(cfg: Fp8FwdConfig, device: torch.device):
 
 def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_dtype):
     """Launch the FP8 forward on checked inputs -> (out (B, Sq, Hq, Dv), lse fp32 (B, Hq, Sq))."""
+    from .config_fp8 import check_target
     from .device import device_caps
 
-    device_caps(q.device)  # ValueError for a device the bundle does not serve, before any compile
+    caps = device_caps(q.device)  # ValueError for a device the bundle does not serve, before any compile
+    check_target(caps.arch, caps.describe())
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     if not isinstance(causal, bool):
