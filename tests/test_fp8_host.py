@@ -122,3 +122,16 @@ def test_targets_without_the_fp8_mma_are_refused():
         C.check_target(arch, "dev")
     with pytest.raises(ValueError, match="sm_80 cubins"):
         C.check_target("sm_80", "RTX 4090 (compute capability 8.9)")
+
+
+def test_kernel_call_matches_its_fake_args():
+    pytest.importorskip("cutlass")
+    import inspect
+
+    from flash_attn_4_sm120.dispatch_fp8 import fake_args
+    from flash_attn_4_sm120.kernels.fwd_fp8 import FlashFwdFp8
+
+    params = list(inspect.signature(FlashFwdFp8.__call__).parameters)
+    assert params[0] == "self" and params[-1] == "stream"
+    assert tuple(params[1:-1]) == FlashFwdFp8.ARG_NAMES
+    assert len(fake_args(C.all_configs()[0])) == len(FlashFwdFp8.ARG_NAMES) + 1
