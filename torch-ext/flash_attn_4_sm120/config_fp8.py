@@ -59,8 +59,8 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
         raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
     if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
         raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
-    if cfg.num_stages not in (1, 2):
-        raise ValueError(f"num_stages={cfg.num_stages} must be 1 or 2")
+    if cfg.num_stages != 2:
+        raise ValueError(f"num_stages={cfg.num_stages}: the FP8 kernel double-buffers K/V (num_stages=2 only)")
     if smem_bytes(cfg) > SMEM_LIMIT:
         raise ValueError(f"{cfg.name()} needs {smem_bytes(cfg)} B of shared memory, over SM120's {SMEM_LIMIT} B")
 

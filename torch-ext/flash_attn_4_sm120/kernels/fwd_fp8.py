@@ -124,14 +124,11 @@ class FlashFwdFp8:
         cp_async_commit()
         for it in cutlass.range(n_max, unroll=1):
             nb = n_max - 1 - it
-            stage = it % 2 if const_expr(self.stages == 2) else 0
-            if const_expr(self.stages == 2):
-                if it + 1 < n_max:
-                    self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
-                cp_async_commit()
-                cp_async_wait(1)
-            else:
-                cp_async_wait(0)
+            stage = it % 2
+            if it + 1 < n_max:  # the next tile lands in the other stage while this one is used
+                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+            cp_async_commit()
+            cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
             cute.arch.barrier()
             k_addr = sK_addr + stage * (self.tile_n * self.k_row)
             v_addr = sV_addr + stage * (self.tile_n * self.v_row)
