@@ -6,7 +6,7 @@
 * P is exp2(s·log2e − m) · 2^P_SHIFT_LOG2 (at most 16), rounded to e4m3 (saturating, round to nearest even);
   the row sum adds the unrounded fp32 P.
 * acc = acc · exp2(m_old − m_new) + P8 · v8, out = acc · v_descale · 2^−P_SHIFT_LOG2 / row_sum, then rounded to
-  the output dtype.
+  the output dtype; a learnable sink joins row_sum at the end, causal / window masks as FlashAttention's.
 
 FlashAttention-3's accuracy input (section 4.3 of its paper): N(0, 1) entries with 0.1% of them drawn from
 N(0, 10) instead (``fa3_outlier_inputs``).
@@ -46,7 +46,7 @@ def _expand_descale(descale, s, hq, block_size):
 
 def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                           tile_n=64, right_to_left=True, block_size=128, out_dtype=torch.bfloat16,
-                          quantize_p=True):
+                          quantize_p=True, window=(None, None), sink=None):
     """Emulated FP8 forward -> out (B, Sq, Hq, Dv) in ``out_dtype``.  ``quantize_p=False`` keeps P in fp32 (to
     separate the error of P's rounding from that of the inputs')."""
     b, sq, hq, d = q8.shape
@@ -60,10 +60,15 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
     s_all = (qf @ kf.transpose(-1, -2)) * (qd[..., :, None] * kd[..., None, :]) * (scale * math.log2(math.e))
     dev = q8.device
+    left, right = (None if w is None or w < 0 else w for w in window)
     if causal:
-        i = torch.arange(sq, device=dev)[:, None]
-        j = torch.arange(sk, device=dev)[None, :]
-        s_all = s_all.masked_fill(j > i + sk - sq, -math.inf)
+        right = 0
+    i = torch.arange(sq, device=dev)[:, None]
+    j = torch.arange(sk, device=dev)[None, :]
+    if right is not None:
+        s_all = s_all.masked_fill(j > i + sk - sq + right, -math.inf)
+    if left is not None:
+        s_all = s_all.masked_fill(j < i + sk - sq - left, -math.inf)
     m = torch.full((b, hq, sq), -math.inf, device=dev)
     row_sum = torch.zeros(b, hq, sq, device=dev)
     acc = torch.zeros(b, hq, sq, vf.shape[-1], device=dev)
@@ -81,6 +86,13 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
             p = p * 2.0 ** P_SHIFT_LOG2
         acc = acc * corr[..., None] + p @ vf[..., n0:n0 + tile_n, :]
         m = m_new
+    if sink is not None:  # one more logit in the denominator, in the same log2 units
+        z = (sink.float().to(dev) * math.log2(math.e)).view(1, hq, 1).expand(b, hq, sq)
+        m_fin = torch.where(z < m, m, z)
+        empty = m_fin == -math.inf
+        rescale = torch.where(empty, torch.zeros_like(m), torch.exp2(m - m_fin))
+        row_sum = row_sum * rescale + torch.where(empty, torch.zeros_like(m), torch.exp2(z - m_fin))
+        acc = acc * rescale[..., None]
     inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
     out = acc * (inv * vd[..., None] * 2.0 ** -P_SHIFT_LOG2)[..., None]
     return out.transpose(1, 2).to(out_dtype)

@@ -6,7 +6,8 @@ Bars, derived from the measured error (benchmarks/results/fp8_accuracy_cpu.jsonl
     the kernel and the emulation differ by at most a fifth of that error (both round P to e4m3; the kernel's
     exp2 is an approximation and its output is rounded to bf16/fp16);
   * on e4m3-exact inputs with unit descales the only error left is P's rounding: the kernel matches the emulation
-    within the output dtype's rounding, and the LSE (P's rounding does not enter it) matches the fp32 reference.
+    within the output dtype's rounding, and the LSE (P's rounding does not enter it) matches the fp32 reference;
+    the same with sliding windows and a learnable sink.
 """
 
 import math
@@ -61,9 +62,14 @@ def test_exact_inputs_leave_only_p_rounding(d, causal, out_dtype, lengths):
     q8, k8, v8 = (torch.randn(2, s, h, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
                   for s, h in ((sq, 8), (sk, 2), (sk, 2)))
     out, lse = fa.flash_attn_func(q8, k8, v8, causal=causal, out_dtype=out_dtype, return_lse=True)
-    ones = torch.ones(2, 2, device="cuda")
-    emu = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32)
-    _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal)
+    _check_exact(out, lse, q8, k8, v8, out_dtype, causal=causal)
+
+
+def _check_exact(out, lse, q8, k8, v8, out_dtype, causal=False, window=(None, None), sink=None):
+    ones = torch.ones(q8.shape[0], k8.shape[2], device="cuda")
+    emu = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32, window=window,
+                                sink=sink)
+    _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, window=window, sink=sink)
     eps = torch.finfo(out_dtype).eps
     assert out.dtype == out_dtype
     # the output's rounding (half an ulp) plus the exp2 approximation's few fp32 ulps on P; a P value that rounds
@@ -75,6 +81,49 @@ def test_exact_inputs_leave_only_p_rounding(d, causal, out_dtype, lengths):
     finite = torch.isfinite(lse_ref)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window", [(True, (64, None)), (True, (1, 5)), (False, (100, 30)), (False, (None, 5)),
+                                            (False, (0, 0)), (False, (None, None))])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("lengths", [(113, 211), (300, 100), (1000, 1000)])
+def test_window_and_sink_exact_inputs(d, causal, window, with_sink, lengths):
+    sq, sk = lengths
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    q8, k8, v8 = (torch.randn(2, s, h, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+                  for s, h in ((sq, 6), (sk, 2), (sk, 2)))
+    sink = (torch.randn(6, device="cuda", generator=g) * 3).float() if with_sink else None
+    out, lse = fa.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, learnable_sink=sink,
+                                  return_lse=True)
+    _check_exact(out, lse, q8, k8, v8, torch.bfloat16, causal=causal, window=window, sink=sink)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_outlier_input_with_window_and_sink(rotate):
+    (q, k, v), quant = _fp8(1, 2048, 2048, 4, 2, 128, rotate=rotate, seed=3)
+    sink = torch.linspace(-2, 2, 4, device="cuda")
+    out, _ = _call(*quant, causal=True, window_size=(511, 0), learnable_sink=sink)
+    ref, _ = attention_ref(q, k, v, causal=True, window=(511, 0), sink=sink)
+    emu = emulate_fp8_attention(*quant, causal=True, window=(511, 0), sink=sink)
+    err, err_emu = rms(out, ref), rms(emu, ref)
+    assert err <= 1.1 * err_emu, (err, err_emu)
+    assert rms(out, emu) <= 0.2 * err_emu, (rms(out, emu), err_emu)
+
+
+def test_sink_on_rows_without_keys_gives_its_logit():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q8, k8, v8 = (torch.randn(1, s, 2, 64, device="cuda", generator=g).to(torch.float8_e4m3fn)
+                  for s in (200, 80, 80))
+    sink = torch.tensor([1.5, float("-inf")], device="cuda")
+    out, lse = fa.flash_attn_func(q8, k8, v8, causal=True, learnable_sink=sink, return_lse=True)
+    assert (out[:, :120] == 0).all()
+    torch.testing.assert_close(lse[0, 0, :120], torch.full((120,), 1.5, device="cuda"), rtol=0, atol=1e-5)
+    assert torch.isneginf(lse[0, 1, :120]).all()
+    assert not torch.isnan(out).any()
+    nan_sink = torch.tensor([float("nan"), 0.0], device="cuda")
+    out, _ = fa.flash_attn_func(q8, k8, v8, causal=True, learnable_sink=nan_sink)
+    assert torch.isnan(out[:, :, 0]).all() and not torch.isnan(out[:, :, 1]).any()
 
 
 def test_rows_without_keys_are_zero_with_minus_inf_lse():

@@ -17,7 +17,7 @@ def _qkv(b=2, sq=8, sk=8, hq=4, hkv=2, d=64, dtype=E4):
 
 def test_every_selectable_config_passes_can_implement_and_fits():
     cfgs = C.all_configs()
-    assert len(cfgs) == len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES)
+    assert len(cfgs) == len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2  # causal, window, sink
     for cfg in cfgs:
         C.can_implement(cfg)
         assert C.smem_bytes(cfg) <= C.SMEM_LIMIT
@@ -69,8 +69,8 @@ def test_descales_with_bf16_inputs_raise():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(window_size=(16, 0)), dict(softcap=5.0), dict(num_splits=2), dict(pack_gqa=True), dict(dropout_p=0.1),
-    dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), dict(learnable_sink=torch.zeros(4)),
+    dict(softcap=5.0), dict(num_splits=2), dict(pack_gqa=True), dict(dropout_p=0.1),
+    dict(page_table=torch.zeros(2, 1, dtype=torch.int32)),
     dict(score_mod=lambda *a: a[0]), dict(aux_tensors=[torch.zeros(1)]),
 ])
 def test_unserved_features_raise_before_launch(kw):
@@ -79,15 +79,48 @@ def test_unserved_features_raise_before_launch(kw):
 
 
 def test_defaults_and_one_split_are_not_refused():
-    bad = fp8_unsupported(window_size=(None, None), softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0,
-                          page_table=None)
+    bad = fp8_unsupported(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0, page_table=None)
     assert not any(bad.values())
-    for ok in (dict(num_splits=0), dict(num_splits=1), dict(window_size=(-1, -1)), dict(pack_gqa=False)):
-        args = dict(window_size=(None, None), softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0)
+    for ok in (dict(num_splits=0), dict(num_splits=1), dict(pack_gqa=False)):
+        args = dict(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0)
         args.update(ok)
         assert not any(fp8_unsupported(**args).values()), ok
-    assert any(fp8_unsupported(window_size=(None, None), softcap=0.0, num_splits=True, pack_gqa=None,
-                               dropout_p=0.0).values())
+    assert any(fp8_unsupported(softcap=0.0, num_splits=True, pack_gqa=None, dropout_p=0.0).values())
+
+
+@pytest.mark.parametrize("window, causal, expected", [
+    ((None, None), False, (False, 300, 100)),
+    ((-1, -1), True, (False, 300, 0)),
+    ((None, None), True, (False, 300, 0)),
+    ((16, None), True, (True, 16, 0)),
+    ((16, 16), True, (True, 16, 0)),  # causal fixes the right bound
+    ((None, 8), False, (True, 300, 8)),
+    ((5000, 5000), False, (True, 300, 100)),  # bounds past every key are clamped, still a window config
+])
+def test_window_bounds_follow_flash_attention(window, causal, expected):
+    from flash_attn_4_sm120.dispatch_fp8 import window_bounds
+
+    assert window_bounds(window, causal, 100, 300) == expected
+
+
+@pytest.mark.parametrize("bad", [(1.5, 0), (True, 0), (1, 2, 3), "16"])
+def test_window_bounds_reject_bad_values(bad):
+    from flash_attn_4_sm120.dispatch_fp8 import window_bounds
+
+    with pytest.raises(ValueError, match="window_size"):
+        window_bounds(bad, False, 8, 8)
+
+
+def test_sink_is_checked_and_converted():
+    from flash_attn_4_sm120.dispatch_fp8 import _sink
+
+    assert _sink(None, 4, torch.device("cpu")) is None
+    out = _sink(torch.zeros(4, dtype=torch.bfloat16), 4, torch.device("cpu"))
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    with pytest.raises(ValueError, match=r"\(Hq,\) = \(4,\)"):
+        _sink(torch.zeros(2), 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        _sink(torch.zeros(4, dtype=torch.int32), 4, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("make, exc, match", [

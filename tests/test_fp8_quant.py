@@ -124,10 +124,13 @@ def test_emulation_without_quantization_error_matches_the_reference():
     q, k, v = fa3_outlier_inputs(1, 70, 150, 4, 2, 64, seed=2)
     q8, k8, v8 = (x.clamp(-448, 448).to(torch.float8_e4m3fn) for x in (q, k, v))
     ones = torch.ones(1, 2)
-    for causal in (False, True):
-        ref, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal)
+    sink = torch.tensor([0.5, -1.0, 30.0, float("-inf")])
+    for causal, window, with_sink in ((False, (None, None), False), (True, (None, None), False),
+                                      (False, (20, 7), False), (True, (33, None), True), (False, (None, None), True)):
+        ref, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, window=window,
+                               sink=sink if with_sink else None)
         out = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, quantize_p=False,
-                                    out_dtype=torch.float32)
+                                    out_dtype=torch.float32, window=window, sink=sink if with_sink else None)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -3,7 +3,7 @@
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
 raises before anything launches, and so does every feature the FP8 kernel does not serve yet (varlen, paged K/V,
-window, softcap, sink, split-KV, dropout, mods, block sparsity).  No host read of a device value.
+softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served.  No host read of a device value.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
                                              assumed_align=4)
 
     u8 = cutlass.Uint8
+    sink = f32(1) if cfg.has_sink else None
     return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), f32(2), f32(2), f32(2), Float32(1.0), Int32(1), Int32(1),
+            f32(3), f32(2), f32(2), f32(2), sink, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -131,7 +132,38 @@ def get_fp8_kernel(cfg: Fp8FwdConfig, device: torch.device):
         return _get_kernel(("FlashFwdFp8", cfg, target_arch()), cfg, compile_fp8)
 
 
-def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_dtype):
+def window_bounds(window_size, causal: bool, sq: int, sk: int):
+    """(local, left, right) for the kernel: FlashAttention's rule (causal fixes right = 0; None or a negative side
+    is unbounded), an unbounded side given as a bound that covers every key (left = sk, right = sq)."""
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    for w in window_size:
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool)):
+            raise ValueError(f"window_size entries must be ints or None, got {window_size!r}")
+    left, right = (None if w is None or w < 0 else w for w in window_size)
+    if causal:
+        right = 0
+    local = left is not None or (right is not None and not causal)
+    return local, (sk if left is None else min(left, sk)), (sq if right is None else min(right, sq))
+
+
+def _sink(learnable_sink, hq, device):
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (hq,):
+        raise ValueError(f"learnable_sink must be a tensor of shape (Hq,) = ({hq},), got "
+                         f"{tuple(getattr(learnable_sink, 'shape', ())) or type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink is on {learnable_sink.device}, q on {device}")
+    return learnable_sink.float().contiguous()
+
+
+def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_dtype, window_size=None,
+                    learnable_sink=None):
     """Launch the FP8 forward on checked inputs -> (out (B, Sq, Hq, Dv), lse fp32 (B, Hq, Sq))."""
     from .config_fp8 import check_target
     from .device import device_caps
@@ -143,26 +175,32 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    cfg = select_config(d, v.shape[3], causal, out_name)
+    local, left, right = window_bounds(window_size, causal, q.shape[1], k.shape[1])
+    sink = _sink(learnable_sink, hq, q.device)
+    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None)
     out = torch.empty(b, sq, hq, v.shape[3], dtype=out_dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
-    if k.shape[1] == 0:
+    if k.shape[1] == 0:  # no keys: O = 0, LSE = -inf, or the sink's logit
         out.zero_()
-        lse.fill_(-math.inf)
+        if sink is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sink.view(1, hq, 1).expand(b, hq, sq))
         return out, lse
     fn = get_fp8_kernel(cfg, q.device)
     num_m_blocks = (sq + cfg.tile_m - 1) // cfg.tile_m
     qd, kd, vd = descales
     with torch.cuda.device(q.device):
-        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd,
-           scale * LOG2_E, hq // hkv, num_m_blocks)
+        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink,
+           scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
     return out, lse
 
 
 def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, softmax_scale=None,
-                  causal=False, return_lse=False, learnable_sink=None, unsupported: dict | None = None):
+                  causal=False, window_size=None, return_lse=False, learnable_sink=None,
+                  unsupported: dict | None = None):
     """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None)."""
     if not is_fp8(q, k, v):
         given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
@@ -176,23 +214,19 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                                  for t in (q, k, v, learnable_sink))
     unsupported = dict(unsupported or {})
-    unsupported["learnable_sink"] = learnable_sink is not None
     descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                                    v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
                                                    unsupported=unsupported)
     out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
-                               out_dtype=out_torch)
+                               out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
     return out, (lse if return_lse else None)
 
 
-def fp8_unsupported(*, window_size, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:
+def fp8_unsupported(*, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:
     """name -> True for each argument of an FP8 call that the FP8 forward does not serve (non-default value).
     ``num_splits`` None, 0 (automatic) and 1 all run one split; ``pack_gqa`` None/False (the kernel reads K/V per
     query head, so GQA never copies K/V either way)."""
-    window = (None, None) if window_size is None else tuple(window_size)
-    bounded = any(w is not None and (not isinstance(w, int) or w >= 0) for w in window)
     out = {
-        f"window_size={window_size!r}": bounded,
         f"softcap={softcap!r}": bool(softcap),
         f"num_splits={num_splits!r}": not (num_splits is None or num_splits in (0, 1)) or isinstance(num_splits, bool),
         f"pack_gqa={pack_gqa!r}": pack_gqa is True,

@@ -185,15 +185,16 @@ def flash_attn_func(
 
     FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
     fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
-    GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
+    sliding window, learnable sink, GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
     makes the inputs).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
             or is_fp8(q, k, v)):
         return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, return_lse=return_lse,
                              learnable_sink=learnable_sink, unsupported=fp8_unsupported(
-                                 window_size=window_size, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
                                  block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
                                  page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
                                  score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
