@@ -67,6 +67,8 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"{name}'s rows must be 16-byte aligned (strides {t.stride()}, a multiple of 16 "
                              "elements): use .contiguous()")
+        if t.stride(1) >= 2 ** 31:  # the kernel keeps K/V row strides in 32 bits
+            raise ValueError(f"{name}'s sequence stride {t.stride(1)} must be below 2**31 elements: use .contiguous()")
     b, sq, hq, d = q.shape
     _, sk, hkv, dv = v.shape
     if tuple(k.shape) != (b, sk, hkv, d) or v.shape[0] != b:
