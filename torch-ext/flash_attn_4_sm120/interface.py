@@ -13,6 +13,7 @@ from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
+from .dispatch_fp8 import fp8_attention, fp8_unsupported, is_fp8
 from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
 from .config import mods_dropout_fwd_tile
 from .dropout import check_p, refuse_combinations
@@ -150,6 +151,10 @@ def flash_attn_func(
     block_sparse_tensors_bwd=None,
     dropout_seed: int | torch.Tensor | None = None,
     dropout_offset: int | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention over (B, S, H, D) tensors.  Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in q's dtype, lse fp32
     (B, Hq, Sq) natural-log softmax normaliser when ``return_lse=True``, else None.
@@ -177,7 +182,25 @@ def flash_attn_func(
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
     ``block_sparse_tensors_bwd``: the same pairs in the KV-major form the dK/dV kernel walks (optional: built on the
     device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
+
+    FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
+    fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
+    sliding window, learnable sink, GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
+    makes the inputs).
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or is_fp8(q, k, v)):
+        return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, return_lse=return_lse,
+                             learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                                 block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
+                                 page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
+                                 score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
+                                 aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+                                 block_sparse_tensors_bwd=block_sparse_tensors_bwd, dropout_seed=dropout_seed,
+                                 dropout_offset=dropout_offset))
     _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if qv is not None or gather_kv_indices is not None or aux_scalars is not None:
         _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars)

@@ -1,0 +1,102 @@
+"""FP8 attention emulated in fp32 torch, step for step as the FP8 forward computes it (kernels/fwd_fp8.py).
+
+* S = q8 · k8ᵀ on the e4m3 values (products of e4m3 values are exact in fp32), times q_descale · k_descale ·
+  softmax_scale (block descales: per (query block, key block)).
+* Online softmax over key tiles of ``tile_n`` in the kernel's order, the running max over the scaled scores.
+* P is exp2(s·log2e − m) · 2^P_SHIFT_LOG2 (at most 16), rounded to e4m3 (saturating, round to nearest even);
+  the row sum adds the unrounded fp32 P.
+* acc = acc · exp2(m_old − m_new) + P8 · v8, out = acc · v_descale · 2^−P_SHIFT_LOG2 / row_sum, then rounded to
+  the output dtype; a learnable sink joins row_sum at the end, causal / window masks as FlashAttention's.
+
+FlashAttention-3's accuracy input (section 4.3 of its paper): N(0, 1) entries with 0.1% of them drawn from
+N(0, 10) instead (``fa3_outlier_inputs``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+P_SHIFT_LOG2 = 4  # P is scaled by 2^4 = 16 before the e4m3 conversion (the kernel's constant)
+
+
+def fa3_outlier_inputs(b, sq, sk, hq, hkv, d, *, seed=0, outlier_frac=1e-3, outlier_std=10.0, dtype=torch.float32,
+                       device="cpu"):
+    """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D): N(0, 1) with ``outlier_frac`` of the entries from N(0, 10)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def one(*shape):
+        x = torch.randn(*shape, generator=g)
+        pick = torch.rand(*shape, generator=g) < outlier_frac
+        return torch.where(pick, torch.randn(*shape, generator=g) * outlier_std, x).to(dtype).to(device)
+
+    return one(b, sq, hq, d), one(b, sk, hkv, d), one(b, sk, hkv, d)
+
+
+def _expand_descale(descale, s, hq, block_size):
+    """(B, Hkv) or (B, Hkv, nblk) -> (B, Hq, S) fp32 per row."""
+    b, hkv = descale.shape[:2]
+    d = descale if descale.dim() == 3 else descale[..., None]
+    d = d.repeat_interleave(hq // hkv, dim=1)
+    if descale.dim() == 3:
+        return d.repeat_interleave(block_size, dim=2)[..., :s]
+    return d.expand(b, hq, s)
+
+
+def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
+                          tile_n=64, right_to_left=True, block_size=128, out_dtype=torch.bfloat16,
+                          quantize_p=True, window=(None, None), sink=None):
+    """Emulated FP8 forward -> out (B, Sq, Hq, Dv) in ``out_dtype``.  ``quantize_p=False`` keeps P in fp32 (to
+    separate the error of P's rounding from that of the inputs')."""
+    b, sq, hq, d = q8.shape
+    sk, hkv = k8.shape[1], k8.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qf = q8.float().transpose(1, 2)  # (B, Hq, Sq, D)
+    kf = k8.float().repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
+    vf = v8.float().repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
+    qd = _expand_descale(q_descale.float(), sq, hq, block_size)  # (B, Hq, Sq)
+    kd = _expand_descale(k_descale.float(), sk, hq, block_size)  # (B, Hq, Sk)
+    vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
+    s_all = (qf @ kf.transpose(-1, -2)) * (qd[..., :, None] * kd[..., None, :]) * (scale * math.log2(math.e))
+    dev = q8.device
+    left, right = (None if w is None or w < 0 else w for w in window)
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=dev)[:, None]
+    j = torch.arange(sk, device=dev)[None, :]
+    if right is not None:
+        s_all = s_all.masked_fill(j > i + sk - sq + right, -math.inf)
+    if left is not None:
+        s_all = s_all.masked_fill(j < i + sk - sq - left, -math.inf)
+    m = torch.full((b, hq, sq), -math.inf, device=dev)
+    row_sum = torch.zeros(b, hq, sq, device=dev)
+    acc = torch.zeros(b, hq, sq, vf.shape[-1], device=dev)
+    starts = list(range(0, sk, tile_n))
+    for n0 in (reversed(starts) if right_to_left else starts):
+        s = s_all[..., n0:n0 + tile_n]
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)  # rows with no key yet
+        p = torch.exp2(s - m_use[..., None])
+        corr = torch.exp2(m - m_use)
+        row_sum = row_sum * corr + p.sum(dim=-1)
+        if quantize_p:
+            p = (p * 2.0 ** P_SHIFT_LOG2).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+        else:
+            p = p * 2.0 ** P_SHIFT_LOG2
+        acc = acc * corr[..., None] + p @ vf[..., n0:n0 + tile_n, :]
+        m = m_new
+    if sink is not None:  # one more logit in the denominator, in the same log2 units
+        z = (sink.float().to(dev) * math.log2(math.e)).view(1, hq, 1).expand(b, hq, sq)
+        m_fin = torch.where(z < m, m, z)
+        empty = m_fin == -math.inf
+        rescale = torch.where(empty, torch.zeros_like(m), torch.exp2(m - m_fin))
+        row_sum = row_sum * rescale + torch.where(empty, torch.zeros_like(m), torch.exp2(z - m_fin))
+        acc = acc * rescale[..., None]
+    inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
+    out = acc * (inv * vd[..., None] * 2.0 ** -P_SHIFT_LOG2)[..., None]
+    return out.transpose(1, 2).to(out_dtype)
+
+
+def rms(a, b) -> float:
+    return float((a.float() - b.float()).pow(2).mean().sqrt())
