@@ -249,11 +249,35 @@ def run_grid(scenario_filter=None) -> dict:
     return results
 
 
+def compact(results: dict) -> dict:
+    """{"configs": [each config's repr once], "calls": {call: [[config index, geometry], ...] or the error}}."""
+    configs: dict[str, int] = {}
+
+    def ref(launches):
+        return [[configs.setdefault(cfg, len(configs)), geo] for cfg, geo in launches]
+
+    calls = {}
+    for key in sorted(results):
+        r = results[key]
+        calls[key] = dict(r, launched=ref(r["launched"])) if isinstance(r, dict) else ref(r)
+    return {"configs": list(configs), "calls": calls}
+
+
+def expand(data: dict) -> dict:
+    cfgs = data["configs"]
+
+    def deref(launches):
+        return [[cfgs[i], geo] for i, geo in launches]
+
+    return {k: dict(r, launched=deref(r["launched"])) if isinstance(r, dict) else deref(r)
+            for k, r in data["calls"].items()}
+
+
 if __name__ == "__main__":
     got = run_grid()
     if "--record" in sys.argv:
         DATA.parent.mkdir(exist_ok=True)
-        DATA.write_text(json.dumps(got, indent=0, sort_keys=True) + "\n")
+        DATA.write_text(json.dumps(compact(got), separators=(",", ":"), sort_keys=True).replace('],"', '],\n"') + "\n")
         print(f"recorded {len(got)} calls into {DATA}")
     else:
         print(json.dumps(got, indent=1)[:3000])
