@@ -107,21 +107,17 @@ def check_p(dropout_p) -> float:
     return p
 
 
-SPLIT_DROPOUT_ERROR = (
-    "dropout_p={p} with num_splits={n}: dropout and split-KV are not supported together (split-KV is an "
-    "inference path with no backward); use num_splits=1 for a call with dropout")
-SPARSE_DROPOUT_ERROR = (
-    "dropout_p={p} with block_sparse_tensors: dropout and block sparsity are not supported together (the "
-    "block-sparse kernels, forward and backward, are not built with the dropout keep mask: the compile gate has "
-    "no such configuration); pass dropout_p=0 or drop block_sparse_tensors")
+_NO_KERNEL_ARGS = (None,) * 7
 
 
-def refuse_combinations(dropout_p, p: float, num_splits: int, sparse: bool) -> None:
-    """ValueError for dropout (p > 0) with split-KV (num_splits != 1, automatic included) or block sparsity."""
-    if p > 0.0 and num_splits != 1:
-        raise ValueError(SPLIT_DROPOUT_ERROR.format(p=dropout_p, n=num_splits))
-    if p > 0.0 and sparse:
-        raise ValueError(SPARSE_DROPOUT_ERROR.format(p=dropout_p))
+def kernel_args(drop) -> tuple:
+    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor) of a call whose
+    kernels apply dropout; all None for ``drop`` None (the p = 0 kernels take none of them)."""
+    if drop is None:
+        return _NO_KERNEL_ARGS
+    v = drop.kernel_values()
+    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
+            v["rng_offset_hi"], v["rng_seed"])
 
 
 def _check_u64(name: str, value) -> int:
@@ -253,4 +249,4 @@ def expected_keep_rate(p: float) -> float:
 
 __all__ = ["DropoutArgs", "F16_DIRECT_MAX_THRESHOLD", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p",
            "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words",
-           "refuse_combinations", "resolve"]
+           "kernel_args", "resolve"]
