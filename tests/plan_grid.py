@@ -170,6 +170,8 @@ def _scenarios():
         ("pack_false", dense(sq=1, sk=1000, hq=8, hkv=2, pack_gqa=False)),
         ("split4", dense(sq=64, sk=2000, num_splits=4)),
         ("split_auto", dense(sq=1, sk=4000, hq=8, hkv=8, num_splits=0)),
+        ("split4_prefill", dense(sq=300, sk=2000, num_splits=4, causal=True)),
+        ("split3_paged_prefill", paged(64, sq=100, split=3, causal=True)),
         ("dropout", dense(dropout_p=0.1, dropout_seed=7)),
         ("dropout_gqa", dense(sq=40, hq=8, hkv=2, dropout_p=0.1, dropout_seed=7)),
         ("dropout_gqa_causal", dense(sq=40, hq=8, hkv=2, causal=True, dropout_p=0.1, dropout_seed=7)),
