@@ -11,7 +11,7 @@ import pytest
 import torch
 
 fa = pytest.importorskip("flash_attn_4_sm120")
-from flash_attn_4_sm120 import config, config_bwd, jit, modspec  # noqa: E402
+from flash_attn_4_sm120 import config, config_bwd, jit, modspec, plan as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -92,8 +92,8 @@ def test_dropout_with_mods_plans_the_gated_kernels():
             continue
         for windowed in (False, True):
             for packed in (False, True):
-                plan = dispatch._plan("bf16", d, dv, windowed, False, False, False, False, False, False, True, None,
-                                      dropout=True, seed_tensor=True, dropout_packed=packed, mods=spec)
+                plan = P.get_plan(P.PlanKey("bf16", d, dv, windowed, False, False, False, False, False, False, True, None,
+                                      dropout=True, seed_tensor=True, dropout_packed=packed, mods=spec))
                 f = plan.fwd_cfg
                 assert f.has_dropout and f.dropout_packed == packed and f.mods == spec.forward_part()
                 assert f.tile == config.mods_dropout_fwd_tile(d, dv)

@@ -51,8 +51,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     the backward gives only the LSE's gradient).  With score/mask mods the mods act on the scores, dropout on P after
     the softmax.  Conflicting features (dropout with split-KV, block sparsity or pages; pages with grad; ...) were
     refused by compat.check_call before this runs."""
-    p_drop = D.check_p(dropout_p)
-    num_splits = SK.check_num_splits(num_splits)
+    p_drop = float(dropout_p)  # checked by the caller (interface._check_common, or the op's fake at trace time)
     sparse = block_sparse_tensors is not None
     V.check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
     caps = device_caps(q.device)  # UnsupportedDeviceError (naming the device) before anything compiles

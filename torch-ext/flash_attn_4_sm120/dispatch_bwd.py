@@ -148,7 +148,8 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
             V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None, varlen_q, varlen_k,
             seqused_q is not None, seqused_k is not None, True, q.device.index, sparse=fwd_ratios,
             sparse_bwd=meta.sparse_bwd_key(), dropout=drop is not None,
-            seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods))
+            seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods,
+            tma=device_caps(q.device).tma))  # the forward's plan: its key without the per-call overrides
         fused = None
         if sink is None and not meta.deterministic:
             fused = fused_plan(plan.bwd_cfg, q.device)
