@@ -61,7 +61,7 @@ CONFLICTS: dict[str, Conflict] = {
         "softcap={softcap} together with score_mod: softcap is itself a score modification; write it into the "
         "score_mod (softcap * tanh(score / softcap)) and its score_mod_bwd, or leave softcap at 0",
         "both would rewrite the scores, and which runs first changes the result: the score_mod takes the cap "
-        "instead (the `mods.py` library shows how).", ("test_softcap_with_score_mod_raises",)),
+        "instead (the `mods.py` library shows how).", ("test_softcap_with_score_mod_raises_before_launch_through_the_api",)),
     "mods_compile": Conflict(
         "score/mask mods × torch.compile", NotImplementedError,
         "score_mod/mask_mod are not supported under torch.compile yet (the torch.library op does not take "
