@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README "Run the tests", and what CI runs): sets up .venv from the pinned requirements when it
-# is missing, then checks the build, the README sections, the refusals section of CONFLICTS_LOG.md, the compile gate (the hand-made worklists for sm_120a)
-# and runs the whole pytest suite (GPU tests skip without CUDA; on a GPU machine they run too).
+# is missing, then checks the build, the README sections, the refusals section of CONFLICTS_LOG.md, the compile
+# gate (the hand-made worklists for sm_120a) and runs the whole pytest suite (GPU tests skip without CUDA; on a GPU machine they run too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}

@@ -172,7 +172,10 @@ def check_call(*, p: float, dropout_p, num_splits: int, sparse: bool, sparse_bwd
             from .config import mods_dropout_fwd_tile
             from .device import device_caps
 
-            mods_dropout_fwd_tile(*head_dims, device_caps(device).tma)  # the table's limit (message named there)
+            # the table's limit (its message names the tiles); a device is asked only when it is a CUDA one (other
+            # tensors are refused by validation, and the plan would raise the same for them)
+            tma = device_caps(device).tma if getattr(device, "type", None) == "cuda" else True
+            mods_dropout_fwd_tile(*head_dims, tma)
         if compiling:
             refuse("mods_compile")
     if paged:
