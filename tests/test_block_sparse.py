@@ -188,7 +188,7 @@ def _compat(**kw):
 
     args = dict(p=0.0, num_splits=1, sparse=False, sparse_bwd=False, paged=False, cu_seqlens_k=False,
                 pack_gqa=None, needs_grad=False, compiling=False, mods=False, score_mod=False, softcap=0.0,
-                head_dims=(64, 64), device=torch.device("cpu"))
+                q=None, v=None)
     args.update(kw)
     args.setdefault("dropout_p", args["p"])
     return compat.check_call(**args)

@@ -99,7 +99,7 @@ def test_paged_grad_is_refused_by_the_compat_table_only():
     with pytest.raises(ValueError, match="inference-only"):
         compat.check_call(p=0.0, dropout_p=0.0, num_splits=1, sparse=False, sparse_bwd=False, paged=True,
                           cu_seqlens_k=False, pack_gqa=None, needs_grad=True, compiling=False, mods=False,
-                          score_mod=False, softcap=0.0, head_dims=(64, 64), device=CPU)
+                          score_mod=False, softcap=0.0, q=None, v=None)
     assert "raise " not in inspect.getsource(dispatch.run_forward).split('"""')[2]  # the body, past the docstring
 
 

@@ -59,7 +59,7 @@ def test_forced_split_with_grad_raises_and_auto_is_one():
     with pytest.raises(ValueError, match="inference-only"):
         compat.check_call(p=0.0, dropout_p=0.0, num_splits=4, sparse=False, sparse_bwd=False, paged=False,
                           cu_seqlens_k=False, pack_gqa=None, needs_grad=True, compiling=False, mods=False,
-                          score_mod=False, softcap=0.0, head_dims=(64, 64), device=CPU)
+                          score_mod=False, softcap=0.0, q=None, v=None)
     assert _resolve(0, needs_grad=True) == 1
     assert _resolve(-3, needs_grad=True) == 1
 

@@ -152,12 +152,12 @@ def refuse(name: str, **values):
 
 def check_call(*, p: float, dropout_p, num_splits: int, sparse: bool, sparse_bwd: bool, paged: bool,
                cu_seqlens_k: bool, pack_gqa, needs_grad: bool, compiling: bool, mods: bool, score_mod: bool, softcap,
-               head_dims, device) -> None:
+               q, v) -> None:
     """Every conflict of one attention call, once, before planning (the order is the order refusals win in).
     ``p``: the checked dropout probability (``dropout_p`` as given, for the message); ``num_splits``: after the
     default is resolved; ``mods``: a score_mod or mask_mod was given; ``score_mod``: a score_mod was given;
-    ``head_dims``: (d, dv) of q and v, or None when they are not tensors (validation names them later);
-    ``device``: q's device (read only for a limit that depends on it)."""
+    ``q``/``v``: the call's tensors, read only for a limit that depends on their head dims or device (anything else
+    is named by validation later)."""
     if p > 0.0:
         if num_splits != 1:
             refuse("dropout_split", p=dropout_p, n=num_splits)
@@ -168,14 +168,14 @@ def check_call(*, p: float, dropout_p, num_splits: int, sparse: bool, sparse_bwd
     if score_mod and softcap:
         refuse("softcap_score_mod", softcap=softcap)
     if mods:
-        if 0.0 < p < 1.0 and head_dims is not None:
+        if 0.0 < p < 1.0 and hasattr(q, "shape") and hasattr(v, "shape"):
             from .config import mods_dropout_fwd_tile
             from .device import device_caps
 
             # the table's limit (its message names the tiles); a device is asked only when it is a CUDA one (other
             # tensors are refused by validation, and the plan would raise the same for them)
-            tma = device_caps(device).tma if getattr(device, "type", None) == "cuda" else True
-            mods_dropout_fwd_tile(*head_dims, tma)
+            tma = device_caps(q.device).tma if getattr(q.device, "type", None) == "cuda" else True
+            mods_dropout_fwd_tile(q.shape[-1], v.shape[-1], tma)
         if compiling:
             refuse("mods_compile")
     if paged:

@@ -74,14 +74,14 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
         sparse_bwd=kw.get("block_sparse_tensors_bwd") is not None, paged=kw.get("page_table") is not None,
         cu_seqlens_k=kw.get("cu_seqlens_k") is not None, pack_gqa=kw["pack_gqa"], needs_grad=needs_grad,
         compiling=compiling, mods=score_mod is not None or mask_mod is not None,
-        score_mod=score_mod is not None, softcap=kw["softcap"],
-        head_dims=(q.shape[-1], v.shape[-1]) if hasattr(q, "shape") and hasattr(v, "shape") else None,
-        device=getattr(q, "device", None))
-    mods, aux = check_mods(score_mod=score_mod, score_mod_bwd=mod_args.get("score_mod_bwd"), mask_mod=mask_mod,
-                           aux_tensors=mod_args.get("aux_tensors"), device=getattr(q, "device", None),
-                           needs_grad=needs_grad)
-    if mods is not None:
-        kw.update(mods=mods, aux_tensors=aux)
+        score_mod=score_mod is not None, softcap=kw["softcap"], q=q, v=v)
+    if score_mod is not None or mask_mod is not None or mod_args.get("score_mod_bwd") is not None \
+            or mod_args.get("aux_tensors") is not None:
+        mods, aux = check_mods(score_mod=score_mod, score_mod_bwd=mod_args.get("score_mod_bwd"), mask_mod=mask_mod,
+                               aux_tensors=mod_args.get("aux_tensors"), device=getattr(q, "device", None),
+                               needs_grad=needs_grad)
+        if mods is not None:
+            kw.update(mods=mods, aux_tensors=aux)
     if needs_grad:
         kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
     if sparse:  # eager only, one split (for now)
