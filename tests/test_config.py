@@ -105,7 +105,6 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
 def test_dq_row_sums_only_with_a_learnable_sink():
     """The dQ kernel's P dP row sums (only the sink gradient reads them) are compiled, and their output tensor
     passed, only when the call has a sink; the gate builds both variants of every dQ tile."""
-    from flash_attn_4_sm120 import dispatch
     from flash_attn_4_sm120.arguments import BWD_DQ_ARGS
 
     with_sink = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, True, False, False, False, False, True, 0))

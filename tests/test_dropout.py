@@ -366,8 +366,6 @@ def test_dropout_forward_variants_keep_the_tile(flag, tag, windowed):
     for every forward dropout tile: ``dropout_packed`` (packed GQA rows: a thread's rows g, g + 8 are not positions
     i, i + 8 of one head, so the keep bits are made row by row; the dispatcher's choice whenever pack > 1) and
     ``dropout_high_p`` (p > 0.96875: the complement keep test)."""
-    from flash_attn_4_sm120 import dispatch
-
     args = ("bf16", 128, 128, windowed, False, False, False, False, False, False, False, 0)
     plain = P.get_plan(P.PlanKey(*args, dropout=True)).fwd_cfg
     variant = P.get_plan(P.PlanKey(*args, dropout=True, **{flag: True})).fwd_cfg

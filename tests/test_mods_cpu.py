@@ -77,8 +77,6 @@ def test_dropout_with_mods_plans_the_gated_kernels():
     """dropout_p with a score_mod runs kernels compiled with both (forward, packed forward, dK/dV, dQ), on the
     forward tile config.mods_dropout_fwd_tile gives, and those tiles are the ones the compile gate builds for
     mods x dropout (modspec.dropout_gate_worklist)."""
-    from flash_attn_4_sm120 import dispatch
-
     gate = modspec.dropout_gate_worklist()
     fwd_tiles = {(max(c.head_dim, c.head_dim_v), c.tile) for c in gate if isinstance(c, config.FwdKernelConfig)}
     bwd_tiles = {(type(c).__name__, c.head_dim, c.tile_m, c.tile_n, c.num_warps, c.kv_warp_rows)

@@ -209,8 +209,6 @@ def _bf16_pool(num_pages=8, page_size=64, hkv=2, d=128):
 
 def _paged_plan(k, v, d, windowed, **kw):
     """The forward plan run_forward builds for a paged call (the same arguments, device 0, no grad)."""
-    from flash_attn_4_sm120 import dispatch
-
     tma = P.paged_eligible_for_tma(k, v, d, d, windowed)
     return P.get_plan(P.PlanKey("bf16", d, d, windowed, False, False, False, False, False, True, False, 0, paged=True,
                           paged_tma=tma, **kw))
@@ -264,8 +262,6 @@ def test_paged_mods_keep_the_cpasync_kernel():
 
 
 def test_fused_cache_views_qualify_for_tma_and_misaligned_views_do_not():
-    from flash_attn_4_sm120 import dispatch
-
     NP, ps, h, d = 6, 64, 2, 128
     for cache, split in ((torch.zeros(2, NP, ps, h, d, dtype=torch.bfloat16), lambda c: (c[0], c[1])),
                          (torch.zeros(NP, 2, ps, h, d, dtype=torch.bfloat16), lambda c: (c[:, 0], c[:, 1]))):

@@ -271,7 +271,7 @@ def test_paged_bad_inputs_raise_before_launch(name):
 # ---- paged K/V on the TMA kernel (page_size % tile_n == 0) ----------------------------------------------------
 def _expect_tma(pg: Paged, d, dv, windowed, expected=None):
     """The call below runs the TMA kernel exactly when the prefill tile's tile_n divides the page size."""
-    from flash_attn_4_sm120 import config, plan as P, validate as V
+    from flash_attn_4_sm120 import config, plan as P
 
     if expected is None:
         expected = pg.page_size % config.select_fwd_tile(d, dv, windowed).tile_n == 0

@@ -53,21 +53,20 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     refused by compat.check_call before this runs."""
     p_drop = float(dropout_p)  # checked by the caller (interface._check_common, or the op's fake at trace time)
     sparse = block_sparse_tensors is not None
-    V.check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
-    caps = device_caps(q.device)  # UnsupportedDeviceError (naming the device) before anything compiles
-    varlen_q, paged = cu_seqlens_q is not None, page_table is not None
+    sink, values = V.check_forward(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, debug_checks=debug_checks,
+        page_table=page_table)
     dev = q.device
+    caps = device_caps(dev)  # UnsupportedDeviceError (naming the device) before anything compiles
+    varlen_q, paged = cu_seqlens_q is not None, page_table is not None
     hq, d = q.shape[-2], q.shape[-1]
     hkv, dv = k.shape[-2], v.shape[-1]
-    sink = V.check_sink(learnable_sink, hq, dev)
-    values = V.host_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                           seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                           debug_checks=debug_checks, page_table=page_table)
     _, softcap_v, _, _, windowed, batch, max_q, max_k = values
     drop = None
     if p_drop > 0.0:
-        drop = D.resolve(p_drop, dropout_seed, dropout_offset, dev, V.capturing())
+        drop = D.resolve(p_drop, dropout_seed, dropout_offset, dev)
     elif dropout_seed is not None or dropout_offset is not None:
         D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
     in_kernel = drop is not None and drop.p < 1.0
@@ -102,21 +101,11 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
             lse.copy_(sink[:, None].expand_as(lse) if varlen_q else sink[None, :, None].expand_as(lse))
         return out, lse, meta, sink
     ratio = hq // hkv
-    pack = 1 if sparse else P.choose_pack(pack_gqa, ratio, max_q, plan.fwd_cfg.tile.tile_m)
-    if in_kernel:
-        key, plan, pack = P.packed_dropout(key, plan, pack)
-    dkey = P.decode_key(key, max_q * pack, batch * (hq // pack) * max(num_splits, 1), dev)
-    if dkey is not None:
-        key, plan = dkey, P.get_plan(dkey)
-    num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
-    splits = SK.resolve_num_splits(num_splits, needs_grad=needs_grad, batch=batch,
-                                   ctas=num_m_blocks * (hq // pack) * batch,
-                                   n_blocks=-(-max_k // plan.fwd_cfg.tile.tile_n), dv=dv, device=dev, paged=paged,
-                                   caps=caps)
+    plan, pack, splits, num_m_blocks = P.launch_plan(
+        key, plan, pack_gqa=pack_gqa, ratio=ratio, heads=hq, batch=batch, max_q=max_q, max_k=max_k,
+        num_splits=num_splits, device=dev, caps=caps)
     o_dst, lse_dst = out, lse
     if splits > 1:  # fp32 partials with a leading split dim, combined below
-        plan = P.get_plan(P.split_key(key))
-        num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
         o_dst, lse_dst = SK.partials(out, lse, splits)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)

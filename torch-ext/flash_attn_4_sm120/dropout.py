@@ -150,13 +150,16 @@ def check_seed(seed, offset, device: torch.device):
     return seed, seed_tensor, offset
 
 
-def resolve(p: float, seed, offset, device: torch.device, capturing: bool) -> DropoutArgs:
+def resolve(p: float, seed, offset, device: torch.device, capturing: bool | None = None) -> DropoutArgs:
     """Seed and offset of a call with dropout: checked, or (0 < p < 1 without a seed) drawn from the CUDA
-    default generator of ``device``, whose offset then advances by OFFSET_INCREMENT."""
+    default generator of ``device``, whose offset then advances by OFFSET_INCREMENT.  ``capturing``: whether a
+    CUDA graph is being captured (None: asked, only when the generator would be read)."""
     seed, seed_tensor, offset = check_seed(seed, offset, device)
     if seed is None:
         if not 0.0 < p < 1.0:  # p = 1 keeps nothing: no random numbers, the generator is left alone
             return DropoutArgs(p, 0, 0)
+        if capturing is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing:
             raise ValueError(
                 "dropout without dropout_seed reads torch's CUDA generator on the host, which would freeze one mask "

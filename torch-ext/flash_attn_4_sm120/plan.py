@@ -24,6 +24,7 @@ from .config_plan import kernel_configs
 from . import validate as V
 from .dropout import DropoutArgs
 from .launch import sm_count
+from .splitkv import resolve_num_splits
 
 _LOG2_E = math.log2(math.e)
 _NO_SPARSE = (0, 0)
@@ -219,5 +220,27 @@ def split_key(key: PlanKey) -> PlanKey:
                         seed_tensor=False, dropout_high_p=False, paged_tma=False)
 
 
-__all__ = ["FwdMeta", "Plan", "PlanKey", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "packed_dropout",
+def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, batch: int, max_q: int, max_k: int,
+                num_splits: int, device, caps) -> tuple[Plan, int, int, int]:
+    """(plan, pack, splits, m-blocks) of a call with work to do, from its plan: GQA packing, packed dropout rows,
+    the decode tile of its row bucket, the split count (splitkv.resolve_num_splits: ValueError for a forced count
+    the device cannot run) and the split tile."""
+    pack = 1 if key.sparse[0] else choose_pack(pack_gqa, ratio, max_q, plan.fwd_cfg.tile.tile_m)
+    if key.dropout:
+        key, plan, pack = packed_dropout(key, plan, pack)
+    dkey = decode_key(key, max_q * pack, batch * (heads // pack) * max(num_splits, 1), device)
+    if dkey is not None:
+        key, plan = dkey, get_plan(dkey)
+    num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
+    splits = resolve_num_splits(num_splits, needs_grad=key.needs_grad, batch=batch,
+                                ctas=num_m_blocks * (heads // pack) * batch,
+                                n_blocks=-(-max_k // plan.fwd_cfg.tile.tile_n), dv=key.head_dim_v, device=device,
+                                paged=key.paged, caps=caps)
+    if splits > 1:
+        plan = get_plan(split_key(key))
+        num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
+    return plan, pack, splits, num_m_blocks
+
+
+__all__ = ["FwdMeta", "Plan", "PlanKey", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "launch_plan", "packed_dropout",
            "paged_eligible_for_tma", "split_key", "tma_views_ok"]

@@ -372,3 +372,13 @@ def host_values(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     return scale, softcap, left, right, windowed, batch, max_q, max_k
 
 
+def check_forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, debug_checks, page_table) -> tuple:
+    """The validation of one forward call, in one place: tensors (``check_inputs``), the sink, then the host values
+    (``host_values``).  Returns (sink as fp32 or None, host values)."""
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
+    sink = check_sink(learnable_sink, q.shape[-2], q.device)
+    return sink, host_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                             seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                             debug_checks=debug_checks, page_table=page_table)
