@@ -7,7 +7,7 @@ varlen, seqused, seed tensor) add code inside a class; the gate builds each clas
 flag set the dispatcher produced for it (``class_worklist``).  Score/mask mods are not classes here: a user's mods
 compile at their first call, and the library mods are gated by gate_lists.mods_worklist.
 
-``dispatcher_configs`` walks the dispatcher itself (dispatch._plan, the memoised selection every call goes
+``dispatcher_configs`` walks the dispatcher itself (plan.get_plan, the memoised selection every call goes
 through) over dtypes, head-dim pairs, modes and every subset of the flags, so a class reachable only through an
 intermediate flag set is found.  ``KERNEL_FILES`` maps each kernel kind to the files whose change makes CI rebuild
 its classes (compile_gate --ci).
@@ -84,7 +84,7 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
     device has vector reductions).  Yields FwdKernelConfig / BwdKernelConfig / DqKernelConfig."""
     from dataclasses import replace
 
-    from flash_attn_4_sm120 import block_sparse as BS, config, config_bwd, config_decode, dispatch
+    from flash_attn_4_sm120 import block_sparse as BS, config, config_bwd, config_decode, plan as P
 
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
@@ -117,7 +117,7 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
                         if needs_grad and "sparse" in kw:
                             kw["sparse_bwd"] = (kw["sparse"][0],) * 4
                         try:
-                            plan = dispatch._plan(*args, needs_grad, 0, tma=tma, **kw)
+                            plan = P.get_plan(P.PlanKey(*args, needs_grad, 0, tma=tma, **kw))
                         except ValueError:  # a combination the dispatcher refuses (it raises for the call too)
                             continue
                         cfg = plan.fwd_cfg

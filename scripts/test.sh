@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README "Run the tests", and what CI runs): sets up .venv from the pinned requirements when it
-# is missing, then checks the build, the README sections, the compile gate (its CI shards and the committed full runs)
-# and runs the whole pytest suite (GPU tests skip without CUDA; on a GPU machine they run too).
+# is missing, then checks the build, the README sections, the refusals section of CONFLICTS_LOG.md, the compile
+# gate (its CI shards and the committed full runs) and runs the whole pytest suite (GPU tests skip without CUDA; on
+# a GPU machine they run too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -12,6 +13,7 @@ fi
 .venv/bin/python -m pip install -q -r requirements-dev.txt
 .venv/bin/python scripts/build_bundle.py --check
 .venv/bin/python scripts/readme_sections.py --check
+.venv/bin/python scripts/conflicts_log.py --check
 # the compile gate in CI's form (scripts/gate_ci.py, README "Compile gate"): the committed full runs of sm_120a and
 # sm_80 (benchmarks/results/gate_full_<arch>.jsonl) must be fresh, fully passing and complete; then a deterministic
 # shard of each full worklist, plus what the working tree changed in the kernels since the full run (about 14

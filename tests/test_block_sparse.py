@@ -9,7 +9,7 @@ import torch
 
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_flex, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import arguments, config, dispatch, modspec
+from flash_attn_4_sm120 import arguments, config, modspec, plan as P
 from scripts import gate_lists as GL
 from reference import attention_ref, sparse_allowed
 
@@ -177,11 +177,23 @@ def test_debug_checks_name_lying_counts_and_indices():
 
 def test_refused_combinations():
     with pytest.raises(NotImplementedError, match="page_table"):
-        BS.refuse_combinations(torch.zeros(1, 1, dtype=torch.int32), None)
+        _compat(sparse=True, paged=True)
     with pytest.raises(ValueError, match="pack_gqa"):
-        BS.refuse_combinations(None, True)
-    BS.refuse_combinations(None, False)
-    BS.refuse_combinations(None, None)
+        _compat(sparse=True, pack_gqa=True)
+    _compat(sparse=True, pack_gqa=False)
+    _compat(sparse=True, pack_gqa=None)
+
+def _compat(**kw):
+    """compat.check_call of an inference call on CPU with every feature off but ``kw``."""
+    from flash_attn_4_sm120 import compat
+
+    args = dict(p=0.0, num_splits=1, sparse=False, sparse_bwd=False, paged=False, cu_seqlens_k=False,
+                pack_gqa=None, needs_grad=False, compiling=False, mods=False, score_mod=False, softcap=0.0,
+                q=None, v=None)
+    args.update(kw)
+    args.setdefault("dropout_p", args["p"])
+    return compat.check_call(**args)
+
 
 
 def test_from_mask_rejects_bad_masks():
@@ -216,7 +228,7 @@ def test_sparse_compile_key_and_records():
                 assert any(c.head_dim == d and c.tile == t for c in gated), (d, dv, t)
     assert {c.tile.tma for c in gated} == {True, False}
     # the plan of a sparse call runs the sparse tile and carries the ratios in its compile key
-    plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, False, 0, False, sparse=(2, 1))
+    plan = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, False, False, False, False, False, False, 0, False, sparse=(2, 1)))
     assert plan.fwd_cfg.sparse_q_ratio == 2 and plan.fwd_cfg.tile == config.select_sparse_tile(128, 128, False)
 
 
@@ -251,14 +263,14 @@ def test_d192_block_size_picks_the_plan_tile():
     (keyed by the block size) and the host ratios agree."""
     for blk, tma, ratios in (((128, 128), True, (1, 2)), ((128, 96), False, (1, 3)), ((256, 64), True, (2, 1))):
         assert BS.block_size_ratios(blk, 192, 192, True) == ratios
-        plan = dispatch._plan("bf16", 192, 192, True, False, False, False, False, False, False, False, 0, False,
-                              sparse=(*ratios, *blk))
+        plan = P.get_plan(P.PlanKey("bf16", 192, 192, True, False, False, False, False, False, False, False, 0, False,
+                              sparse=(*ratios, *blk)))
         tile = plan.fwd_cfg.tile
         assert tile.tma == tma and (blk[0] // tile.tile_m, blk[1] // tile.tile_n) == ratios
         assert (plan.fwd_cfg.sparse_q_ratio, plan.fwd_cfg.sparse_kv_ratio) == ratios
     # with a mod the TMA tile reads Q from shared memory (same shape)
-    plan = dispatch._plan("bf16", 64, 64, True, False, False, False, False, False, False, False, 0, False,
-                          sparse=(1, 1, 128, 128), mods=modspec.recipe_placeholder("causal", (), (), False))
+    plan = P.get_plan(P.PlanKey("bf16", 64, 64, True, False, False, False, False, False, False, False, 0, False,
+                          sparse=(1, 1, 128, 128), mods=modspec.recipe_placeholder("causal", (), (), False)))
     assert plan.fwd_cfg.tile.tma and not plan.fwd_cfg.tile.q_in_regs
 
 

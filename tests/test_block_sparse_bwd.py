@@ -7,7 +7,7 @@ import torch
 
 from flash_attn_4_sm120 import BlockSparseTensors, block_sparse_from_mask
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch, dispatch_bwd
+from flash_attn_4_sm120 import arguments, config, config_bwd, dispatch, dispatch_bwd, plan as P
 from scripts import gate_lists as GL
 
 
@@ -225,13 +225,13 @@ def test_sparse_backward_configs_records_and_plan():
     work = GL.sparse_bwd_gate_worklist()
     assert 0 < len(work) <= 20 and all(c.block_sparse for c in work)
     assert {type(c) for c in work} == {config_bwd.BwdKernelConfig, config_bwd.DqKernelConfig}
-    plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
-                          sparse=(1, 2), sparse_bwd=(1, 2, 2, 2))
+    plan = P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, True, 0, False,
+                          sparse=(1, 2), sparse_bwd=(1, 2, 2, 2)))
     assert plan.dq_cfg.sparse_q_ratio == 1 and plan.dq_cfg.sparse_kv_ratio == 2
     assert plan.bwd_cfg.sparse_q_ratio == 2 and plan.bwd_cfg.sparse_kv_ratio == 2
     assert plan.bwd_cfg.windowed and plan.fwd_cfg.sparse_q_ratio == 1
     # a dense plan's backward is not sparse
-    plan = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, True, 0, False)
+    plan = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, False, False, False, False, False, True, 0, False))
     assert not plan.bwd_cfg.block_sparse and not plan.dq_cfg.block_sparse
 
 
@@ -296,9 +296,9 @@ def recorded_launches(monkeypatch):
         monkeypatch.setattr(mod, "device_caps", lambda dev: caps)
         monkeypatch.setattr(mod, "_kernel", lambda cfg, dev: cfg)
         monkeypatch.setattr(mod, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
-    dispatch._PLANS.clear()
+    P.clear()
     yield calls
-    dispatch._PLANS.clear()
+    P.clear()
 
 
 @pytest.mark.parametrize("given", [False, True])

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flash_attn_4_sm120 import FEATURES, config, config_bwd, dispatch, features, interface
+from flash_attn_4_sm120 import FEATURES, config, config_bwd, features, interface, plan as P
 from flash_attn_4_sm120 import validate as V
 from flash_attn_4_sm120.config import FwdTile
 from scripts import gate_lists as GL
@@ -106,11 +106,10 @@ def test_dropout_gate_worklist_covers_every_tile_light_and_heavy():
 def test_dq_row_sums_only_with_a_learnable_sink():
     """The dQ kernel's P dP row sums (only the sink gradient reads them) are compiled, and their output tensor
     passed, only when the call has a sink; the gate builds both variants of every dQ tile."""
-    from flash_attn_4_sm120 import dispatch
     from flash_attn_4_sm120.arguments import BWD_DQ_ARGS
 
-    with_sink = dispatch._plan("bf16", 128, 128, False, False, True, False, False, False, False, True, 0)
-    without = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, False, True, 0)
+    with_sink = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, True, False, False, False, False, True, 0))
+    without = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, False, False, False, False, False, True, 0))
     assert with_sink.dq_cfg.sink_grad and not without.dq_cfg.sink_grad
     assert with_sink.dq_cfg.name() == without.dq_cfg.name() + "_sinkg"
     (arg,) = [a for a in BWD_DQ_ARGS.args if a.name == "pdpsum"]
@@ -226,12 +225,12 @@ def test_api_is_keyword_compatible_with_upstream():
 
 
 def test_choose_pack():
-    assert dispatch._choose_pack(None, 1, 10, 128) == 1
-    assert dispatch._choose_pack(None, 8, 1, 128) == 8
-    assert dispatch._choose_pack(False, 8, 1, 128) == 1
-    assert dispatch._choose_pack(True, 8, 4096, 128) == 8
+    assert P.choose_pack(None, 1, 10, 128) == 1
+    assert P.choose_pack(None, 8, 1, 128) == 8
+    assert P.choose_pack(False, 8, 1, 128) == 1
+    assert P.choose_pack(True, 8, 4096, 128) == 8
     with pytest.raises(ValueError, match="pack_gqa"):
-        dispatch._choose_pack("yes", 8, 1, 128)
+        P.choose_pack("yes", 8, 1, 128)
 
 
 def test_import_has_no_cutlass_side_effect():
@@ -343,29 +342,29 @@ def test_decode_plan_runs_the_key_split_tile_of_its_row_bucket(monkeypatch):
     monkeypatch.setattr(CD, "DECODE_KEY_SPLIT", True)
     config.clear_caches()
     for bucket, groups in ((16, 4), (32, 2), (64, 1)):
-        cfg = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
-                             decode=bucket).fwd_cfg
+        cfg = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
+                             decode=bucket)).fwd_cfg
         assert cfg.tile.kv_groups == groups and cfg.tile.tile_m == bucket
         assert jit.kernel_class(cfg).__name__ == ("FlashFwdDecode" if groups > 1 else "FlashFwdCpAsync")
-        split = dispatch._plan("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
-                               decode=bucket, split=True).fwd_cfg
+        split = P.get_plan(P.PlanKey("bf16", 128, 128, False, False, False, False, False, False, True, False, 0,
+                               decode=bucket, split=True)).fwd_cfg
         assert split.split_kv and split.tile == cfg.tile
 
 
 def test_unsupported_backward_raises_at_forward(monkeypatch):
-    """The backward's kernels are chosen when a forward that needs gradients is planned (``dispatch._plan``, before
+    """The backward's kernels are chosen when a forward that needs gradients is planned (``plan.get_plan``, before
     the forward launches), so a training step never fails half-way: every served head-dim pair has both backward
     kernels, and where no backward tile fits (here: the d128 table left with a tile over SM120's shared memory) the
     planning of a forward that needs grad raises ValueError naming the head dims and the limit, while the same
     forward without grad plans and carries no backward config."""
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
-            plan = dispatch._plan(dtype, d, dv, False, False, False, False, False, False, False, True, 0)
+            plan = P.get_plan(P.PlanKey(dtype, d, dv, False, False, False, False, False, False, False, True, 0))
             assert plan.bwd_cfg is not None and plan.dq_cfg is not None, (dtype, d, dv)
     monkeypatch.setitem(config_bwd._BWD_TILES, 128, ((128, 128, 8),))
     config.clear_caches()
     with pytest.raises(ValueError, match=r"head_dim=128, head_dim_v=128: no backward tile fits SM120") as info:
-        dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0)
+        P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, True, 0))
     assert str(config.SMEM_LIMIT_BYTES) in str(info.value)
-    plan = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, False, 0)
+    plan = P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, False, 0))
     assert plan.bwd_cfg is None and plan.dq_cfg is None

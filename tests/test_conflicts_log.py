@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn_4_sm120 import dropout, interface
+from flash_attn_4_sm120 import compat, interface
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG = (ROOT / "CONFLICTS_LOG.md").read_text()
@@ -94,10 +94,10 @@ REFUSALS = [
     (lambda: interface.flash_attn_combine(torch.zeros(2, 1, 4, 2, 64), torch.zeros(2, 1, 4, 2),
                                           varlen_batch_idx=torch.zeros(1, dtype=torch.int32)),
      NotImplementedError, ["`flash_attn_combine`", "`varlen_batch_idx`"], "leave it at None"),
-    (lambda: dropout.refuse_combinations(0.5, 0.5, 2, False), ValueError, ["`dropout_p` × split-KV"],
-     "num_splits != 1"),
-    (lambda: dropout.refuse_combinations(0.5, 0.5, 1, True), ValueError, ["`dropout_p` × block sparsity"],
-     "the compile gate has no such configuration"),
+    (lambda: interface.flash_attn_func(*_qkv(), dropout_p=0.5, num_splits=2), ValueError,
+     ["`dropout_p` × split-KV"], "num_splits != 1"),
+    (lambda: interface.flash_attn_func(*_qkv(), dropout_p=0.5, block_sparse_tensors=object()), ValueError,
+     ["`dropout_p` × block sparsity"], "the compile gate has no such configuration"),
 ]
 
 
@@ -118,3 +118,36 @@ def test_refusal_matches_its_row(monkeypatch, call, exc, pair_words, phrase):
     else:
         assert phrase.lower() in message.lower(), f"message lacks {phrase!r}: {message}"
         assert phrase.lower() in row.lower(), f"the row of {pair_words} lacks {phrase!r}"
+
+
+def test_the_refusals_section_is_generated_from_the_table():
+    """CONFLICTS_LOG.md's refusals are compat.CONFLICTS rendered by scripts/conflicts_log.py (CI runs --check)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("conflicts_log", ROOT / "scripts" / "conflicts_log.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--check"]) == 0, "run python scripts/conflicts_log.py"
+    for c in compat.CONFLICTS.values():
+        assert any(c.pair == pair for pair, _ in _rows()), c.pair
+
+
+def test_each_refusal_is_raised_in_one_place():
+    """Every row of the table is raised by exactly one ``refuse(name)`` call, in compat.py (a row with a ``limit`` by
+    that function instead), and no other module of the package spells a row's message."""
+    import ast
+
+    pkg = ROOT / "torch-ext" / "flash_attn_4_sm120"
+    src = (pkg / "compat.py").read_text()
+    names = [node.args[0].value for node in ast.walk(ast.parse(src)) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "refuse" and node.args and isinstance(node.args[0], ast.Constant)]
+    for name, c in compat.CONFLICTS.items():
+        assert names.count(name) == (0 if c.limit else 1), (name, names.count(name))
+    others = {p.name: p.read_text() for p in pkg.rglob("*.py") if p.name != "compat.py"}
+    for name, c in compat.CONFLICTS.items():
+        # the message up to its first placeholder, as a source line would spell it
+        words = c.message.split("{")[0][:40]
+        if c.limit or len(words) < 20:
+            continue
+        spelled = [f for f, text in others.items() if words in text]
+        assert not spelled, f"{name}'s message is also spelled in {spelled}"

@@ -15,21 +15,21 @@ from test_paged_gpu import Paged, check_dense_q
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 fa = pytest.importorskip("flash_attn_4_sm120")
-from flash_attn_4_sm120 import device as DV, dispatch  # noqa: E402
+from flash_attn_4_sm120 import device as DV, plan as P  # noqa: E402
 
 
 @pytest.fixture
 def plans(monkeypatch):
     """Forward plans the calls of a test make (their kernel configs)."""
     seen = []
-    real = dispatch._plan
+    real = P.get_plan
 
-    def spy(*args, **kw):
-        plan = real(*args, **kw)
+    def spy(key):
+        plan = real(key)
         seen.append(plan.fwd_cfg)
         return plan
 
-    monkeypatch.setattr(dispatch, "_plan", spy)
+    monkeypatch.setattr(P, "get_plan", spy)
     return seen
 
 

@@ -33,7 +33,7 @@ def key_split_on(monkeypatch):
 @pytest.fixture
 def ran_tiles(monkeypatch):
     """The forward configurations compiled or fetched by the calls of a test (dispatch._kernel)."""
-    from flash_attn_4_sm120 import dispatch
+    from flash_attn_4_sm120 import dispatch, plan as P
 
     seen = []
     real = dispatch._kernel
@@ -43,7 +43,7 @@ def ran_tiles(monkeypatch):
         return real(cfg, dev)
 
     monkeypatch.setattr(dispatch, "_kernel", spy)
-    for plan in dispatch._PLANS.values():  # plans keep their compiled function: make every call fetch it again
+    for plan in P._PLANS.values():  # plans keep their compiled function: make every call fetch it again
         monkeypatch.setattr(plan, "fwd_fn", None)
     return seen
 

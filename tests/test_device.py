@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_attn_4_sm120 import block_sparse as BS
-from flash_attn_4_sm120 import config, device as DV, dispatch, jit
+from flash_attn_4_sm120 import config, device as DV, jit, plan as P
 
 PKG = Path(DV.__file__).resolve().parent
 
@@ -158,14 +158,14 @@ def test_block_ratios_follow_the_tile_the_device_runs():
 
 def test_plan_without_tma_runs_cpasync_and_is_keyed_apart():
     args = ("bf16", 128, 128, False, False, False, False, False, False, False)
-    with_tma = dispatch._plan(*args, False, 0)
-    without = dispatch._plan(*args, False, 0, tma=False)
+    with_tma = P.get_plan(P.PlanKey(*args, False, 0))
+    without = P.get_plan(P.PlanKey(*args, False, 0, tma=False))
     assert with_tma.fwd_cfg.tile.tma and not without.fwd_cfg.tile.tma
-    paged = dispatch._plan(*args, False, 0, paged=True, paged_tma=True, tma=False)
+    paged = P.get_plan(P.PlanKey(*args, False, 0, paged=True, paged_tma=True, tma=False))
     assert not paged.fwd_cfg.tile.tma
-    split = dispatch._plan(*args, False, 0, split=True, tma=False)
+    split = P.get_plan(P.PlanKey(*args, False, 0, split=True, tma=False))
     assert split.fwd_cfg.split_kv and not split.fwd_cfg.tile.tma
-    grad = dispatch._plan(*args, True, 0, tma=False)
+    grad = P.get_plan(P.PlanKey(*args, True, 0, tma=False))
     assert grad.bwd_cfg is not None and not grad.fwd_cfg.tile.tma
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, dropout, interface, jit
+from flash_attn_4_sm120 import arguments, config, config_bwd, dropout, interface, jit, plan as P
 from scripts import gate_lists as GL
 
 # Random123 known-answer vectors for Philox4x32-10 (kat_vectors): counter, key -> output
@@ -218,9 +218,7 @@ def no_launch(monkeypatch):
 @pytest.mark.parametrize("num_splits", [2, 0, -1, 256])
 def test_dropout_with_split_kv_raises_before_launch(no_launch, num_splits):
     """dropout x split-KV: num_splits != 1 (automatic included) with dropout_p > 0 raises ValueError naming both,
-    from the public functions and from run_forward (the torch.library op's path)."""
-    from flash_attn_4_sm120 import dispatch
-
+    from the public functions (compat.check_call, before any routing: autograd, the torch.library op)."""
     q = torch.zeros(1, 4, 1, 64)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     calls = (
@@ -228,7 +226,6 @@ def test_dropout_with_split_kv_raises_before_launch(no_launch, num_splits):
         lambda: interface.flash_attn_varlen_func(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4,
                                                  max_seqlen_k=4, dropout_p=0.1,
                                                  num_splits=num_splits),
-        lambda: dispatch.run_forward(q, q, q, dropout_p=0.1, num_splits=num_splits),
     )
     for call in calls:
         with pytest.raises(ValueError, match=r"dropout_p=0\.1 with num_splits=.*split-KV"):
@@ -237,22 +234,33 @@ def test_dropout_with_split_kv_raises_before_launch(no_launch, num_splits):
 
 def test_dropout_with_block_sparse_raises_before_launch(no_launch):
     """dropout x block sparsity raises ValueError naming both, before the block-sparse tensors are even read."""
-    from flash_attn_4_sm120 import dispatch
-
     q = torch.zeros(1, 4, 1, 64)
     bst = object()  # never inspected: the refusal comes first
     for call in (lambda: interface.flash_attn_func(q, q, q, dropout_p=0.5, block_sparse_tensors=bst),
-                 lambda: dispatch.run_forward(q, q, q, dropout_p=0.5, block_sparse_tensors=bst)):
+                 lambda: _compat(p=0.5, sparse=True)):
         with pytest.raises(ValueError, match=r"dropout_p=0\.5 with block_sparse_tensors.*block sparsity"):
             call()
 
 
 def test_split_or_sparse_without_dropout_is_not_refused_by_dropout():
     """p = 0 with split-KV / block sparsity reaches their own checks, not the dropout refusal."""
-    dropout.refuse_combinations(0.0, 0.0, 2, True)  # no error
-    dropout.refuse_combinations(0.3, 0.3, 1, False)  # no error
+    with pytest.raises(ValueError, match="block_sparse_tensors is not supported"):  # split x sparse, not dropout
+        _compat(num_splits=2, sparse=True)
+    _compat(p=0.3)  # no error
     with pytest.raises(ValueError, match="num_splits=0"):
-        dropout.refuse_combinations(0.3, 0.3, 0, False)
+        _compat(p=0.3, dropout_p=0.3, num_splits=0)
+
+def _compat(**kw):
+    """compat.check_call of an inference call on CPU with every feature off but ``kw``."""
+    from flash_attn_4_sm120 import compat
+
+    args = dict(p=0.0, num_splits=1, sparse=False, sparse_bwd=False, paged=False, cu_seqlens_k=False,
+                pack_gqa=None, needs_grad=False, compiling=False, mods=False, score_mod=False, softcap=0.0,
+                q=None, v=None)
+    args.update(kw)
+    args.setdefault("dropout_p", args["p"])
+    return compat.check_call(**args)
+
 
 
 def test_dropout_with_paged_kv_raises():
@@ -359,11 +367,9 @@ def test_dropout_forward_variants_keep_the_tile(flag, tag, windowed):
     for every forward dropout tile: ``dropout_packed`` (packed GQA rows: a thread's rows g, g + 8 are not positions
     i, i + 8 of one head, so the keep bits are made row by row; the dispatcher's choice whenever pack > 1) and
     ``dropout_high_p`` (p > 0.96875: the complement keep test)."""
-    from flash_attn_4_sm120 import dispatch
-
     args = ("bf16", 128, 128, windowed, False, False, False, False, False, False, False, 0)
-    plain = dispatch._plan(*args, dropout=True).fwd_cfg
-    variant = dispatch._plan(*args, dropout=True, **{flag: True}).fwd_cfg
+    plain = P.get_plan(P.PlanKey(*args, dropout=True)).fwd_cfg
+    variant = P.get_plan(P.PlanKey(*args, dropout=True, **{flag: True})).fwd_cfg
     assert not getattr(plain, flag) and getattr(variant, flag) and variant.tile == plain.tile
     assert tag in variant.name() and tag not in plain.name()
     fwd = [c for c in GL.dropout_gate_worklist() if isinstance(c, config.FwdKernelConfig)]

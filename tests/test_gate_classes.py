@@ -23,13 +23,13 @@ from scripts import gate_ci as GC  # noqa: E402
 from scripts import gate_classes as C  # noqa: E402
 
 G._package()
-from flash_attn_4_sm120 import block_sparse as BS, config, config_bwd, config_decode, dispatch  # noqa: E402
+from flash_attn_4_sm120 import block_sparse as BS, config, config_bwd, config_decode, plan as P  # noqa: E402
 
 TARGETS = {"sm_120a": (True, True, True), "sm_80": (False, False, False)}  # (tma, pdl, red_f32x2)
 
 
 def _walk(tma: bool, pdl: bool, red: bool) -> set:
-    """Classes reached through dispatch._plan: forward modes over window on/off (the plan key's other flags do not
+    """Classes reached through plan.get_plan: forward modes over window on/off (the plan key's other flags do not
     pick forward tiles: checked for the plain mode below), the backward over every flag subset, and the fused
     backward dispatch_bwd runs in place of the kernel pair (config_bwd.fused_for) where the target has vector
     reductions."""
@@ -65,14 +65,14 @@ def _walk(tma: bool, pdl: bool, red: bool) -> set:
                         for h in (False, True)]
                 for kw in fwd:
                     try:
-                        add(dispatch._plan(*base, False, 0, tma=tma, **kw))
+                        add(P.get_plan(P.PlanKey(*base, False, 0, tma=tma, **kw)))
                     except ValueError:
                         pass
             for flags in itertools.product((False, True), repeat=7):
                 for kw in (dict(), dict(dropout=True), dict(sparse=(1, 1, 128, 128), sparse_bwd=(1, 1, 1, 1)),
                            dict(sparse=(2, 2, 256, 256), sparse_bwd=(2, 2, 2, 2))):
                     try:
-                        add(dispatch._plan(dtype, d, dv, *flags, True, 0, tma=tma, **kw))
+                        add(P.get_plan(P.PlanKey(dtype, d, dv, *flags, True, 0, tma=tma, **kw)))
                     except ValueError:
                         pass
     return seen
@@ -99,7 +99,7 @@ def test_forward_tiles_do_not_depend_on_the_other_plan_flags():
     other flags of its key."""
     for d, dv in config.supported_head_dim_pairs():
         for w in (False, True):
-            tiles = {dispatch._plan("bf16", d, dv, w, *flags, False, 0).fwd_cfg.tile
+            tiles = {P.get_plan(P.PlanKey("bf16", d, dv, w, *flags, False, 0)).fwd_cfg.tile
                      for flags in itertools.product((False, True), repeat=6)}
             assert len(tiles) == 1, (d, dv, w, tiles)
 

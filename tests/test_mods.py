@@ -11,7 +11,7 @@ import pytest
 import torch
 
 fa = pytest.importorskip("flash_attn_4_sm120")
-from flash_attn_4_sm120 import config, config_bwd, jit, modspec  # noqa: E402
+from flash_attn_4_sm120 import config, config_bwd, jit, modspec, plan as P  # noqa: E402
 from scripts import gate_lists as GL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def mask_a(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
 
 
 def _check(**kw):
-    args = dict(score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, softcap=0.0, device=CPU,
+    args = dict(score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, device=CPU,
                 needs_grad=False)
     args.update(kw)
     return modspec.check_mods(**args)
@@ -39,7 +39,6 @@ def _check(**kw):
 
 # ---- argument checks
 @pytest.mark.parametrize("kw,needle", [
-    (dict(score_mod=score_a, softcap=5.0), "softcap=5.0 together with score_mod"),
     (dict(score_mod_bwd=score_a_bwd), "score_mod_bwd was given without score_mod"),
     (dict(aux_tensors=[torch.zeros(3)]), "aux_tensors were given without score_mod or mask_mod"),
     (dict(score_mod=score_a, needs_grad=True), "needs score_mod_bwd"),
@@ -93,8 +92,8 @@ def test_dropout_with_mods_plans_the_gated_kernels():
             continue
         for windowed in (False, True):
             for packed in (False, True):
-                plan = dispatch._plan("bf16", d, dv, windowed, False, False, False, False, False, False, True, None,
-                                      dropout=True, seed_tensor=True, dropout_packed=packed, mods=spec)
+                plan = P.get_plan(P.PlanKey("bf16", d, dv, windowed, False, False, False, False, False, False, True, None,
+                                      dropout=True, seed_tensor=True, dropout_packed=packed, mods=spec))
                 f = plan.fwd_cfg
                 assert f.has_dropout and f.dropout_packed == packed and f.mods == spec.forward_part()
                 assert f.tile == config.mods_dropout_fwd_tile(d, dv)
@@ -126,7 +125,7 @@ def test_dropout_with_mods_at_d256_raises_before_launch_through_the_api(which):
 
 
 def test_mask_mod_alone_takes_no_bwd_and_softcap_is_fine():
-    spec, aux = _check(mask_mod=mask_a, softcap=5.0, needs_grad=True)
+    spec, aux = _check(mask_mod=mask_a, needs_grad=True)
     assert spec.mask_mod is mask_a and spec.score_mod is None and aux == ()
 
 

@@ -240,18 +240,18 @@ def test_user_mod_in_upstream_convention():
 
 
 def test_repeated_mod_does_not_recompile():
-    from flash_attn_4_sm120 import dispatch
+    from flash_attn_4_sm120 import plan as P
 
     m = _mods()
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (_rand(1, 64, 2, 64, gen=gen) for _ in range(3))
     fa.flash_attn_func(q, k, v, **m.sliding_window(8, 0))
-    n = len(dispatch._PLANS)
+    n = len(P._PLANS)
     for _ in range(3):
         fa.flash_attn_func(q, k, v, **m.sliding_window(8, 0))  # a new closure with the same source and values
-    assert len(dispatch._PLANS) == n
+    assert len(P._PLANS) == n
     fa.flash_attn_func(q, k, v, **m.sliding_window(9, 0))  # a new closure value: one new plan
-    assert len(dispatch._PLANS) == n + 1
+    assert len(P._PLANS) == n + 1
 
 
 def test_split_kv_and_paged_with_mods():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
-from flash_attn_4_sm120 import arguments, config, config_decode, validate as V
+from flash_attn_4_sm120 import arguments, config, config_decode, plan as P, validate as V
 from scripts import gate_lists as GL
 
 CPU = torch.device("cpu")
@@ -24,13 +24,13 @@ def _table(batch=2, pages=3, dtype=torch.int32):
 
 def test_page_table_checks_accept_a_valid_table():
     k, v = _pool()
-    assert V.check_page_table(_table(), k, v, 2, CPU, None) == (6, 16, 3)
+    assert V.check_page_table(_table(), k, v, 2, CPU) == (6, 16, 3)
 
 
 def test_fused_cache_views_pass_the_checks():
     cache = torch.zeros(2, 6, 16, 2, 64)
     k, v = cache[0], cache[1]  # vLLM's (2, num_blocks, block_size, Hkv, D), unbound
-    assert V.check_page_table(_table(), k, v, 2, CPU, None) == (6, 16, 3)
+    assert V.check_page_table(_table(), k, v, 2, CPU) == (6, 16, 3)
 
 
 @pytest.mark.parametrize("make,needle", [
@@ -47,14 +47,13 @@ def test_fused_cache_views_pass_the_checks():
     (lambda k, v: dict(k=torch.zeros(1, 1, 1, 1).expand(6, 1 << 14, 2, 64),
                        v=torch.zeros(1, 1, 1, 1).expand(6, 1 << 14, 2, 64),
                        page_table=torch.zeros(2, 1 << 15, dtype=torch.int32)), "exceeds"),
-    (lambda k, v: dict(cu_seqlens_k=torch.zeros(3, dtype=torch.int32)), "cu_seqlens_k"),
 ])
 def test_page_table_checks_name_the_problem(make, needle):
     k, v = _pool()
-    args = dict(page_table=_table(), k=k, v=v, cu_seqlens_k=None)
+    args = dict(page_table=_table(), k=k, v=v)
     args.update(make(k, v))
     with pytest.raises(ValueError) as info:
-        V.check_page_table(args["page_table"], args["k"], args["v"], 2, CPU, args["cu_seqlens_k"])
+        V.check_page_table(args["page_table"], args["k"], args["v"], 2, CPU)
     assert needle in str(info.value), str(info.value)
 
 
@@ -92,12 +91,17 @@ def test_requires_grad_paged_call_raises_before_launch(which):
         fa.flash_attn_with_kvcache(q, k, v, page_table=_table(), learnable_sink=sink)
 
 
-def test_run_forward_refuses_grad_with_pages():
-    from flash_attn_4_sm120 import dispatch
+def test_paged_grad_is_refused_by_the_compat_table_only():
+    """The one refusal of paged K/V with grad: compat.py's row, checked by interface before any routing (autograd,
+    the torch.library op); the launch sequence holds no refusal."""
+    from flash_attn_4_sm120 import compat, dispatch
 
-    assert "inference-only" in dispatch.PAGED_GRAD_ERROR
-    src = inspect.getsource(dispatch.run_forward)
-    assert "page_table is not None and needs_grad" in src
+    assert "inference-only" in compat.CONFLICTS["paged_grad"].message
+    with pytest.raises(ValueError, match="inference-only"):
+        compat.check_call(p=0.0, dropout_p=0.0, num_splits=1, sparse=False, sparse_bwd=False, paged=True,
+                          cu_seqlens_k=False, pack_gqa=None, needs_grad=True, compiling=False, mods=False,
+                          score_mod=False, softcap=0.0, q=None, v=None)
+    assert "raise " not in inspect.getsource(dispatch.run_forward).split('"""')[2]  # the body, past the docstring
 
 
 def test_paged_config_runs_the_cpasync_kernel():
@@ -130,11 +134,9 @@ def _bf16_pool(num_pages=8, page_size=64, hkv=2, d=128):
 
 def _paged_plan(k, v, d, windowed, **kw):
     """The forward plan run_forward builds for a paged call (the same arguments, device 0, no grad)."""
-    from flash_attn_4_sm120 import dispatch
-
-    tma = dispatch.paged_eligible_for_tma(k, v, d, d, windowed)
-    return dispatch._plan("bf16", d, d, windowed, False, False, False, False, False, True, False, 0, paged=True,
-                          paged_tma=tma, **kw)
+    tma = P.paged_eligible_for_tma(k, v, d, d, windowed)
+    return P.get_plan(P.PlanKey("bf16", d, d, windowed, False, False, False, False, False, True, False, 0, paged=True,
+                          paged_tma=tma, **kw))
 
 
 @pytest.mark.parametrize("windowed", [False, True])
@@ -179,48 +181,43 @@ def test_paged_tma_tile_per_head_dim():
 
 
 def test_paged_mods_keep_the_cpasync_kernel():
-    from flash_attn_4_sm120 import dispatch
-
     k, v = _bf16_pool()
-    assert dispatch.paged_eligible_for_tma(k, v, 128, 128, False)
-    assert not dispatch.paged_eligible_for_tma(k, v, 128, 128, False, mods=object())
+    assert P.paged_eligible_for_tma(k, v, 128, 128, False)
+    assert not P.paged_eligible_for_tma(k, v, 128, 128, False, mods=object())
 
 
 def test_fused_cache_views_qualify_for_tma_and_misaligned_views_do_not():
-    from flash_attn_4_sm120 import dispatch
-
-    P, ps, h, d = 6, 64, 2, 128
-    for cache, split in ((torch.zeros(2, P, ps, h, d, dtype=torch.bfloat16), lambda c: (c[0], c[1])),
-                         (torch.zeros(P, 2, ps, h, d, dtype=torch.bfloat16), lambda c: (c[:, 0], c[:, 1]))):
+    NP, ps, h, d = 6, 64, 2, 128
+    for cache, split in ((torch.zeros(2, NP, ps, h, d, dtype=torch.bfloat16), lambda c: (c[0], c[1])),
+                         (torch.zeros(NP, 2, ps, h, d, dtype=torch.bfloat16), lambda c: (c[:, 0], c[:, 1]))):
         k, v = split(cache)
-        assert dispatch.tma_views_ok(k, v)
+        assert P.tma_views_ok(k, v)
         assert _paged_plan(k, v, 128, True).fwd_cfg.tile.tma
     # a fused cache whose base is 8 bytes off a 16-byte boundary
-    n = 2 * P * ps * h * d
+    n = 2 * NP * ps * h * d
     buf = torch.zeros(n + 4, dtype=torch.bfloat16)
-    cache = buf[4:].view(2, P, ps, h, d)
+    cache = buf[4:].view(2, NP, ps, h, d)
     assert cache.data_ptr() % 16 == 8
-    assert not dispatch.tma_views_ok(cache[0], cache[1])
+    assert not P.tma_views_ok(cache[0], cache[1])
     assert not _paged_plan(cache[0], cache[1], 128, False).fwd_cfg.tile.tma
     # k|v fused along the last dim with 4 elements of padding: v's base and every row stride are 8 bytes off
-    kv = torch.zeros(P, ps, h, 2 * d + 4, dtype=torch.bfloat16)
+    kv = torch.zeros(NP, ps, h, 2 * d + 4, dtype=torch.bfloat16)
     k, v = kv[..., :d], kv[..., d + 4:]
-    assert dispatch.tma_views_ok(k) is False and not dispatch.tma_views_ok(k, v)
+    assert P.tma_views_ok(k) is False and not P.tma_views_ok(k, v)
     assert not _paged_plan(k, v, 128, False).fwd_cfg.tile.tma
     # an expanded pool (stride 0)
-    k0 = torch.zeros(1, ps, h, d, dtype=torch.bfloat16).expand(P, ps, h, d)
-    assert not dispatch.tma_views_ok(k0, k0)
+    k0 = torch.zeros(1, ps, h, d, dtype=torch.bfloat16).expand(NP, ps, h, d)
+    assert not P.tma_views_ok(k0, k0)
     # aligned but the last dim strided
-    kt = torch.zeros(P, ps, h, 2 * d, dtype=torch.bfloat16)[..., ::2]
-    assert not dispatch.tma_views_ok(kt)
+    kt = torch.zeros(NP, ps, h, 2 * d, dtype=torch.bfloat16)[..., ::2]
+    assert not P.tma_views_ok(kt)
 
 
 def test_run_forward_passes_the_paged_tma_decision():
     from flash_attn_4_sm120 import dispatch
 
     src = inspect.getsource(dispatch.run_forward)
-    assert ("paged_tma=page_table is not None and paged_eligible_for_tma(k, v, d, dv, meta.windowed, mods, caps.tma)"
-            in src)
+    assert "paged and P.paged_eligible_for_tma(k, v, d, dv, windowed, mods, caps.tma), caps.tma)" in src
 
 
 def test_page_table_argument_in_the_forward_record():

@@ -271,11 +271,11 @@ def test_paged_bad_inputs_raise_before_launch(name):
 # ---- paged K/V on the TMA kernel (page_size % tile_n == 0) ----------------------------------------------------
 def _expect_tma(pg: Paged, d, dv, windowed, expected=None):
     """The call below runs the TMA kernel exactly when the prefill tile's tile_n divides the page size."""
-    from flash_attn_4_sm120 import config, dispatch
+    from flash_attn_4_sm120 import config, plan as P
 
     if expected is None:
         expected = pg.page_size % config.select_fwd_tile(d, dv, windowed).tile_n == 0
-    assert dispatch.paged_eligible_for_tma(pg.kp, pg.vp, d, dv, windowed) == expected
+    assert P.paged_eligible_for_tma(pg.kp, pg.vp, d, dv, windowed) == expected
 
 
 @pytest.mark.parametrize("d", [64, 128, 192])

@@ -53,8 +53,13 @@ def test_batch_times_splits_beyond_grid_z_raises():
 
 
 def test_forced_split_with_grad_raises_and_auto_is_one():
+    """A forced split with grad is compat.py's refusal (checked before any planning); automatic means 1."""
+    from flash_attn_4_sm120 import compat
+
     with pytest.raises(ValueError, match="inference-only"):
-        _resolve(4, needs_grad=True)
+        compat.check_call(p=0.0, dropout_p=0.0, num_splits=4, sparse=False, sparse_bwd=False, paged=False,
+                          cu_seqlens_k=False, pack_gqa=None, needs_grad=True, compiling=False, mods=False,
+                          score_mod=False, softcap=0.0, q=None, v=None)
     assert _resolve(0, needs_grad=True) == 1
     assert _resolve(-3, needs_grad=True) == 1
 

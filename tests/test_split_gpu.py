@@ -177,18 +177,18 @@ def test_auto_split_count_on_this_gpu():
 @pytest.fixture
 def split_plans(monkeypatch):
     """Whether each forward plan the calls of a test make is a split one."""
-    from flash_attn_4_sm120 import dispatch, splitkv
+    from flash_attn_4_sm120 import plan as P, splitkv
 
     monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)  # the automatic default (shipped off: splitkv.py)
     seen = []
-    real = dispatch._plan
+    real = P.get_plan
 
-    def spy(*args, **kw):
-        plan = real(*args, **kw)
+    def spy(key):
+        plan = real(key)
         seen.append(plan.fwd_cfg.split_kv)
         return plan
 
-    monkeypatch.setattr(dispatch, "_plan", spy)
+    monkeypatch.setattr(P, "get_plan", spy)
     return seen
 
 

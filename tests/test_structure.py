@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn_4_sm120 import arguments, config, dispatch, dispatch_bwd, validate
+from flash_attn_4_sm120 import arguments, config, dispatch, dispatch_bwd, plan as P, validate
+from flash_attn_4_sm120 import validate as V
 from scripts import gate_lists as GL
 
 PKG = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn_4_sm120"
@@ -173,47 +174,47 @@ def test_tile_choice_is_memoised(monkeypatch):
 
 
 def test_plan_is_memoised_and_follows_table_edits():
-    p1 = dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0)
-    assert dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0) is p1
+    p1 = P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, True, 0))
+    assert P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, True, 0)) is p1
     assert p1.bwd_cfg is not None and p1.dq_cfg is not None
     config.clear_caches()
-    assert dispatch._plan("bf16", 128, 128, True, False, False, False, False, False, False, True, 0) is not p1
+    assert P.get_plan(P.PlanKey("bf16", 128, 128, True, False, False, False, False, False, False, True, 0)) is not p1
 
 
 def test_max_len_trusts_given_values_and_clamps_to_rows():
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
-    assert dispatch._max_len(cu, None, 9, "q", 7) == 7
-    assert dispatch._max_len(cu, None, 9, "q", 10**9) == 9  # never a grid larger than the rows
-    assert dispatch._max_len(None, None, 33, "k", None) == 33  # dense: the static length, no read
+    assert V.max_len(cu, None, 9, "q", 7) == 7
+    assert V.max_len(cu, None, 9, "q", 10**9) == 9  # never a grid larger than the rows
+    assert V.max_len(None, None, 33, "k", None) == 33  # dense: the static length, no read
     with pytest.raises(ValueError, match="max_seqlen_q must be >= 0"):
-        dispatch._max_len(cu, None, 9, "q", -1)
+        V.max_len(cu, None, 9, "q", -1)
     with pytest.raises(ValueError, match="max_seqlen_k must be an int"):
-        dispatch._max_len(cu, None, 9, "k", "long")
+        V.max_len(cu, None, 9, "k", "long")
 
 
 def test_debug_checks_name_the_lie():
     cu = torch.tensor([0, 5, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
-        dispatch._debug_check_lengths(cu, None, 2, 9, 9, "q", None)
+        V.debug_check_lengths(cu, None, 2, 9, 9, "q", None)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cu_seqlens_k .*end <= 9"):
-        dispatch._debug_check_lengths(cu, None, 2, 9, 9, "k", None)
+        V.debug_check_lengths(cu, None, 2, 9, 9, "k", None)
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
     used = torch.tensor([3, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"seqused_k\[1\]=6 must be in \[0, 4\]"):
-        dispatch._debug_check_lengths(cu, used, 2, 9, 9, "k", None)
+        V.debug_check_lengths(cu, used, 2, 9, 9, "k", None)
     with pytest.raises(ValueError, match="max_seqlen_q=4 is smaller than the longest sequence"):
-        dispatch._debug_check_lengths(cu, None, 2, 9, 9, "q", 4)
-    dispatch._debug_check_lengths(cu, torch.tensor([5, 4], dtype=torch.int32), 2, 9, 9, "q", 5)
+        V.debug_check_lengths(cu, None, 2, 9, 9, "q", 4)
+    V.debug_check_lengths(cu, torch.tensor([5, 4], dtype=torch.int32), 2, 9, 9, "q", 5)
 
 
 def test_debug_switch_keyword_and_env(monkeypatch):
-    assert dispatch.debug_checks_enabled(True) is True
-    assert dispatch.debug_checks_enabled(False) is False
+    assert V.debug_checks_enabled(True) is True
+    assert V.debug_checks_enabled(False) is False
     with pytest.raises(ValueError, match="debug_checks"):
-        dispatch.debug_checks_enabled("yes")
-    monkeypatch.setattr(dispatch, "_DEBUG_ENV", [])
+        V.debug_checks_enabled("yes")
+    monkeypatch.setattr(V, "_DEBUG_ENV", [])
     monkeypatch.setenv("FA4_SM120_DEBUG_CHECKS", "1")
-    assert dispatch.debug_checks_enabled(None) is True
+    assert V.debug_checks_enabled(None) is True
     monkeypatch.setenv("FA4_SM120_DEBUG_CHECKS", "0")
-    assert dispatch.debug_checks_enabled(None) is True  # read once per process
+    assert V.debug_checks_enabled(None) is True  # read once per process

@@ -35,15 +35,15 @@ CASES = (("mqa", 1, 32768, 32, 1, 128, 0), ("mqa", 8, 8192, 32, 1, 128, 0), ("mq
 
 def set_variant(config, config_decode, shipped, name):
     """Put the decode table and switch of variant ``name`` in place (and forget memoised tiles)."""
-    import flash_attn_4_sm120.dispatch as dispatch
+    import flash_attn_4_sm120.plan as dispatch  # the per-call decode and packing choices
 
     F = config.FwdTile
     config_decode._DECODE_TILES.clear()
     config_decode._DECODE_TILES.update(shipped)
     dispatch.decode_rows = config_decode.decode_rows
-    orig_pack = getattr(set_variant, "orig_pack", None) or dispatch._choose_pack
+    orig_pack = getattr(set_variant, "orig_pack", None) or dispatch.choose_pack
     set_variant.orig_pack = orig_pack
-    dispatch._choose_pack = orig_pack
+    dispatch.choose_pack = orig_pack
     if name in ("pack16", "pack8"):  # MQA: pack only 16 / 8 of the 32 query heads per CTA (more head groups)
         config_decode.DECODE_KEY_SPLIT = True
         most = int(name[4:])
@@ -51,7 +51,7 @@ def set_variant(config, config_decode, shipped, name):
         def fewer(pack_gqa, ratio, max_seqlen_q, tile_m, most=most):
             p = orig_pack(pack_gqa, ratio, max_seqlen_q, tile_m)
             return most if p > most and p % most == 0 else p
-        dispatch._choose_pack = fewer
+        dispatch.choose_pack = fewer
     elif name == "keysplit_always":  # the key split even where the grid fills the GPU (config_decode.decode_rows)
         config_decode.DECODE_KEY_SPLIT = True
         dispatch.decode_rows = lambda rows, grid_ctas, num_sms: rows

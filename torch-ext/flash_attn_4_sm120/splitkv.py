@@ -29,10 +29,6 @@ from .launch import sm_count
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
 AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (benchmarks/experiments/results/
 #                       decode_splits_h100_s26.jsonl: 96 or 128 never beat 64, MQA decode)
-SPLIT_GRAD_ERROR = (
-    "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
-    "with tensors that do not require grad, or leave num_splits at 1"
-)
 
 
 # Whether the default (num_splits=None) splits inference calls automatically (True) or means 1, no split (False).
@@ -99,8 +95,6 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
     if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv) or no_split)):
         return 1
     if num_splits > 1:
-        if needs_grad:
-            raise ValueError(SPLIT_GRAD_ERROR)
         if no_split:
             raise ValueError(f"num_splits={num_splits}: {no_split}; use num_splits=1 (or 0: automatic, which "
                              "does not split there)")
