@@ -485,5 +485,5 @@ def test_fp16_sparse_backward_at_d256_raises():
     assert not config_bwd.select_bwd_config("fp16", 256, 256).block_sparse
     args = ("fp16", 256, 256, False, False, False, False, False, False, False)
     with pytest.raises(ValueError, match="sparse_fp16"):
-        dispatch._plan(*args, True, 0, sparse=(1, 1, 64, 32), sparse_bwd=(1, 1, 2, 1))
-    assert dispatch._plan(*args, False, 0, sparse=(1, 1, 64, 32)).bwd_cfg is None
+        P.get_plan(P.PlanKey(*args, True, 0, sparse=(1, 1, 64, 32), sparse_bwd=(1, 1, 2, 1)))
+    assert P.get_plan(P.PlanKey(*args, False, 0, sparse=(1, 1, 64, 32))).bwd_cfg is None
