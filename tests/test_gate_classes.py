@@ -113,7 +113,7 @@ def test_no_tma_targets_build_no_tma_tile_and_no_split():
 
 # ---- the walk meets only what a call can run ------------------------------------------------------------------
 def test_the_walk_builds_no_paged_call_with_cu_seqlens_k():
-    """A call refuses page_table with cu_seqlens_k (dispatch._check_inputs), and so does the plan: the class walk,
+    """A call refuses page_table with cu_seqlens_k (compat.check_call), and so does the plan: the class walk,
     which enumerates every flag subset with every mode, keeps no paged configuration with varlen k (they were 149
     "unreachable" classes that failed to compile, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl)."""
     for arch in TARGETS:
@@ -131,9 +131,9 @@ def test_the_plan_refuses_what_paged_calls_cannot_run(kw):
     flags.update({k: kw[k] for k in flags.keys() & kw.keys()})
     extra = {k: v for k, v in kw.items() if k not in flags}
     args = ("bf16", 128, 128, *flags.values(), 0)
-    dispatch._plan(*args, **extra)  # contiguous K/V: planned
+    P.get_plan(P.PlanKey(*args, **extra))  # contiguous K/V: planned
     with pytest.raises(ValueError, match="paged K/V"):
-        dispatch._plan(*args, paged=True, **extra)
+        P.get_plan(P.PlanKey(*args, paged=True, **extra))
 
 
 # ---- sharding --------------------------------------------------------------------------------------------------
@@ -307,11 +307,11 @@ def test_targets_without_tma_take_the_tiles_that_do_not_spill_there():
     from flash_attn_4_sm120.config import FwdTile
 
     flags = ("bf16", 256, 256, False, False, False, False, False, False, True, False, 0)
-    assert dispatch._plan(*flags, paged=True, tma=False).fwd_cfg.tile == FwdTile(64, 32, 4, 2)
-    assert dispatch._plan(*flags, paged=True, tma=True).fwd_cfg.tile == FwdTile(64, 64, 4, 1)
-    assert dispatch._plan(*flags, dropout=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
-    assert dispatch._plan(*flags, dropout=True, dropout_packed=True, tma=False).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
-    assert dispatch._plan(*flags, dropout=True, tma=True).fwd_cfg.tile == FwdTile(64, 32, 4, 1)
+    assert P.get_plan(P.PlanKey(*flags, paged=True, tma=False)).fwd_cfg.tile == FwdTile(64, 32, 4, 2)
+    assert P.get_plan(P.PlanKey(*flags, paged=True, tma=True)).fwd_cfg.tile == FwdTile(64, 64, 4, 1)
+    assert P.get_plan(P.PlanKey(*flags, dropout=True, tma=False)).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert P.get_plan(P.PlanKey(*flags, dropout=True, dropout_packed=True, tma=False)).fwd_cfg.tile == FwdTile(64, 16, 4, 1)
+    assert P.get_plan(P.PlanKey(*flags, dropout=True, tma=True)).fwd_cfg.tile == FwdTile(64, 32, 4, 1)
     assert config.select_sparse_tile(64, 64, True, mods=True, tma=False) == FwdTile(128, 128, 8, 2)
     names = [c.name() for c in G._worklist(None, "sm_80")]
     assert not [n for n in names if "d256v256_64x64w4s1" in n and "_paged" in n]
