@@ -3,7 +3,8 @@
 * Kernels are compiled from fake tensors whose batch, lengths, head counts and strides are symbolic, so a new
   sequence length, batch size or model never recompiles; the key is (kernel class, frozen config, target arch).
 * ``get_kernel`` looks a key up in memory (every call), and only at the first use of a key in a process in the
-  user's disk cache (``compile_cache.py``), then compiles (and writes the disk cache).
+  bundle's prebuilt set (``prebuilt.py``, read-only), then in the user's disk cache (``compile_cache.py``), then
+  compiles (and writes the disk cache).
 
 CuTe-DSL is imported on first use, never at package import.
 """
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 
-from . import compile_cache
+from . import compile_cache, prebuilt
 from .arguments import ArgRecord
 from .config_combine import COMBINE_VEC, CombineKernelConfig
 from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqConvertKernelConfig, DqKernelConfig
@@ -191,13 +192,13 @@ class ModCompileError(ValueError):
 
 
 def kernel_key(cfg) -> tuple:
-    """The cache key of ``cfg`` on the current target (the disk cache uses it too)."""
+    """The cache key of ``cfg`` on the current target (the prebuilt manifest and the disk cache use it too)."""
     return (kernel_class(cfg).__name__, cfg, target_arch())
 
 
 def get_kernel(cfg):
     """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ, preprocess or combine config) on the current target: memory,
-    then the disk cache, then compile."""
+    then the bundle's prebuilt set, then the disk cache, then compile."""
     return _get_kernel(kernel_key(cfg), cfg, compile_kernel)
 
 
@@ -211,7 +212,10 @@ def _get_kernel(key: tuple, cfg, compile_fn):
             return fn
         t0 = time.perf_counter()
         mods = getattr(cfg, "mods", None)
-        path = compile_cache.entry_path(key) if mods is None or mods.disk_cacheable else None  # user mods: memory only
+        cacheable = mods is None or mods.disk_cacheable  # user mods: memory only
+        if cacheable and os.environ.get("FA4_SM120_PREBUILT", "1") != "0":
+            fn = prebuilt.load(key, cfg)
+        path = compile_cache.entry_path(key) if cacheable and fn is None else None
         if path is not None and not compile_cache.safe_dir(path.parent):
             path = None
         if path is not None:
