@@ -14,6 +14,7 @@ what CI builds to prove the path.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -122,7 +123,8 @@ def build_arch(variant: Path, arch: str, entries: list[dict], jobs: int, say=pri
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     built = []
-    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+    # spawned, not forked: the caller may hold a CUDA context (the GPU proof), which a forked child must not use
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(_compile_one, e["key"], arch, str(dest)) for e in entries]
         for i, fut in enumerate(futures):
             built.append(fut.result())

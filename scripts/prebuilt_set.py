@@ -14,7 +14,7 @@ The calls come from three sources, and the configurations from running the real 
 
 Each call is replayed through the package's public functions with the device stubbed (``stubbed_device``: the
 capability record of a device of the arch, its SM count, the CUDA placement check; every compiled kernel is
-recorded instead of compiled and every launch skipped), in bf16 and fp16, with the backward when the call needs
+recorded at its launch, and neither compiled nor run), in bf16 and fp16, with the backward when the call needs
 grad.  Decode tiles and the automatic split depend on the SM count, so each arch is walked for the SM counts of
 its devices (``DEVICES``).  The result, per arch, is the list of compile keys (``jit.kernel_key``) the publish
 step builds (``scripts/build_bundle.py --prebuilt``).
@@ -69,7 +69,7 @@ def _rebind(pkg: str, original, replacement, undo: list) -> None:
 @contextlib.contextmanager
 def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: int, record: list):
     """Run the package's call path on CPU tensors as on a device of ``arch``: ``record`` gets each config the
-    dispatcher asks a compiled kernel for; nothing compiles or launches."""
+    dispatcher launches a kernel of; nothing compiles or runs."""
     import torch
 
     import flash_attn_4_sm120 as fa
@@ -85,15 +85,18 @@ def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: i
         real_check(tname, t.as_subclass(_OnCuda) if isinstance(t, torch.Tensor) else t, rank, None)
 
     def compiled(cfg, dev):
-        record.append((jit.kernel_class(cfg).__name__, cfg, arch))
-        return lambda *args: None
+        return _Stub((jit.kernel_class(cfg).__name__, cfg))
+
+    def launched(fn, rec, dev, values):  # recorded at launch: a kernel a cache kept from another device counts too
+        rec.pack(values)
+        record.append((*fn.key, arch))
 
     undo: list = []
     pkg = fa.__name__
     _rebind(pkg, device.device_caps, lambda dev=None: caps, undo)
     _rebind(pkg, launch.sm_count, lambda dev: num_sms, undo)
     _rebind(pkg, launch.compiled_kernel, compiled, undo)
-    _rebind(pkg, launch.launch, lambda fn, rec, dev, values: rec.pack(values), undo)
+    _rebind(pkg, launch.launch, launched, undo)
     _rebind(pkg, real_check, check_tensor, undo)
     config.clear_caches()
     try:
@@ -102,6 +105,16 @@ def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: i
         for mod, attr, value in reversed(undo):
             setattr(mod, attr, value)
         config.clear_caches()
+
+
+class _Stub:
+    """What the stubbed compiler returns: the kernel's (class name, config), launched as a no-op."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self, *args):
+        return None
 
 
 # -- the calls ---------------------------------------------------------------------------------------------------

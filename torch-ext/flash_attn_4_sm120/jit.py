@@ -125,43 +125,33 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
     return tuple(out)
 
 
-def kernel_class(cfg):
-    """The kernel class that serves ``cfg`` (by the config's type and tile; no arch comparisons)."""
+def kernel_route(cfg) -> tuple[str, str]:
+    """(module under kernels/, class name) of the kernel that serves ``cfg`` (by the config's type and tile; no
+    arch comparisons).  Names only: the compile key needs no import of CuTe-DSL, so a prebuilt or cached kernel
+    loads without it."""
     if isinstance(cfg, CombineKernelConfig):
-        from .kernels.combine import FlashCombine
-
-        return FlashCombine
+        return "combine", "FlashCombine"
     if isinstance(cfg, BwdPreKernelConfig):
-        from .kernels.bwd_preprocess import FlashBwdPreprocess
-
-        return FlashBwdPreprocess
+        return "bwd_preprocess", "FlashBwdPreprocess"
     if isinstance(cfg, DqConvertKernelConfig):
-        from .kernels.bwd_dq_convert import FlashBwdDqConvert
-
-        return FlashBwdDqConvert
+        return "bwd_dq_convert", "FlashBwdDqConvert"
     if isinstance(cfg, DqKernelConfig):
-        from .kernels.bwd_dq import FlashBwdDq
-
-        return FlashBwdDq
-    if isinstance(cfg, BwdKernelConfig) and cfg.kv_rows:
-        from .kernels.bwd_dkdv_kvrows import FlashBwdDkdvKvRows
-
-        return FlashBwdDkdvKvRows
+        return "bwd_dq", "FlashBwdDq"
     if isinstance(cfg, BwdKernelConfig):
-        from .kernels.bwd_dkdv import FlashBwdDkdv
-
-        return FlashBwdDkdv
+        return ("bwd_dkdv_kvrows", "FlashBwdDkdvKvRows") if cfg.kv_rows else ("bwd_dkdv", "FlashBwdDkdv")
     if cfg.tile.tma:  # paged too: the dispatcher picks a TMA tile only when page_size % tile_n == 0
-        from .kernels.fwd_tma import FlashFwdTma
-
-        return FlashFwdTma
+        return "fwd_tma", "FlashFwdTma"
     if cfg.tile.kv_groups > 1:  # decode tiles with the keys split between warp groups
-        from .kernels.fwd_decode import FlashFwdDecode
+        return "fwd_decode", "FlashFwdDecode"
+    return "fwd_cpasync", "FlashFwdCpAsync"
 
-        return FlashFwdDecode
-    from .kernels.fwd_cpasync import FlashFwdCpAsync
 
-    return FlashFwdCpAsync
+def kernel_class(cfg):
+    """The kernel class that serves ``cfg`` (imports its module, and so CuTe-DSL)."""
+    import importlib
+
+    module, name = kernel_route(cfg)
+    return getattr(importlib.import_module(f".kernels.{module}", __package__), name)
 
 
 def compile_kernel(cfg, with_kernel: bool = False):
@@ -193,7 +183,7 @@ class ModCompileError(ValueError):
 
 def kernel_key(cfg) -> tuple:
     """The cache key of ``cfg`` on the current target (the prebuilt manifest and the disk cache use it too)."""
-    return (kernel_class(cfg).__name__, cfg, target_arch())
+    return (kernel_route(cfg)[1], cfg, target_arch())
 
 
 def get_kernel(cfg):
