@@ -84,6 +84,17 @@ def dist_version(name: str) -> str:
         return "?"
 
 
+def source_digest(pkg: Path | None = None) -> str:
+    """sha256 of the Python sources (relative path and bytes of each, sorted) of this package, or of the package
+    directory ``pkg``."""
+    h = hashlib.sha256()
+    pkg = pkg or Path(__file__).resolve().parent
+    for src in sorted(pkg.rglob("*.py")):
+        h.update(src.relative_to(pkg).as_posix().encode())
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
 def fingerprint() -> str:
     global _FINGERPRINT
     if _FINGERPRINT is None:

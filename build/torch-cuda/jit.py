@@ -3,7 +3,8 @@
 * Kernels are compiled from fake tensors whose batch, lengths, head counts and strides are symbolic, so a new
   sequence length, batch size or model never recompiles; the key is (kernel class, frozen config, target arch).
 * ``get_kernel`` looks a key up in memory (every call), and only at the first use of a key in a process in the
-  user's disk cache (``compile_cache.py``), then compiles (and writes the disk cache).
+  bundle's prebuilt set (``prebuilt.py``, read-only), then in the user's disk cache (``compile_cache.py``), then
+  compiles (and writes the disk cache).
 
 CuTe-DSL is imported on first use, never at package import.
 """
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 
-from . import compile_cache
+from . import compile_cache, prebuilt
 from .arguments import ArgRecord
 from .config_combine import COMBINE_VEC, CombineKernelConfig
 from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqConvertKernelConfig, DqKernelConfig
@@ -124,43 +125,33 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
     return tuple(out)
 
 
-def kernel_class(cfg):
-    """The kernel class that serves ``cfg`` (by the config's type and tile; no arch comparisons)."""
+def kernel_route(cfg) -> tuple[str, str]:
+    """(module under kernels/, class name) of the kernel that serves ``cfg`` (by the config's type and tile; no
+    arch comparisons).  Names only: the compile key needs no import of CuTe-DSL, so a prebuilt or cached kernel
+    loads without it."""
     if isinstance(cfg, CombineKernelConfig):
-        from .kernels.combine import FlashCombine
-
-        return FlashCombine
+        return "combine", "FlashCombine"
     if isinstance(cfg, BwdPreKernelConfig):
-        from .kernels.bwd_preprocess import FlashBwdPreprocess
-
-        return FlashBwdPreprocess
+        return "bwd_preprocess", "FlashBwdPreprocess"
     if isinstance(cfg, DqConvertKernelConfig):
-        from .kernels.bwd_dq_convert import FlashBwdDqConvert
-
-        return FlashBwdDqConvert
+        return "bwd_dq_convert", "FlashBwdDqConvert"
     if isinstance(cfg, DqKernelConfig):
-        from .kernels.bwd_dq import FlashBwdDq
-
-        return FlashBwdDq
-    if isinstance(cfg, BwdKernelConfig) and cfg.kv_rows:
-        from .kernels.bwd_dkdv_kvrows import FlashBwdDkdvKvRows
-
-        return FlashBwdDkdvKvRows
+        return "bwd_dq", "FlashBwdDq"
     if isinstance(cfg, BwdKernelConfig):
-        from .kernels.bwd_dkdv import FlashBwdDkdv
-
-        return FlashBwdDkdv
+        return ("bwd_dkdv_kvrows", "FlashBwdDkdvKvRows") if cfg.kv_rows else ("bwd_dkdv", "FlashBwdDkdv")
     if cfg.tile.tma:  # paged too: the dispatcher picks a TMA tile only when page_size % tile_n == 0
-        from .kernels.fwd_tma import FlashFwdTma
-
-        return FlashFwdTma
+        return "fwd_tma", "FlashFwdTma"
     if cfg.tile.kv_groups > 1:  # decode tiles with the keys split between warp groups
-        from .kernels.fwd_decode import FlashFwdDecode
+        return "fwd_decode", "FlashFwdDecode"
+    return "fwd_cpasync", "FlashFwdCpAsync"
 
-        return FlashFwdDecode
-    from .kernels.fwd_cpasync import FlashFwdCpAsync
 
-    return FlashFwdCpAsync
+def kernel_class(cfg):
+    """The kernel class that serves ``cfg`` (imports its module, and so CuTe-DSL)."""
+    import importlib
+
+    module, name = kernel_route(cfg)
+    return getattr(importlib.import_module(f".kernels.{module}", __package__), name)
 
 
 def compile_kernel(cfg, with_kernel: bool = False):
@@ -191,13 +182,13 @@ class ModCompileError(ValueError):
 
 
 def kernel_key(cfg) -> tuple:
-    """The cache key of ``cfg`` on the current target (the disk cache uses it too)."""
-    return (kernel_class(cfg).__name__, cfg, target_arch())
+    """The cache key of ``cfg`` on the current target (the prebuilt manifest and the disk cache use it too)."""
+    return (kernel_route(cfg)[1], cfg, target_arch())
 
 
 def get_kernel(cfg):
     """Compiled kernel for ``cfg`` (a forward, dK/dV, dQ, preprocess or combine config) on the current target: memory,
-    then the disk cache, then compile."""
+    then the bundle's prebuilt set, then the disk cache, then compile."""
     return _get_kernel(kernel_key(cfg), cfg, compile_kernel)
 
 
@@ -211,7 +202,10 @@ def _get_kernel(key: tuple, cfg, compile_fn):
             return fn
         t0 = time.perf_counter()
         mods = getattr(cfg, "mods", None)
-        path = compile_cache.entry_path(key) if mods is None or mods.disk_cacheable else None  # user mods: memory only
+        cacheable = mods is None or mods.disk_cacheable  # user mods: memory only
+        if cacheable and os.environ.get("FA4_SM120_PREBUILT", "1") != "0":
+            fn = prebuilt.load(key, cfg)
+        path = compile_cache.entry_path(key) if cacheable and fn is None else None
         if path is not None and not compile_cache.safe_dir(path.parent):
             path = None
         if path is not None:
