@@ -11,8 +11,8 @@ causal, bf16), so its forward and backward configurations are in the declared pr
 
 for three sources: ``cold_jit`` (empty disk cache, prebuilt off: compile), ``warm_disk`` (the cache the cold run
 left, prebuilt off) and ``prebuilt`` (empty disk cache, the set in ``--prebuilt-dir``: a bundle's
-``prebuilt`` directory built for this device's arch, e.g. by ``scripts/prebuilt_proof.py --keep DIR``, which
-leaves it in ``DIR/torch-cuda/prebuilt``).  Without ``--prebuilt-dir`` the prebuilt row is skipped.  The child
+``prebuilt`` directory built for this device's arch, e.g. by ``scripts/build_bundle.py --prebuilt --arch
+sm_90a --out DIR``, which leaves it in ``DIR/torch-cuda/prebuilt``).  Without ``--prebuilt-dir`` the prebuilt row is skipped.  The child
 also reports how many configurations it compiled and whether it imported CuTe-DSL.
 """
 
