@@ -86,9 +86,10 @@ def dist_version(name: str) -> str:
 
 def source_digest(pkg: Path | None = None) -> str:
     """sha256 of the Python sources (relative path and bytes of each, sorted) of this package, or of the package
-    directory ``pkg``."""
+    directory ``pkg``.  The path is not resolved: in the Hub cache each file is a symlink into a blob store, and
+    the package is the directory of the links."""
     h = hashlib.sha256()
-    pkg = pkg or Path(__file__).resolve().parent
+    pkg = pkg or Path(__file__).absolute().parent
     for src in sorted(pkg.rglob("*.py")):
         h.update(src.relative_to(pkg).as_posix().encode())
         h.update(src.read_bytes())
@@ -101,7 +102,7 @@ def fingerprint() -> str:
         h = hashlib.sha256()
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
         h.update(f"cutlass={dist_version('nvidia-cutlass-dsl')} tvm_ffi={dist_version('apache-tvm-ffi')}".encode())
-        pkg = Path(__file__).resolve().parent
+        pkg = Path(__file__).absolute().parent
         for src in sorted(pkg.rglob("*.py")):
             h.update(src.relative_to(pkg).as_posix().encode())
             h.update(src.read_bytes())

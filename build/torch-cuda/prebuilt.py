@@ -41,9 +41,10 @@ _RUNTIME_READY = False
 
 
 def root() -> Path:
-    """Where the bundle keeps its prebuilt sets (``FA4_SM120_PREBUILT_DIR`` overrides it, for tests)."""
+    """Where the bundle keeps its prebuilt sets (``FA4_SM120_PREBUILT_DIR`` overrides it, for tests).  Not
+    resolved: in the Hub cache the package's files are symlinks into a blob store (compile_cache.source_digest)."""
     forced = os.environ.get("FA4_SM120_PREBUILT_DIR")
-    return Path(forced) if forced else Path(__file__).resolve().parent / "prebuilt"
+    return Path(forced) if forced else Path(__file__).absolute().parent / "prebuilt"
 
 
 def key_digest(key: tuple) -> str:
