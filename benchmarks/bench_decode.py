@@ -190,6 +190,17 @@ def run_case(fa, peer, case, b, kv, hq, hkv, d, page_size, sq, copy_bw):
     return row
 
 
+def cases():
+    """(case, batch, kv_len, hq, hkv, d, page_size or 0, q_len) of every run (scripts/prebuilt_set.py reads it)."""
+    plan = []
+    for b, kv in SHAPES:
+        plan += [("d128", b, kv, HQ, HKV, 128, 0, 1), ("d128_p16", b, kv, HQ, HKV, 128, 16, 1),
+                 ("d128_p64", b, kv, HQ, HKV, 128, 64, 1), ("d256", b, kv, HQ, HKV, 256, 0, 1),
+                 ("mqa", b, kv, HQ, 1, 128, 0, 1)]
+    plan += [("prefill", 1, 8192, HQ, HKV, 128, 64, 512), ("prefill_contiguous", 1, 8192, HQ, HKV, 128, 0, 512)]
+    return plan
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -204,12 +215,7 @@ def main(argv=None):
     peer = fa4_peer(notes)
     copy_bw = copy_gbps()
     print(json.dumps({"copy_gbps": round(copy_bw, 1), "device": torch.cuda.get_device_name()}), flush=True)
-    plan = []
-    for b, kv in SHAPES:
-        plan += [("d128", b, kv, HQ, HKV, 128, 0, 1), ("d128_p16", b, kv, HQ, HKV, 128, 16, 1),
-                 ("d128_p64", b, kv, HQ, HKV, 128, 64, 1), ("d256", b, kv, HQ, HKV, 256, 0, 1),
-                 ("mqa", b, kv, HQ, 1, 128, 0, 1)]
-    plan += [("prefill", 1, 8192, HQ, HKV, 128, 64, 512), ("prefill_contiguous", 1, 8192, HQ, HKV, 128, 0, 512)]
+    plan = cases()
     rows = []
     with torch.no_grad():
         for case, b, kv, hq, hkv, d, ps, sq in plan:

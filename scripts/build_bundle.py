@@ -2,6 +2,8 @@
 
     python scripts/build_bundle.py            # (re)write build/torch-cuda
     python scripts/build_bundle.py --check    # exit 1 when build/ differs from a fresh build
+    python scripts/build_bundle.py --prebuilt [--arch sm_120a] [--sample N] [--out DIR]
+                                              # + the compiled prebuilt set (default out: build-prebuilt/)
 
 What a build holds (the layout the `kernels` library loads, see shared/reference/KERNELS_HUB.md):
 
@@ -17,7 +19,12 @@ that touched the package directory or build.toml (not HEAD, which moves when bui
 ``dirty`` says whether those paths have uncommitted changes. Same sources and same commit give byte-identical
 output. The workflow is therefore: commit the sources, run this script, commit build/.
 
-Only the standard library and `kernels` are used.
+Only the standard library and `kernels` are used, except by ``--prebuilt``: it compiles the declared set of
+configurations (``prebuilt_set.json`` in the package, written by scripts/prebuilt_set.py) with CuTe-DSL into
+``prebuilt/<arch>/`` of the variant, with its manifest (scripts/prebuilt_build.py), and records those files in the
+digest too.  The committed build/ carries the set (what the publish step builds), never the objects: a
+prebuilt build goes to another directory (``build-prebuilt/``, ignored by git), which ``publish.py --prebuilt``
+uploads.
 """
 
 from __future__ import annotations
@@ -217,8 +224,9 @@ def _package_version(init_py: Path) -> str | None:
     return None
 
 
-def render_variant(root: Path, dest: Path) -> dict:
-    """Write the variant into the empty directory `dest`; return its metadata."""
+def render_variant(root: Path, dest: Path, prebuilt: dict | None = None) -> dict:
+    """Write the variant into the empty directory `dest`; return its metadata.  ``prebuilt``: the keyword
+    arguments of ``prebuilt_build.build_into`` (archs, sample_size, jobs) to add the compiled set."""
     config = read_build_config(root)
     pkg = root / config.package_rel
     rels = source_files(root, config.package_rel)
@@ -236,6 +244,16 @@ def render_variant(root: Path, dest: Path) -> dict:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pkg / rel, target)
         digests[rel] = file_digest(target)
+    if prebuilt is not None:
+        import prebuilt_build
+
+        try:
+            prebuilt_build.build_into(dest, **prebuilt)
+        except prebuilt_build.PrebuiltError as e:
+            raise BuildError(str(e)) from None
+        for p in sorted((dest / "prebuilt").rglob("*")):
+            if p.is_file():
+                digests[p.relative_to(dest).as_posix()] = file_digest(p)
 
     meta: dict = {
         "name": config.name,
@@ -265,13 +283,13 @@ def render_variant(root: Path, dest: Path) -> dict:
     return meta
 
 
-def build(root: Path, out: Path) -> dict:
+def build(root: Path, out: Path, prebuilt: dict | None = None) -> dict:
     """(Re)write out/torch-cuda from the sources; remove everything else in `out`. Returns the metadata."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{VARIANT}.new-", dir=out))
     tmp.chmod(0o755)
     try:
-        meta = render_variant(root, tmp)
+        meta = render_variant(root, tmp, prebuilt)
         final = out / VARIANT
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{VARIANT}.old-", dir=out))
@@ -319,15 +337,39 @@ def stale_reasons(root: Path, out: Path) -> list[str]:
     return reasons
 
 
+def publish_archs(root: Path) -> list[str]:
+    """The archs the declared prebuilt set is published for (``publish_archs`` of prebuilt_set.json)."""
+    config = read_build_config(root)
+    path = root / config.package_rel / "prebuilt_set.json"
+    if not path.is_file():
+        raise BuildError(f"{path} not found: run python scripts/prebuilt_set.py and commit it.")
+    return list(json.loads(path.read_text())["publish_archs"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when build/ differs from a fresh build")
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="repository root holding build.toml (default: this repo)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: <root>/build)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: <root>/build, with --prebuilt <root>/build-prebuilt)")
+    parser.add_argument("--prebuilt", action="store_true", help="also compile the declared prebuilt set")
+    parser.add_argument("--arch", action="append", default=None,
+                        help="with --prebuilt: an arch to build (repeatable; default: the set's publish_archs)")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="with --prebuilt: build only N configurations (one per kernel kind; CI)")
+    parser.add_argument("--jobs", type=int, default=None, help="with --prebuilt: compile workers")
     args = parser.parse_args(argv)
     root = args.root.resolve()
-    out = (args.out or root / "build").resolve()
+    out = (args.out or root / ("build-prebuilt" if args.prebuilt else "build")).resolve()
+    prebuilt = None
+    if args.prebuilt:
+        if args.check:
+            parser.error("--check compares the committed build/, which never holds prebuilt objects")
+        if out == (root / "build").resolve():
+            parser.error("--prebuilt must not write into build/ (git keeps the set, not the objects); "
+                         "use --out or the default build-prebuilt/")
+        prebuilt = dict(archs=args.arch or publish_archs(root), sample_size=args.sample, jobs=args.jobs)
     try:
         if args.check:
             reasons = stale_reasons(root, out)
@@ -346,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(REBUILD_HINT, file=sys.stderr)
             return 1
-        meta = build(root, out)
+        meta = build(root, out, prebuilt)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

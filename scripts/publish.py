@@ -1,6 +1,6 @@
 """Publish the committed build to a Hub kernel repo.
 
-    python scripts/publish.py --repo-id ORG/NAME [--endpoint URL] [--dry-run]
+    python scripts/publish.py --repo-id ORG/NAME [--endpoint URL] [--dry-run] [--prebuilt [--arch A] [--sample N]]
 
 Uploads, with huggingface_hub and ``repo_type="kernel"``:
 
@@ -14,6 +14,12 @@ files do not match the digest in its metadata.json (checked with kernels' own ``
 was made from uncommitted sources (``provenance.kernel.dirty``) or has no provenance, build/ is stale
 (``build_bundle.py --check``), or build/ has uncommitted changes. ``--dry-run`` runs the same checks, prints the
 operations and contacts nobody. The token comes from ``HF_TOKEN`` or ``huggingface-cli login``.
+
+``--prebuilt`` uploads, instead of build/ itself, the same variant rendered again from the same sources plus the
+compiled prebuilt set (``build_bundle.py --prebuilt``: ``prebuilt/<arch>/`` objects and manifest, in the
+digest), built in a temporary directory after the checks above; a full set is first checked against a fresh
+derivation (``scripts/prebuilt_set.py --check``). ``--sample N`` builds N configurations only (what CI runs, with
+``--dry-run``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import build_bundle
@@ -93,13 +100,36 @@ def build_files(build_dir: Path) -> dict[str, Path]:
             if p.is_file() and not _is_bytecode(p.relative_to(build_dir).as_posix())}
 
 
-def publish(root: Path, repo_id: str, endpoint: str | None, dry_run: bool) -> int:
+def render_prebuilt(root: Path, dest: Path, archs: list[str] | None, sample_size: int | None,
+                    jobs: int | None = None) -> tuple[Path, dict]:
+    """The build to upload with its prebuilt set, rendered into ``dest/build``; returns (dir, metadata)."""
+    if sample_size is None:
+        import prebuilt_set
+
+        if prebuilt_set.main(["--check"]) != 0:
+            raise PublishError("the committed prebuilt set is stale; run python scripts/prebuilt_set.py, commit "
+                               f"it, then {build_bundle.REBUILD_HINT}")
+    out = dest / "build"
+    meta = build_bundle.build(root, out, prebuilt=dict(archs=archs or build_bundle.publish_archs(root),
+                                                       sample_size=sample_size, jobs=jobs))
+    return out, meta
+
+
+def publish(root: Path, repo_id: str, endpoint: str | None, dry_run: bool, prebuilt: dict | None = None) -> int:
     build_dir = root / "build"
     config = build_bundle.read_build_config(root)
     meta = verify_build(root, build_dir)
     readme = render_readme(root, config.license)
     branch = f"v{config.version}"
-    files = build_files(build_dir)
+    if prebuilt is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            upload_dir, meta = render_prebuilt(root, Path(tmp), **prebuilt)
+            return _publish_files(root, repo_id, endpoint, dry_run, config, meta, readme, branch,
+                                  build_files(upload_dir))
+    return _publish_files(root, repo_id, endpoint, dry_run, config, meta, readme, branch, build_files(build_dir))
+
+
+def _publish_files(root, repo_id, endpoint, dry_run, config, meta, readme, branch, files) -> int:
     kernel = meta["provenance"]["kernel"]
     print(f"publish {config.name} {branch} (id {meta['id']}, sources at commit {kernel['commit'][:12]}) "
           f"to {repo_id} at {endpoint or 'the default Hub endpoint'}")
@@ -141,11 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", default=None, help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
     parser.add_argument("--dry-run", action="store_true", help="check and print the operations; upload nothing")
     parser.add_argument("--root", type=Path, default=build_bundle.ROOT, help="repository root (default: this repo)")
+    parser.add_argument("--prebuilt", action="store_true", help="upload the build with its compiled prebuilt set")
+    parser.add_argument("--arch", action="append", default=None, help="with --prebuilt: arch(s) to build")
+    parser.add_argument("--sample", type=int, default=None, help="with --prebuilt: N configurations only (CI)")
+    parser.add_argument("--jobs", type=int, default=None, help="with --prebuilt: compile workers")
     args = parser.parse_args(argv)
     if args.repo_id.count("/") != 1:
         parser.error(f"--repo-id must be ORG/NAME, got {args.repo_id!r}")
     try:
-        return publish(args.root.resolve(), args.repo_id, args.endpoint, args.dry_run)
+        prebuilt = dict(archs=args.arch, sample_size=args.sample, jobs=args.jobs) if args.prebuilt else None
+        return publish(args.root.resolve(), args.repo_id, args.endpoint, args.dry_run, prebuilt)
     except (PublishError, BuildError) as e:
         print(f"error: refusing to publish: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flash_attn_4_sm120 import config_bwd, jit  # noqa: E402
+from flash_attn_4_sm120 import compile_cache, config_bwd, jit  # noqa: E402
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ OTHER = config_bwd.select_dq_config("bf16", 64, 32)
 
 
 def _paths(cfg):
-    base = jit._disk_path((jit.kernel_class(cfg).__name__, cfg, jit.target_arch()))
+    base = compile_cache.entry_path((jit.kernel_class(cfg).__name__, cfg, jit.target_arch()))
     return base.with_suffix(".so"), base, base.with_suffix(".json")
 
 
@@ -42,7 +42,7 @@ def _entry_is_consistent(cfg):
     assert m["key"] == repr((jit.kernel_class(cfg).__name__, cfg, jit.target_arch()))
     for f in (so, obj):
         if f.exists():
-            assert m["sha256"][f.name] == jit._sha256(f)
+            assert m["sha256"][f.name] == compile_cache.sha256_file(f)
     return m
 
 
@@ -126,7 +126,7 @@ def test_entries_are_owner_only(cache):
 @pytest.mark.parametrize("which", ["root", "fingerprint"])
 def test_cache_dir_writable_by_others_is_refused(cache, tmp_path, caplog, which):
     jit.get_kernel(CFG)  # a good entry exists
-    jit._REFUSED_DIRS.clear()
+    compile_cache._REFUSED_DIRS.clear()
     so, obj, _ = _paths(CFG)
     target = tmp_path if which == "root" else obj.parent
     mode = target.stat().st_mode & 0o777
@@ -145,7 +145,7 @@ def test_cache_dir_writable_by_others_is_refused(cache, tmp_path, caplog, which)
         assert len(cache) == 3 and not caplog.records, "one warning per directory and process"
     finally:
         target.chmod(mode)
-        jit._REFUSED_DIRS.clear()
+        compile_cache._REFUSED_DIRS.clear()
     _fresh_process()
     jit.get_kernel(CFG)
     assert len(cache) == 3, "a safe directory is used again"

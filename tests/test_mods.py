@@ -211,7 +211,7 @@ def test_repeated_mod_compiles_once(monkeypatch):
 
         spec, _ = _check(**mods.sliding_window(w, 0))
         cfg = config.FwdKernelConfig("bf16", 64, 64, tile, mods=spec)
-        jit._get_kernel((jit.kernel_class(cfg).__name__, cfg, jit.target_arch()), cfg, fake_compile)
+        jit.cached_kernel((jit.kernel_class(cfg).__name__, cfg, jit.target_arch()), cfg, fake_compile)
     assert len(calls) == 2
 
 

@@ -60,15 +60,6 @@ class BlockSparseTensors(NamedTuple):
     block_size: tuple[int, int] | None = None
 
 
-def refuse_combinations(page_table, pack_gqa) -> None:
-    """What block sparsity does not combine with in this release (raised before any launch)."""
-    if page_table is not None:
-        raise NotImplementedError("block_sparse_tensors cannot be combined with page_table (paged K/V) yet")
-    if pack_gqa is True:
-        raise ValueError("block_sparse_tensors runs without GQA packing (each query head has its own rows of "
-                         "blocks): pass pack_gqa=None or False")
-
-
 def _fail(msg: str, arg: str = "block_sparse_tensors"):
     raise ValueError(f"{arg}: {msg}")
 
@@ -255,8 +246,8 @@ class SparseGrad:
 
 
 # The KV-major lists built from a forward's lists, kept for the next backward with the same lists: a training loop
-# passes one mask every step, and building them is ~15 small launches (0.1 ms and their host cost per step, d128
-# causal S=4K).  An entry is used only for the very same tensor objects (weak references), unmodified since (their
+# passes one mask every step, and building them is about fifteen small launches (their GPU time and host cost on
+# every step).  An entry is used only for the very same tensor objects (weak references), unmodified since (their
 # version counters), on the same stream; never while a CUDA graph is being captured.
 _TRANSPOSED: OrderedDict = OrderedDict()
 _TRANSPOSED_MAX = 8
@@ -456,4 +447,4 @@ def dense_mask_from_block_sparse(bst: BlockSparseTensors, seqlen_q: int, seqlen_
 __all__ = ["BlockSparseTensors", "DEFAULT_BLOCK_SIZE", "SparseGrad", "block_sparse_bwd_from_flex",
            "block_sparse_from_flex",
            "block_sparse_from_mask", "block_size_ratios", "check_block_sparse", "dense_mask_from_block_sparse",
-           "grad_block_multiples", "prepare_backward", "refuse_combinations", "transpose_block_sparse"]
+           "grad_block_multiples", "prepare_backward", "transpose_block_sparse"]

@@ -18,10 +18,12 @@ from dataclasses import dataclass, replace  # noqa: F401 (config.replace: tests 
 SMEM_LIMIT_BYTES = 101376  # max dynamic shared memory per block on SM12x (99 KB)
 MAX_REGS_PER_THREAD = 255
 # Registers a thread needs beyond the accumulators and operand fragments (addresses, softmax state, loop
-# counters, predicates): measured from the sm_120a compile gate (0 spills at this margin).
+# counters, predicates): the margin at which the sm_120a compile gate's configurations compile without spills
+# (scripts/compile_gate.py; benchmarks/results/gate_hand_sm120a_device_s30.jsonl).
 REG_OVERHEAD = 48
-# Largest register estimate (fwd_register_estimate) accepted for a tile: the sm_120a compile gate showed the
-# first spills (8 B of stack) at an estimate of 240 (d=192/dv=192, Q in registers, heaviest feature set).
+# Largest register estimate (fwd_register_estimate) accepted for a tile: kept below the estimate at which the
+# sm_120a compile gate first saw a spill (d=192/dv=192, Q in registers, heaviest feature set), so a tile the
+# estimate accepts compiles without one.
 REG_ESTIMATE_BUDGET = 232
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -225,25 +227,26 @@ def fwd_tile_problems(head_dim: int, head_dim_v: int, tile: FwdTile) -> list[str
 
 # Causal / windowed forward tiles launch longest first across every (head group, batch), not only inside one,
 # on grids of FWD_LPT_MIN_COLUMNS to FWD_LPT_MAX_COLUMNS tile columns (kernels/fwd_base.py ``cta_coords``).
-# Measured on the H100 proxy (benchmarks/results/lpt_h100.jsonl, causal, bench_fwd's cells, two sessions-25 runs):
-# S=4K (32-64 columns) +2.4% to +13.5% (d256 0.955 -> 0.851 ms); S=1K (8-16 columns) -1% to -5% and S=16K
-# (128-256 columns) -2.4% to +1.9%, where the plain order keeps a head's tiles, and so its K/V in L2, together
-# (S=1K needs few waves; S=16K's tail is a small share of the call).  ``False`` restores the plain order
-# everywhere (an A/B switch for benchmarks/probe_lpt.py; none of these is part of the compile key).
+# Longest first shortens the tail of the last wave, which pays on mid-sized grids; on short grids (few waves) and
+# long ones (a small tail) the plain order, which keeps a head's tiles and so its K/V in L2 together, is as fast or
+# faster (benchmarks/experiments/results/lpt_h100.jsonl, causal, bench_fwd's cells).  ``False`` restores the plain
+# order everywhere (an A/B switch for benchmarks/experiments/probe_lpt.py; none of these is part of the compile
+# key).
 FWD_LPT_ORDER = True
 FWD_LPT_MIN_COLUMNS = 32
 FWD_LPT_MAX_COLUMNS = 127
 
 # ---- tile table --------------------------------------------------------------------------------------------
-# Preference order per head dim (first that fits wins).  Measured on the H100 proxy, 2026-11-21
-# (benchmarks/results/tile_sweep_h100_v*.jsonl), SM120 limits kept:
-#  * 16 or 32 query rows per warp; 4-warp 128-row tiles spill at d=128 on sm_120a (255 regs + 152 B stack).
+# Preference order per head dim (first that fits wins), from the forward tile sweeps with SM120's limits kept
+# (benchmarks/experiments/results/tile_sweep_h100_v1.jsonl and _v2.jsonl hold the timings):
+#  * 16 or 32 query rows per warp; 4-warp 128-row tiles spill at d=128 on sm_120a (too many accumulator
+#    registers per thread).
 #  * tma=True: warp-specialised kernel, TMA producer warpgroup + 8 mma warps (kernels/fwd_tma.py); it beat the
-#    all-warps cp.async kernel at d=64..128 (d=128, S=4096: 356 vs 287 TFLOPS).
-#  * d<=64: 256x64 tiles (2 m16 atoms per warp, half the smem reads per flop) beat 128x128 (303 vs 269 TFLOPS).
-#  * d=256: the 4-warp 64x64 cp.async tile is fastest (338 TFLOPS vs 302 for the TMA 128x32 tile), and the TMA
-#    kernel's 240-register consumers spill at d=dv=256 under the heaviest feature set.
-#  * software pipelining of QK^T measured slower (338 vs 356 TFLOPS at d=128) and was removed.
+#    all-warps cp.async kernel at d=64..128 (the producer overlaps the loads the cp.async warps issue themselves).
+#  * d<=64: 256x64 tiles (2 m16 atoms per warp, half the smem reads per flop) beat 128x128.
+#  * d=256: the 4-warp 64x64 cp.async tile beat the TMA 128x32 tile, and the TMA kernel's 240-register consumers
+#    spill at d=dv=256 under the heaviest feature set.
+#  * software pipelining of QK^T measured slower (the extra live fragments) and was removed.
 # The cp.async tiles after the TMA ones are the fallback when a TMA tile does not fit.
 _TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
     32: (FwdTile(256, 64, 8, 2, False, True), FwdTile(128, 128, 8, 2, True)),
@@ -254,7 +257,7 @@ _TILE_PREFERENCE: dict[int, tuple[FwdTile, ...]] = {
     256: (FwdTile(64, 64, 4, 1, False), FwdTile(64, 32, 4, 1, False)),
 }
 # Causal / sliding-window overrides: 256-row tiles leave too few, too unequal tiles at short lengths
-# (d=64, S=1024 causal: 120 TFLOPS with 256x64 vs 177 with 128x128).
+# (benchmarks/experiments/results/tile_sweep_h100_v1.jsonl, d=64 S=1024 causal).
 _TILE_PREFERENCE_WINDOWED: dict[int, tuple[FwdTile, ...]] = {
     32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
     64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
@@ -279,15 +282,15 @@ def candidate_tiles(head_dim: int, head_dim_v: int, windowed: bool = False, page
     return tiles
 
 
-# Without TMA (SM80/SM86/SM89), paged K/V at head dim 256 runs the two-stage 64x32 tile (the decode tile): the row's
-# 64x64 one-stage tile spilled 8 STL/LDL under the heaviest paged set on sm_80 and 64x32 with one stage 15, the
-# two-stage one compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).  SM120 keeps 64x64 (0 spills).
+# Without TMA (SM80/SM86/SM89), paged K/V at head dim 256 runs the two-stage 64x32 tile (the decode tile): the
+# row's 64x64 one-stage tile and 64x32 with one stage spilled under the heaviest paged set on sm_80, the two-stage
+# one compiles without (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).  SM120 keeps 64x64.
 _PAGED_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {256: (FwdTile(64, 32, 4, 2),)}
 
 
-# Forward tiles that spill on sm_120a when compiled with dropout (compile gate, measured: registers/spills in
-# CONFLICTS_LOG), per (head_dim, head_dim_v): dropout there takes the next tile of the preference list that is
-# not listed (``dropout_fwd_tile``).  Every other pair keeps the tile of the path without dropout.
+# Forward tiles that spill on sm_120a when compiled with dropout (the keep-bit words are live beside the
+# accumulators; compile gate), per (head_dim, head_dim_v): dropout there takes the next tile of the preference
+# list that is not listed (``dropout_fwd_tile``).  Every other pair keeps the tile of the path without dropout.
 _DROPOUT_SPILLING_TILES: dict[tuple[int, int], tuple[FwdTile, ...]] = {
     (192, 128): (FwdTile(128, 64, 8, 1, True, True),),
     (256, 256): (FwdTile(64, 64, 4, 1, False),),
@@ -325,8 +328,8 @@ def dropout_fwd_tile(head_dim: int, head_dim_v: int, tile: FwdTile, tma: bool = 
 # TMA tile (128x64, one stage; Q from shared memory where Q in registers is over the register estimate, dv192, as
 # in _TILE_PREFERENCE) runs the block sizes it divides, the cp.async 128x32 tile the others (kv_block an odd
 # multiple of 32), so every block size valid before still is.  d256 keeps the cp.async kernel on a narrow KV tile:
-# its per-block index lookups cost registers (the sm_120a compile gate spilled with the 1-stage 64x64 tile; 64x32
-# with one stage still spilled 4 registers under the heaviest feature set, with two stages it uses 226).
+# its per-block index lookups cost registers (the sm_120a compile gate spilled with the 1-stage 64x64 tile and with
+# the 1-stage 64x32 one under the heaviest feature set; the 2-stage 64x32 tile compiles without spills).
 _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
     32: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
     64: (FwdTile(128, 128, 8, 2, True, True), FwdTile(128, 128, 8, 2, True)),
@@ -336,10 +339,12 @@ _TILE_PREFERENCE_SPARSE: dict[int, tuple[FwdTile, ...]] = {
     256: (FwdTile(64, 32, 4, 2),),
 }
 # Score/mask mods with block sparsity: the d <= 64 and d192 TMA tiles with Q in registers spilled on sm_120a with
-# the relative-bias score_mod (a 2-D aux table) and the heaviest feature set (2 STL/LDL each, 2x2 blocks, d64 at 1x1
-# too; compile gate 2026-11-24); reading Q from shared memory they compile with 0.  Same shapes: the same block
-# sizes are valid.  Without TMA (sm_80) the d <= 64 cp.async tile with Q in registers spilled the same way, with Q
-# from shared memory it compiles with 0 (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).
+# the relative-bias score_mod (a 2-D aux table) and the heaviest feature set; Q read from shared memory frees
+# the registers that held it, and so they compiled without spills then (the session-30 hand gate lists the d64
+# windowed one with the relative-bias mod spilling again: benchmarks/results/gate_hand_sm120a_device_s30.jsonl).
+# Same shapes: the same block sizes are valid.  Without TMA (sm_80) the d <= 64 cp.async tile with Q in registers
+# spilled the same way and compiles without spills reading Q from shared memory
+# (benchmarks/results/gate_spill_probes_sm80_s31.jsonl).
 _SPARSE_MODS_TILES = {FwdTile(128, 128, 8, 2, True, True): FwdTile(128, 128, 8, 2, False, True),
                       FwdTile(128, 64, 8, 1, True, True): FwdTile(128, 64, 8, 1, False, True),
                       FwdTile(128, 128, 8, 2, True): FwdTile(128, 128, 8, 2)}
@@ -445,9 +450,9 @@ def _supported_head_dim_pairs(_version: int) -> tuple[tuple[int, int], ...]:
 
 
 
-# Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (29 STL/LDL contiguous, 22 paged, heaviest feature
-# set; compile gate, 2026-11-22): the runtime split index in the block plan is a few registers past the 255 this tile
-# already uses.  Split calls on that tile run the 64x32 tile of the same table row instead (0 spills).
+# Split-KV on the d=256 64x64 one-stage tile spills on sm_120a (heaviest feature set, compile gate): the runtime
+# split index in the block plan is a few registers past the 255 this tile already uses.  Split calls on that tile
+# run the 64x32 tile of the same table row instead, which compiles without spills.
 SPLIT_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): FwdTile(64, 32, 4, 1, False)}
 
 
@@ -456,11 +461,11 @@ def split_tile(tile: FwdTile) -> FwdTile:
     return SPLIT_TILE_FALLBACK.get(tile, tile)
 
 
-# Score/mask mods on the d=256 cp.async tiles (255 registers without them) spilled on sm_120a with aux tensors and
-# the heaviest feature set (64x64: 12-27 STL/LDL, 64x32: 2-4; document, ALiBi, relative bias; compile gate
-# 2026-11-22): calls with mods run a 64x16 tile there (fewer S/P registers per thread).  16 key rows do not divide
-# the V copy at dv = 32 / 96 (fwd_tile_problems): those take 64x32, which compiles with 0 spills at d256/dv32 but
-# spilled 4 STL/LDL at d256/dv96 (64x64 there: 29), so mods are refused at d256/dv96 (``_MODS_SPILLING``).
+# Score/mask mods on the d=256 cp.async tiles (which use all 255 registers without them) spilled on sm_120a with
+# aux tensors and the heaviest feature set (document, ALiBi, relative bias; compile gate): calls with mods run a
+# 64x16 tile there (fewer S/P registers per thread).  16 key rows do not divide the V copy at dv = 32 / 96
+# (fwd_tile_problems): those take 64x32, which compiles without spills at d256/dv32 but spilled at d256/dv96 (as
+# did 64x64), so mods are refused at d256/dv96 (``_MODS_SPILLING``).
 MODS_TILE_FALLBACK = {FwdTile(64, 64, 4, 1, False): (FwdTile(64, 16, 4, 1, False), FwdTile(64, 32, 4, 1, False)),
                       FwdTile(64, 32, 4, 1, False): (FwdTile(64, 16, 4, 1, False), FwdTile(64, 32, 4, 1, False))}
 _MODS_SPILLING = {(256, 96, FwdTile(64, 32, 4, 1, False))}
@@ -481,12 +486,13 @@ def mods_tile(tile: FwdTile, head_dim: int, head_dim_v: int) -> FwdTile:
 
 
 # Score/mask mods and dropout together: the forward tiles of either feature alone spilled on sm_120a with both in
-# the heaviest set (relative-bias score_mod reading a 2-D aux table, every flag, seed tensor; compile gate
-# 2026-11-22): d64 256x64 TMA 2 STL/LDL, d64 windowed 128x128 TMA 222, d192 128x64 TMA 6 (cp.async 128x64: 13,
-# 64x64: 16, 64x32: 6; d192/dv96 64x32: 8), d256 64x16 2 (its row loop unrolled: 2).  These compile with 0
-# spills: the d128 TMA tile for d <= 128, the 64x16 cp.async tile at d192, and where 16 key rows do not divide the
-# copy (dv 32 / 96) the d192 TMA tile (0 spills at dv96, which has fewer O registers than dv192).  d = 256 has no
-# such tile (64x16 is the narrowest), so dropout with mods is refused there.
+# the heaviest set (relative-bias score_mod reading a 2-D aux table, every flag, seed tensor; compile gate): the
+# keep-bit words and the aux reads both need registers beside the accumulators (d64 256x64 and windowed 128x128
+# TMA, d192 128x64 TMA and the d192 cp.async tiles down to 64x32, d256 64x16).  These compile without spills
+# (benchmarks/results/gate_hand_sm120a_device_s30.jsonl has their mods + dropout configurations): the d128 TMA
+# tile for d <= 128, the 64x16 cp.async tile at d192, and where 16 key rows do not divide the copy (dv 32 / 96)
+# the d192 TMA tile (at dv96, which has fewer O registers than dv192).  d = 256 has no such tile (64x16 is the
+# narrowest), so dropout with mods is refused there.
 MODS_DROPOUT_TILES: dict[int, tuple[FwdTile, ...]] = {
     32: (FwdTile(128, 64, 8, 2, True, True),), 64: (FwdTile(128, 64, 8, 2, True, True),),
     96: (FwdTile(128, 64, 8, 2, True, True),), 128: (FwdTile(128, 64, 8, 2, True, True),),

@@ -89,14 +89,13 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
 
 
 # (tile_m, tile_n, num_warps[, kv_warp_rows[, kv_rows]]) per max(head_dim, head_dim_v), first that fits wins; every
-# (wm, wn) warp split must divide the tiles.  Measured on the H100 proxy (benchmarks/results/bwd_tile_sweep_h100_v2/
-# v4.jsonl): 128-key tiles make the dK/dV kernel 21% faster at d64 (64x128) and 16-21% faster non-causal at d128
-# (32x128; 2-7% slower causal); 32 key rows per warp in the dV/dK mmas a further 3-7% at d64, 4-7% at d192 and 10%
-# causal at d256 (neutral at d128: kept at 16).  The key-row kernel (``kv_rows``, bwd_dkdv_kvrows.py; v5.jsonl,
-# dK/dV kernel device time against the tile it replaces): d128 32x128 -16% / -15% (S=4K non-causal / causal),
-# -18% / -17% (S=1K); d96 64x128 -21% / -26%; d64 64x128 -20% / -1% (S=4K), -18% / -1% (S=1K); at d32 it lost
-# (64x128 +19% non-causal; 64x64 with 4 warps +8% / -10%), so d32 keeps 64x64.  Feature sets that spill it
-# (_BWD_SPILLING) run the next tile.
+# (wm, wn) warp split must divide the tiles.  128-key tiles stream Q and dO once per 128 keys instead of per 64;
+# they and 32 key rows per warp in the dV/dK mmas are kept where the per-kernel sweep found them faster
+# (benchmarks/experiments/results/bwd_tile_sweep_h100_v2.jsonl and _v4.jsonl; at d128 the key rows per warp stay
+# 16, where 32 was neutral).  The key-row kernel (``kv_rows``, bwd_dkdv_kvrows.py), whose P^T/dS^T stay in
+# registers, replaced the tile before it at d64, d96 and d128 and lost at d32, which keeps 64x64
+# (benchmarks/experiments/results/bwd_tile_sweep_h100_v5.jsonl, dK/dV kernel device time).  Feature sets that
+# spill it (_BWD_SPILLING) run the next tile.
 _BWD_TILES = {
     32: ((64, 64, 8),), 64: ((64, 128, 8, 16, True), (64, 128, 8, 32), (64, 64, 8)),
     96: ((64, 128, 8, 16, True), (64, 64, 8)), 128: ((32, 128, 8, 16, True), (32, 128, 8), (64, 64, 8)),
@@ -104,30 +103,30 @@ _BWD_TILES = {
     256: ((32, 32, 4, 32), (32, 32, 4)),
 }
 # Tiles whose variant with a feature spills registers on sm_120a (compile gate), per (tile, max head dim): such calls
-# take the next tile of the table (none left: the call raises before launch).  Block sparsity: 32x32 r32 at d256,
-# 35-60 STL/LDL; block sparsity with a mask_mod: 32x128 at d128 (64x64 instead), 32x32 at d256 (a grad-requiring
-# call raises there).  (Dropout on the 128-key tiles
-# spilled 2-18 STL/LDL with the Philox calls of a row unrolled; bwd_dkdv.py loops over them there instead.)
+# take the next tile of the table (none left: the call raises before launch).  Block sparsity: 32x32 r32 at d256;
+# block sparsity with a mask_mod: 32x128 at d128 (64x64 instead), 32x32 at d256 (a grad-requiring call raises
+# there).  (Dropout on the 128-key tiles spilled with the Philox calls of a row unrolled; bwd_dkdv.py loops over
+# them there instead.)
 _BWD_SPILLING = {
     ((32, 32, 4, 32, False), 256): {"sparse"},
-    # 35 STL/LDL with the document mask_mod; in fp16 block sparsity alone spills (54-85 STL/LDL, 1x1 and 2x2 blocks,
-    # lightest to heaviest set, benchmarks/results/gate_spill_probes_sm120a_s31.jsonl; bf16 compiles with 0), so an
-    # fp16 block-sparse call at d256 that needs grad raises before launch
+    # spills with the document mask_mod; in fp16 block sparsity alone spills in every feature set (bf16 does not:
+    # benchmarks/results/gate_spill_probes_sm120a_s31.jsonl), so an fp16 block-sparse call at d256 that needs grad
+    # raises before launch
     ((32, 32, 4, 16, False), 256): {"sparse_mask_mod", "sparse_fp16"},
-    # 10 STL/LDL with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile
-    # gate's class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
+    # spills with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile gate's
+    # class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
     ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
-    # the key-row tiles (255 registers at d128 without features).  32x128 (d128): dropout with softcap 2-5
-    # STL/LDL, a windowed call with a mod that reads aux tensors (document, relative bias) 4-17, mods with dropout
-    # 8 (relative bias).  64x128 (d64, d96): mods that read aux tensors 2-9 (relative bias, prefix-LM from a tensor;
-    # 26 with dropout), dropout 2-14 (d96, bf16 alone and fp16 with every flag)
+    # the key-row tiles (they use all 255 registers at d128 without features).  32x128 (d128): dropout with
+    # softcap, a windowed call with a mod that reads aux tensors (document, relative bias), mods with dropout
+    # (relative bias).  64x128 (d64, d96): mods that read aux tensors (relative bias, prefix-LM from a tensor),
+    # dropout (d96, bf16 alone and fp16 with every flag).
     # At d128 a sweep of every subset of (window, varlen q, varlen k, seqused q, seqused k) with dropout and with the
-    # document / relative-bias / causal mods (bf16, sparse or not: 384 configurations) found spills (2-51) only where
-    # varlen k or a seqused is on without varlen q, with dropout or an aux-reading mod ("partial_varlen").
+    # document / relative-bias / causal mods (bf16, sparse or not) found spills only where varlen k or a seqused is
+    # on without varlen q, with dropout or an aux-reading mod ("partial_varlen").
     ((32, 128, 8, 16, True), 128): {"dropout_softcap", "window_aux_mods", "mods_dropout", "partial_varlen"},
     ((64, 128, 8, 16, True), 96): {"aux_mods", "dropout"},
-    # the fused backward's d64 tile (config fused_dq): a windowed call with an aux-reading mod (relative bias) 5
-    # STL/LDL; such calls take the 64x64 fused tile
+    # the fused backward's d64 tile (config fused_dq): a windowed call with an aux-reading mod (relative bias)
+    # spills; such calls take the 64x64 fused tile
     ((64, 128, 8, 16, False), 64): {"aux_mods"},
     ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
 }
@@ -191,13 +190,14 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
 # first that fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T
 # live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
 # only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
-# benchmarks/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
-# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on windowed walks
-# (the only d96 cell is causal).  d192 and d256
+# benchmarks/experiments/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
+# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on every walk
+# (benchmarks/experiments/results/bwd_fused_ab_d96_h200_s31.jsonl; 64x128 and 128x64 exceed the shared memory at
+# d96).  d192 and d256
 # (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
 _FUSED_TILES = {
     64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
-    96: (((64, 64, 8), "windowed"),),
+    96: (((64, 64, 8), "all"),),
     128: (((32, 128, 8), "plain"), ((64, 64, 8), "windowed")),
 }
 
@@ -271,12 +271,12 @@ def dq_convert_config(fused: BwdKernelConfig) -> DqConvertKernelConfig:
 
 
 # dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two
-# stages the next K/V block streams in while this one is computed (one barrier per block).  Measured on the H100
-# proxy (benchmarks/results/bwd_tile_sweep_h100_v2.jsonl): two stages cut the d64 dQ kernel by 13-20%; at d128 the
-# two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep one stage.
-# The fifth field, ``split_kv_wait`` (one stage, V and K waited for separately, dP before S), measured against the
-# same tile without it (bwd_tile_sweep_h100_v6.jsonl, dQ kernel device time): d128 +2% / -6% (S=4K non-causal /
-# causal), -2% / -9% (S=1K); d256 0% / -5%; d192 +4% / -3%, so d192 keeps the plain loop.
+# stages the next K/V block streams in while this one is computed (one barrier per block).  Two stages pay at d64;
+# at d128 the two-stage tiles that fit 99 KB (128x32 with 8 warps) lost to the one-stage 128x64, so d >= 128 keep
+# one stage (benchmarks/experiments/results/bwd_tile_sweep_h100_v2.jsonl).
+# The fifth field, ``split_kv_wait`` (one stage, V and K waited for separately, dP before S), hides K's load
+# under the dP mma; kept where it measured faster than the same tile without it, at d128 and d256, not at d192
+# (benchmarks/experiments/results/bwd_tile_sweep_h100_v6.jsonl, dQ kernel device time).
 _DQ_TILES = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 96: (128, 64, 8, 2), 128: (128, 64, 8, 1, True),
              192: (64, 64, 4, 1), 256: (64, 32, 4, 1, True)}
 
@@ -291,7 +291,7 @@ class DqKernelConfig(BwdKernelConfig):
     split_kv_wait: bool = False
     # the per-row sums of P dP in fp32 (D without O's rounding), written to ``pdpsum``: only the learnable sink's
     # gradient reads them, so a call without a sink compiles without them (one FFMA per element less, and one FMUL
-    # more with dropout: 1001 -> 993 and 1309 -> 1255 sm_120a instructions in the d128 loop)
+    # more with dropout; benchmarks/experiments/results/dq_sink_grad_h100_s28.jsonl)
     sink_grad: bool = False
 
     def name(self) -> str:
@@ -315,8 +315,8 @@ def dq_problems(cfg: BwdKernelConfig) -> list[str]:
 
 def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
     tm, tn, nw, stages, *kw = _DQ_TILES[max(head_dim, head_dim_v)]
-    # not with dropout and a mod together: the d128 tile spilled 2-3 STL/LDL with it (compile gate, sm_120a);
-    # dropout alone compiles with 0 at d128 and d256, every flag included
+    # not with dropout and a mod together: the d128 tile spilled with it (compile gate, sm_120a); dropout alone
+    # compiles without spills at d128 and d256, every flag included
     drop_mods = flags.get("has_dropout") and flags.get("mods") is not None
     cfg = DqKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_stages=stages,
                          split_kv_wait=bool(kw and kw[0]) and not drop_mods, **flags)

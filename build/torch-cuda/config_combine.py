@@ -55,8 +55,9 @@ def combine_smem_bytes(cfg: CombineKernelConfig) -> int:
 def combine_split_groups(num_rows: int, num_splits: int, head_dim: int, num_sms: int) -> int:
     """Row groups per row of the combine: COMBINE_SPLIT_GROUPS when one group per row would leave the GPU short of
     CTAs (fewer than two per SM) and each group still walks at least one full unrolled batch of splits; else 1.
-    Measured on the H100 proxy (decode, MQA B=1, 32 rows x 64 splits): one group per row walks the 64 splits in 8
-    dependent rounds of loads on 8 CTAs (8.3 us, more than the attention kernel's 11.7)."""
+    With one group per row, MQA B=1 decode (32 rows x 64 splits) walks the 64 splits in 8 dependent rounds of
+    loads on 8 CTAs, and the combine took most of the attention kernel's time
+    (benchmarks/experiments/results/probe_session19_h100.jsonl, per-kernel times)."""
     rows_per_cta = COMBINE_THREADS // combine_threads_per_row(head_dim)
     ctas = -(-num_rows // rows_per_cta)
     if ctas < 2 * num_sms and num_splits >= COMBINE_SPLIT_GROUPS * COMBINE_UNROLL // 2:

@@ -12,22 +12,20 @@ from . import config
 from .config import FwdTile
 
 # A call whose M tile holds few query rows runs a 64-row, 4-warp cp.async tile with a two-stage K/V pipeline instead
-# of the prefill tile, whose 128 rows would be mostly padding (unsplit B=64 KV 2K: 210 -> 183 us).  Measured on the H100 proxy (benchmarks/results/
-# decode_tiles_h100.jsonl, CUDA-graph replays, B=1 KV 32K Hq 32/Hkv 8): d128 128x64 TMA tile 69 us (65% of copy
-# bandwidth) -> 64x64w4s2 56 us (80%); B=8 KV 8K 81% -> 94%; d256 64x32w4s1 130 us -> 64x32w4s2 99 us; paged
-# (page 64) 99 us -> 78 us.
+# of the prefill tile, whose 128 rows would be mostly padding: the smaller tile gives twice the CTAs for the same
+# bytes and the second stage keeps a load in flight while a tile is computed (decode cases, contiguous and paged,
+# d128 and d256: benchmarks/experiments/results/decode_tiles_h100.jsonl, CUDA-graph replays).
 DECODE_MAX_ROWS = 64
 # Few rows: the same K/V tile and pipeline, the keys split between warp groups (kernels/fwd_decode.py), so no warp
 # computes padding rows and every warp streams its share of each tile: rows <= 32 (MQA's 32 packed heads) two
 # groups of two warps, rows <= 16 (GQA 4:1 decode) four groups of one warp.  Entries: (most rows, tile), the first
 # that holds the call's rows per CTA and fits wins; key-split entries only while DECODE_KEY_SPLIT is on.
 #
-# Measured on the H100 proxy (benchmarks/results/decode_tiles_h100_s25.jsonl, 8-call graphs, % of copy bandwidth,
-# 64-row tiles -> key split): MQA B=1 KV 32K 34.6 -> 38.5%, B=8 55.3 -> 56.6%, B=64 72.0 -> 73.4%, MQA d256 B=8
-# 58.0 -> 65.8%, paged MQA (page 64) 26.9 -> 29.3%, GQA 4:1 d128 B=1 86.7 -> 88.3% (paged, page 16: 79.7 -> 83.3%);
-# no case slower (d128 B=64: 180.2 vs 180.4 us).  Two groups for <= 16 rows too (H200, same session) tie with four groups overall (B=64 +5%,
-# paged B=1 -6%).  Deeper K/V pipelines for the 32-row tile (4 or 5 stages of 32 keys, 1.5-2x the bytes in
-# flight) measured 1-8% slower than two stages of 64 keys: the MQA calls are not bound by loads in flight.
+# The key split made every decode case of the A/B faster or equal, MQA and GQA, contiguous and paged
+# (benchmarks/experiments/results/decode_tiles_h100_s25.jsonl, 8-call graphs, % of copy bandwidth); two groups
+# for <= 16 rows too tied with four overall (benchmarks/experiments/results/decode_tiles_h200_s25.jsonl).  Deeper
+# K/V pipelines for the 32-row tile (4 or 5 stages of 32 keys) measured slower than two stages of 64 keys (same
+# files): the MQA calls are not bound by loads in flight.
 # ``False`` puts every decode call back on the 64-row tiles (tests and the probe flip it).
 DECODE_KEY_SPLIT = True
 _DECODE_TILES: dict[int, tuple[tuple[int, FwdTile], ...]] = {
@@ -41,8 +39,7 @@ def decode_rows(rows: int, grid_ctas: int, num_sms: int) -> int:
     """The row count to pick a decode tile by: the call's ``rows`` per CTA while its grid (``grid_ctas`` CTAs on
     the 64-row tile, splits included) leaves SMs idle, else DECODE_MAX_ROWS: a grid that already fills the GPU
     (the test of splitkv.auto_num_splits) runs the 64-row tile, no key split.  There the key split gains nothing
-    and costs paged calls (H100, d128 GQA 4:1 B=64 KV 2K, 512 CTAs: contiguous 180.2 vs 180.4 us; paged page 16
-    or 64: 94% -> 84% of copy bandwidth, benchmarks/results/decode_h100.jsonl, session 25)."""
+    and costs paged calls (d128 GQA 4:1 B=64 KV 2K, a 512-CTA grid: benchmarks/results/decode_h100.jsonl)."""
     return DECODE_MAX_ROWS if grid_ctas * 5 >= num_sms * 4 else rows
 
 

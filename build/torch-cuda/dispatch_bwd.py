@@ -1,7 +1,6 @@
 """Host dispatch of the backward: the one backward path (``run_backward``) behind autograd and the torch.library
-ops, and the preprocess launch (``bwd_dpsum``).  Split from ``dispatch`` (the forward path), whose plan cache and
-meta it uses: the backward's kernel configs live in the same memoised plan as the forward's.  No device->host
-synchronisation.
+ops, and the preprocess launch (``bwd_dpsum``).  The backward's kernel configs live in the same memoised plan
+(plan.py) as the forward's, under the forward's key with ``needs_grad``.  No device->host synchronisation.
 """
 
 from __future__ import annotations
@@ -11,13 +10,14 @@ import math
 import torch
 
 from . import block_sparse as BS
+from . import plan as P
 from . import validate as V
 
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
 from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, fused_for
 from .device import device_caps
-from .dispatch import FwdMeta, _log2_scales, _nograd, _plan, _rng_args, _sparse_bwd_key
-from .launch import compiled_kernel as _kernel, launch as _launch
+from .dropout import kernel_args
+from .launch import compiled_kernel as _kernel, detached, launch as _launch
 
 
 def _row_valid(lse, cu_q, used_q):
@@ -103,7 +103,7 @@ def bwd_dpsum(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, 
     return dpsum
 
 
-def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
+def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
@@ -144,18 +144,20 @@ def run_backward(dout, q, k, v, out, lse, meta: FwdMeta, *, sink=None, dlse=None
         fwd_ratios = (0, 0)
         if sg is not None:  # the forward's plan key (its ratios to the forward tile, and the block size)
             fwd_ratios = (*BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed), *sg.fwd_block_size)
-        plan = _plan(V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None,
-                     varlen_q, varlen_k, seqused_q is not None, seqused_k is not None, True, q.device.index,
-                     sparse=fwd_ratios, sparse_bwd=_sparse_bwd_key(meta), dropout=drop is not None,
-                     seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods)
+        plan = P.get_plan(P.PlanKey(
+            V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None, varlen_q, varlen_k,
+            seqused_q is not None, seqused_k is not None, True, q.device.index, sparse=fwd_ratios,
+            sparse_bwd=meta.sparse_bwd_key(), dropout=drop is not None,
+            seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods,
+            tma=device_caps(q.device).tma))  # the forward's plan: its key without the per-call overrides
         fused = None
         if sink is None and not meta.deterministic:
             fused = fused_plan(plan.bwd_cfg, q.device)
         if plan.bwd_fn is None and fused is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
-        scale_log2, prescale = _log2_scales(meta)
-        thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = _rng_args(drop)
-        common = dict(q=_nograd(q), k=_nograd(k), v=_nograd(v), dout=_nograd(dout), lse=lse, dpsum=dpsum,
+        scale_log2, prescale = meta.log2_scales()
+        thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = kernel_args(drop)
+        common = dict(q=detached(q), k=detached(k), v=detached(v), dout=detached(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
                       softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,

@@ -107,21 +107,17 @@ def check_p(dropout_p) -> float:
     return p
 
 
-SPLIT_DROPOUT_ERROR = (
-    "dropout_p={p} with num_splits={n}: dropout and split-KV are not supported together (split-KV is an "
-    "inference path with no backward); use num_splits=1 for a call with dropout")
-SPARSE_DROPOUT_ERROR = (
-    "dropout_p={p} with block_sparse_tensors: dropout and block sparsity are not supported together (the "
-    "block-sparse kernels, forward and backward, are not built with the dropout keep mask: the compile gate has "
-    "no such configuration); pass dropout_p=0 or drop block_sparse_tensors")
+_NO_KERNEL_ARGS = (None,) * 7
 
 
-def refuse_combinations(dropout_p, p: float, num_splits: int, sparse: bool) -> None:
-    """ValueError for dropout (p > 0) with split-KV (num_splits != 1, automatic included) or block sparsity."""
-    if p > 0.0 and num_splits != 1:
-        raise ValueError(SPLIT_DROPOUT_ERROR.format(p=dropout_p, n=num_splits))
-    if p > 0.0 and sparse:
-        raise ValueError(SPARSE_DROPOUT_ERROR.format(p=dropout_p))
+def kernel_args(drop) -> tuple:
+    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor) of a call whose
+    kernels apply dropout; all None for ``drop`` None (the p = 0 kernels take none of them)."""
+    if drop is None:
+        return _NO_KERNEL_ARGS
+    v = drop.kernel_values()
+    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
+            v["rng_offset_hi"], v["rng_seed"])
 
 
 def _check_u64(name: str, value) -> int:
@@ -154,13 +150,16 @@ def check_seed(seed, offset, device: torch.device):
     return seed, seed_tensor, offset
 
 
-def resolve(p: float, seed, offset, device: torch.device, capturing: bool) -> DropoutArgs:
+def resolve(p: float, seed, offset, device: torch.device, capturing: bool | None = None) -> DropoutArgs:
     """Seed and offset of a call with dropout: checked, or (0 < p < 1 without a seed) drawn from the CUDA
-    default generator of ``device``, whose offset then advances by OFFSET_INCREMENT."""
+    default generator of ``device``, whose offset then advances by OFFSET_INCREMENT.  ``capturing``: whether a
+    CUDA graph is being captured (None: asked, only when the generator would be read)."""
     seed, seed_tensor, offset = check_seed(seed, offset, device)
     if seed is None:
         if not 0.0 < p < 1.0:  # p = 1 keeps nothing: no random numbers, the generator is left alone
             return DropoutArgs(p, 0, 0)
+        if capturing is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing:
             raise ValueError(
                 "dropout without dropout_seed reads torch's CUDA generator on the host, which would freeze one mask "
@@ -253,4 +252,4 @@ def expected_keep_rate(p: float) -> float:
 
 __all__ = ["DropoutArgs", "F16_DIRECT_MAX_THRESHOLD", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p",
            "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words",
-           "refuse_combinations", "resolve"]
+           "kernel_args", "resolve"]

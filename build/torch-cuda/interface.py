@@ -1,7 +1,8 @@
 """Public API, keyword-compatible with upstream flash-attn-4 (``flash_attn.cute``) 4.0.0b36.
 
-Every entry point follows the same path: normalise -> validate (raises before any launch) -> select the kernel
-configuration -> get the compiled kernel (memory/disk cache) -> launch.  Arguments after ``v`` are keyword-only,
+Every entry point follows the same path: normalise -> check the feature combinations once (compat.py: the one
+table of refusals) -> validate the tensors -> plan (the kernel configuration) -> get the compiled kernel
+(memory/disk cache) -> launch; everything raises before any launch.  Arguments after ``v`` are keyword-only,
 so a positional call written for another signature fails loudly instead of binding the wrong parameter.
 """
 
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from . import compat
 from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
-from .dispatch import PAGED_DROPOUT_ERROR, PAGED_GRAD_ERROR, run_forward
-from .config import mods_dropout_fwd_tile
-from .dropout import check_p, refuse_combinations
+from .dispatch_fp8 import fp8_attention, fp8_unsupported, is_fp8
+from .dispatch import run_forward
+from .dropout import check_p
 from .modspec import check_mods
-from .splitkv import SPLIT_GRAD_ERROR, check_num_splits, default_num_splits
+from .splitkv import check_num_splits, default_num_splits
 from .features import require
 
 
@@ -29,23 +31,22 @@ def _unsupported(**values) -> None:
             )
 
 
-def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd=None) -> None:
+def _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd=None) -> float:
+    """The values of the arguments every entry point takes (their combinations: compat.check_call); returns the
+    checked dropout probability."""
     p = check_p(dropout_p)  # ValueError for a non-number, NaN or a value outside [0, 1]
     num_splits = check_num_splits(num_splits)  # 1.0 or True are not ints here
-    refuse_combinations(dropout_p, p, num_splits, block_sparse_tensors is not None)  # dropout x split / sparse
     if num_splits != 1:
         require("split_kv", f"num_splits={num_splits}")
     if block_sparse_tensors is not None:
         require("block_sparse", "block_sparse_tensors")
     if block_sparse_tensors_bwd is not None:
         require("block_sparse_backward", "block_sparse_tensors_bwd")
-        if block_sparse_tensors is None:
-            raise ValueError("block_sparse_tensors_bwd (the KV-major lists of the backward) was given without "
-                             "block_sparse_tensors (the forward's lists): give both, or neither")
     if p > 0:
         require("dropout", f"dropout_p={dropout_p}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+    return p
 
 
 def _needs_grad(*tensors) -> bool:
@@ -53,12 +54,14 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-def _attention(q, k, v, learnable_sink, return_lse, kw):
-    """Forward, through autograd when any input requires grad, through the torch.library op when compiling."""
+def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
+    """Forward, through autograd when any input requires grad, through the torch.library op when compiling.
+    ``p``: the checked dropout probability."""
     needs_grad = _needs_grad(q, k, v, learnable_sink)
+    sparse = kw.get("block_sparse_tensors") is not None
+    compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
-        dropout, sparse = bool(kw.get("dropout_p")), kw.get("block_sparse_tensors") is not None
-        compiling = torch.compiler.is_compiling()
+        dropout = bool(kw.get("dropout_p"))
         kw["num_splits"] = default_num_splits(
             needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
             # asked only where it matters (a host query per call otherwise)
@@ -66,31 +69,23 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
             and torch.cuda.is_current_stream_capturing(),
             kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None)
     mod_args = kw.pop("mod_args", None) or {}
-    mods, aux = check_mods(score_mod=mod_args.get("score_mod"), score_mod_bwd=mod_args.get("score_mod_bwd"),
-                           mask_mod=mod_args.get("mask_mod"), aux_tensors=mod_args.get("aux_tensors"),
-                           softcap=kw["softcap"], device=getattr(q, "device", None), needs_grad=needs_grad)
-    if mods is not None:
-        if 0.0 < check_p(kw.get("dropout_p", 0.0)) < 1.0 and hasattr(q, "shape") and hasattr(v, "shape"):
-            mods_dropout_fwd_tile(q.shape[-1], v.shape[-1])  # ValueError where no forward tile carries both
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("score_mod/mask_mod are not supported under torch.compile yet (the "
-                                      "torch.library op does not take callables); call it eagerly")
-        kw.update(mods=mods, aux_tensors=aux)
-    if needs_grad and kw.get("page_table") is not None:  # inference-only: refuse before anything launches
-        raise ValueError(PAGED_GRAD_ERROR)
-    if kw.get("dropout_p") and kw.get("page_table") is not None:
-        raise ValueError(PAGED_DROPOUT_ERROR.format(p=kw["dropout_p"]))
-    if kw["num_splits"] > 1 and needs_grad:
-        raise ValueError(SPLIT_GRAD_ERROR)
+    score_mod, mask_mod = mod_args.get("score_mod"), mod_args.get("mask_mod")
+    compat.check_call(  # every refused combination, once per call
+        p=p, dropout_p=kw.get("dropout_p", 0.0), num_splits=kw["num_splits"], sparse=sparse,
+        sparse_bwd=kw.get("block_sparse_tensors_bwd") is not None, paged=kw.get("page_table") is not None,
+        cu_seqlens_k=kw.get("cu_seqlens_k") is not None, pack_gqa=kw["pack_gqa"], needs_grad=needs_grad,
+        compiling=compiling, mods=score_mod is not None or mask_mod is not None,
+        score_mod=score_mod is not None, softcap=kw["softcap"], q=q, v=v)
+    if score_mod is not None or mask_mod is not None or mod_args.get("score_mod_bwd") is not None \
+            or mod_args.get("aux_tensors") is not None:
+        mods, aux = check_mods(score_mod=score_mod, score_mod_bwd=mod_args.get("score_mod_bwd"), mask_mod=mask_mod,
+                               aux_tensors=mod_args.get("aux_tensors"), device=getattr(q, "device", None),
+                               needs_grad=needs_grad)
+        if mods is not None:
+            kw.update(mods=mods, aux_tensors=aux)
     if needs_grad:
         kw["num_splits"] = 1  # automatic (<= 0) means no split for a training call
-    if kw.get("block_sparse_tensors") is not None:  # eager only, one split (for now)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("block_sparse_tensors is not supported under torch.compile yet (the "
-                                      "torch.library op does not take it); call it eagerly")
-        if kw["num_splits"] > 1:
-            raise ValueError(f"num_splits={kw['num_splits']} with block_sparse_tensors is not supported by "
-                             "flash-attn-4-sm120 (block-sparse calls run one split); use num_splits=1 or 0")
+    if sparse:  # eager only, one split (for now)
         kw["num_splits"] = 1  # automatic (<= 0) means one split for a block-sparse call
         if needs_grad:
             require("block_sparse_backward", "block_sparse_tensors with inputs that require grad")
@@ -98,11 +93,7 @@ def _attention(q, k, v, learnable_sink, return_lse, kw):
         else:
             out, lse, _, _ = run_forward(q, k, v, learnable_sink=learnable_sink, **kw)
         return out, (lse if return_lse else None)
-    if torch.compiler.is_compiling():  # one opaque op (with autograd) for torch.compile
-        if kw["num_splits"] > 1:
-            raise NotImplementedError(f"num_splits={kw['num_splits']} under torch.compile is not supported by "
-                                      "flash-attn-4-sm120 (the compiled op runs one split); use num_splits=1 or 0 "
-                                      "(automatic: one split when compiled), or call it outside torch.compile")
+    if compiling:  # one opaque op (with autograd) for torch.compile
         window = kw["window_size"]
         left, right = (None, None) if window is None else window
         seed = kw.get("dropout_seed")
@@ -150,6 +141,10 @@ def flash_attn_func(
     block_sparse_tensors_bwd=None,
     dropout_seed: int | torch.Tensor | None = None,
     dropout_offset: int | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention over (B, S, H, D) tensors.  Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in q's dtype, lse fp32
     (B, Hq, Sq) natural-log softmax normaliser when ``return_lse=True``, else None.
@@ -177,8 +172,26 @@ def flash_attn_func(
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
     ``block_sparse_tensors_bwd``: the same pairs in the KV-major form the dK/dV kernel walks (optional: built on the
     device from ``block_sparse_tensors`` when not given).  See block_sparse.py.
+
+    FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
+    fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
+    sliding window, learnable sink, GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
+    makes the inputs).
     """
-    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or is_fp8(q, k, v)):
+        return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, return_lse=return_lse,
+                             learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                                 block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
+                                 page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
+                                 score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
+                                 aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+                                 block_sparse_tensors_bwd=block_sparse_tensors_bwd, dropout_seed=dropout_seed,
+                                 dropout_offset=dropout_offset))
+    p = _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if qv is not None or gather_kv_indices is not None or aux_scalars is not None:
         _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars)
     return _attention(q, k, v, learnable_sink, return_lse, dict(
@@ -188,7 +201,7 @@ def flash_attn_func(
         block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic,
         mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
-    ))
+    ), p)
 
 
 def flash_attn_varlen_func(
@@ -248,7 +261,7 @@ def flash_attn_varlen_func(
     combined with ``cu_seqlens_k`` or dropout; inference only (a call that needs grad raises).  Page indices are
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
     """
-    _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
+    p = _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or aux_scalars is not None
             or min_seqlen_k is not None or scheduler_metadata is not None or seqlen_k_per_split is not None):
         _unsupported(qv=qv, gather_kv_indices=gather_kv_indices, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
@@ -261,7 +274,7 @@ def flash_attn_varlen_func(
         block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic,
         mod_args=dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors),
-    ))
+    ), p)
 
 
 def flash_attn_with_kvcache(
@@ -339,24 +352,16 @@ def flash_attn_with_kvcache(
     if sm_margin:
         raise NotImplementedError(f"sm_margin={sm_margin} is not supported by flash-attn-4-sm120; leave it at 0")
     _check_common(num_splits, None, 0.0, False)
-    if _needs_grad(q, k_cache, v_cache, k, v, learnable_sink):
-        raise ValueError("flash_attn_with_kvcache is inference-only (no backward through a KV cache): call it under "
-                         "torch.no_grad() or with tensors that do not require grad")
-    if page_table is not None and block_table is not None and page_table is not block_table:
-        raise ValueError("give the page table once: page_table or block_table (its FlashAttention-2 name), not both")
+    compat.check_kvcache(needs_grad=_needs_grad(q, k_cache, v_cache, k, v, learnable_sink), page_table=page_table,
+                         block_table=block_table, cache_batch_idx=cache_batch_idx,
+                         varlen_q=cu_seqlens_q is not None, append=k is not None or v is not None)
     pages = page_table if page_table is not None else block_table
-    if pages is not None and cache_batch_idx is not None:
-        raise ValueError("cache_batch_idx cannot be combined with a page table: with paged K/V the page table "
-                         "already chooses the cache pages of each sequence")
     varlen_q = cu_seqlens_q is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
     dev = q.device
     V.check_tensor("k_cache", k_cache, 4, dev)
     V.check_tensor("v_cache", v_cache, 4, dev)
     if varlen_q:
-        if k is not None or v is not None:
-            raise NotImplementedError("appending k/v with cu_seqlens_q (varlen q) is not supported by "
-                                      "flash-attn-4-sm120; append with a dense q, or write the cache first")
         if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
             raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,)")
         batch = cu_seqlens_q.shape[0] - 1
@@ -370,7 +375,7 @@ def flash_attn_with_kvcache(
                                  f"({q.shape[1]}); it is only needed with cu_seqlens_q (or leave it at None)")
             max_seqlen_q = None
     if pages is not None:
-        V.check_page_table(pages, k_cache, v_cache, batch, dev, None)
+        V.check_page_table(pages, k_cache, v_cache, batch, dev)
         capacity = pages.shape[1] * k_cache.shape[1]
     else:
         if tuple(k_cache.shape[:2]) != tuple(v_cache.shape[:2]):

@@ -25,6 +25,11 @@ def compiled_kernel(cfg, device: torch.device):
         return get_kernel(cfg)
 
 
+def detached(t):
+    """``t`` without autograd history (the kernels read the data only)."""
+    return t.detach() if t.requires_grad else t
+
+
 def launch(fn, record, device: torch.device, values: dict) -> None:
     args = record.pack(values)
     if device.index == torch._C._cuda_getDevice():  # torch.cuda.current_device() without its lazy-init check

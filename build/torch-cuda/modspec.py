@@ -38,9 +38,6 @@ _AUX_DTYPES = {torch.float32: "fp32", torch.int32: "i32", torch.bfloat16: "bf16"
                torch.int64: "i64"}
 MAX_AUX_TENSORS = 8
 
-SOFTCAP_ERROR = ("softcap={softcap} together with score_mod: softcap is itself a score modification; write it "
-                 "into the score_mod (softcap * tanh(score / softcap)) and its score_mod_bwd, or leave softcap at 0")
-
 
 def _value_key(v, depth: int = 0):
     if callable(v) and depth < 3 and hasattr(getattr(v, "__wrapped__", v), "__code__"):
@@ -215,9 +212,9 @@ def make_mod_spec(score_mod=None, score_mod_bwd=None, mask_mod=None, aux_sig: tu
     return ModSpec(key, tuple(aux_sig), vec, score_mod, score_mod_bwd, mask_mod)
 
 
-def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, softcap, device, needs_grad: bool):
-    """(ModSpec or None, aux tuple) of a call, or ValueError before any launch: softcap with a score_mod; a
-    score_mod without score_mod_bwd when gradients are needed; score_mod_bwd without score_mod; aux tensors
+def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, device, needs_grad: bool):
+    """(ModSpec or None, aux tuple) of a call, or ValueError before any launch (softcap with a score_mod is a
+    conflict of compat.py, checked before): a score_mod without score_mod_bwd when gradients are needed; score_mod_bwd without score_mod; aux tensors
     without a mod; a mod that is not callable or takes the wrong number of arguments."""
     if score_mod_bwd is not None and score_mod is None:
         raise ValueError("score_mod_bwd was given without score_mod")
@@ -225,8 +222,6 @@ def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, softcap, devi
         if aux_tensors is not None:
             raise ValueError("aux_tensors were given without score_mod or mask_mod (nothing would read them)")
         return None, ()
-    if score_mod is not None and softcap:
-        raise ValueError(SOFTCAP_ERROR.format(softcap=softcap))
     if score_mod is not None and score_mod_bwd is None and needs_grad:
         raise ValueError(f"score_mod={_name(score_mod)} needs score_mod_bwd for the backward (the gradient of the "
                          "modded score w.r.t. the score it was given); pass score_mod_bwd= or call under "

@@ -13,9 +13,10 @@ from dataclasses import replace
 
 import torch
 
-from .dispatch import forward_meta, run_forward
+from .dispatch import run_forward
 from .dispatch_bwd import run_backward
 from .dropout import DropoutArgs, check_p
+from .plan import forward_meta
 
 _U64 = (1 << 64) - 1
 

@@ -27,17 +27,14 @@ from .device import split_problem
 from .launch import sm_count
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid z, which holds batch * num_splits
-AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (MQA B=1 KV 32K: 64 beat ~109, H100)
-SPLIT_GRAD_ERROR = (
-    "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
-    "with tensors that do not require grad, or leave num_splits at 1"
-)
+AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (benchmarks/experiments/results/
+#                       decode_splits_h100_s26.jsonl: 96 or 128 never beat 64, MQA decode)
 
 
 # Whether the default (num_splits=None) splits inference calls automatically (True) or means 1, no split (False).
-# Off: through transformers' greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the automatic default ran 0.76x
-# (4K context) and 0.80x (16K) the tokens/s of no split (benchmarks/results/generate_h100.jsonl); the decode
-# kernel's gain is smaller than the split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
+# Off: through transformers' greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the automatic default gave fewer
+# tokens/s than no split (benchmarks/results/generate_h100.jsonl); the decode kernel's gain is smaller than the
+# split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
 DEFAULT_SPLITS_AUTO = False
 
 
@@ -71,7 +68,8 @@ def auto_num_splits(ctas: int, n_blocks: int, num_sms: int, max_splits: int, min
     among the split counts that change the blocks per split, the smallest whose wave efficiency (waves /
     ceil(waves)) is within 85% of the best one's and that gives at least ``min_waves`` waves when any can, at most
     ``max_splits`` and ``n_blocks`` (KV blocks per tile).  Paged calls ask for two waves: their row-by-row loads
-    need more CTAs in flight to cover the latency (H100, B=1 KV 32K page 64: 16 splits 69 us, 32 splits 59 us)."""
+    need more CTAs in flight to cover the latency (B=1 KV 32K page 64, 16 against 32 splits:
+    benchmarks/experiments/results/decode_tiles_h100.jsonl)."""
     if ctas <= 0 or ctas * 5 >= num_sms * 4 or n_blocks < 2:
         return 1
     limit = max(1, min(max_splits, n_blocks, AUTO_MAX_SPLITS))
@@ -97,8 +95,6 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
     if num_splits == 1 or (num_splits <= 0 and (needs_grad or combine_head_dim_problem(dv) or no_split)):
         return 1
     if num_splits > 1:
-        if needs_grad:
-            raise ValueError(SPLIT_GRAD_ERROR)
         if no_split:
             raise ValueError(f"num_splits={num_splits}: {no_split}; use num_splits=1 (or 0: automatic, which "
                              "does not split there)")

@@ -7,6 +7,8 @@ Nothing here uses ``assert``: the checks stay under ``python -O``.
 from __future__ import annotations
 
 import math
+import os
+
 import torch
 
 from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, supported_head_dim_pairs, table_version
@@ -167,12 +169,10 @@ def check_batch(batch: int) -> None:
         _fail(f"batch size {batch} exceeds the supported maximum {MAX_GRID_YZ} (CUDA grid limit)")
 
 
-def check_page_table(page_table, k, v, batch: int, device: torch.device, cu_seqlens_k) -> tuple[int, int, int]:
+def check_page_table(page_table, k, v, batch: int, device: torch.device) -> tuple[int, int, int]:
     """Paged K/V (flash-attn-4's ``page_table``): k/v (num_pages, page_size, Hkv, D), page_table int32
-    (batch, max_pages_per_seq).  Returns (num_pages, page_size, max_pages_per_seq)."""
-    if cu_seqlens_k is not None:
-        _fail("page_table cannot be combined with cu_seqlens_k: with paged K/V the lengths come from seqused_k "
-              "(leave cu_seqlens_k=None)")
+    (batch, max_pages_per_seq).  Returns (num_pages, page_size, max_pages_per_seq).  (With cu_seqlens_k it is
+    refused before: compat.py.)"""
     if not isinstance(page_table, torch.Tensor):
         _fail(f"page_table must be a torch.Tensor of dtype int32, got {type(page_table).__name__}")
     if page_table.dtype != torch.int32:
@@ -198,3 +198,187 @@ def check_page_table(page_table, k, v, batch: int, device: torch.device, cu_seql
         _fail(f"max_pages_per_seq * page_size = {max_pages} * {page_size} exceeds the supported maximum sequence "
               f"length {MAX_SEQLEN}")
     return num_pages, page_size, max_pages
+
+
+# ---- one forward call: tensors, lengths, the opt-in debug checks of metadata values ---------------------------
+_DEBUG_ENV: list = []  # [bool] once read
+
+
+def debug_checks_enabled(flag) -> bool:
+    """``flag`` (the keyword) wins when given; otherwise FA4_SM120_DEBUG_CHECKS=1, read once per process."""
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise ValueError(f"debug_checks must be None, True or False, got {flag!r}")
+        return flag
+    if not _DEBUG_ENV:
+        _DEBUG_ENV.append(os.environ.get("FA4_SM120_DEBUG_CHECKS", "0") == "1")
+    return _DEBUG_ENV[0]
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_streamcapturing()
+
+
+# ---- lengths ---------------------------------------------------------------------------------------------------
+def max_len(cu_seqlens, seqused, rows: int, name: str, max_seqlen) -> int:
+    """Longest sequence of q or k, for the grid.  Given ``max_seqlen`` is trusted (clamped to the rows that
+    exist); dense inputs use their static length; otherwise it is computed on the device and read once."""
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
+            # integer-valued numbers (numpy ints, 7.0) are accepted; 2.5, a tensor or a string is not
+            try:
+                as_int = int(max_seqlen)
+                exact = not isinstance(max_seqlen, torch.Tensor) and as_int == max_seqlen
+            except (TypeError, ValueError, OverflowError):
+                exact = False
+            if not exact:
+                raise ValueError(f"max_seqlen_{name} must be an int, got {max_seqlen!r}")
+            max_seqlen = as_int
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen_{name} must be >= 0, got {max_seqlen}")
+        return min(int(max_seqlen), rows)
+    if cu_seqlens is None:
+        return rows
+    if capturing():
+        raise ValueError(f"max_seqlen_{name} is required when capturing a CUDA graph with varlen inputs")
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=0)
+    if seqused is not None:
+        lens = torch.minimum(lens, seqused.clamp(min=0))
+    return min(int(lens.max().item()) if lens.numel() else 0, rows)  # the documented single read
+
+
+def debug_check_lengths(cu_seqlens, seqused, batch: int, static_len: int, total: int, name: str, max_seqlen):
+    """Opt-in host checks of metadata values (one device->host copy); raises ValueError naming the lie."""
+    if cu_seqlens is None and seqused is None:
+        return
+    if capturing():
+        raise ValueError("debug_checks read cu_seqlens/seqused on the host, which cannot be done while capturing a "
+                         "CUDA graph; turn them off for the capture")
+    vals = torch.cat([t for t in (cu_seqlens, seqused) if t is not None]).tolist()
+    if cu_seqlens is not None:
+        cu, vals = vals[: batch + 1], vals[batch + 1:]
+        if cu[0] < 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(
+                f"cu_seqlens_{name} must be non-decreasing, start >= 0 and end <= {total} (the rows of {name}); "
+                f"got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+            )
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+    else:
+        lens = [static_len] * batch
+    if seqused is not None:
+        bad = [(i, u, n) for i, (u, n) in enumerate(zip(vals[:batch], lens)) if not 0 <= u <= n]
+        if bad:
+            i, u, n = bad[0]
+            raise ValueError(f"seqused_{name}[{i}]={u} must be in [0, {n}] (the length of that sequence)")
+        lens = vals[:batch]
+    longest = max(lens, default=0)
+    if max_seqlen is not None and int(max_seqlen) < longest:
+        raise ValueError(f"max_seqlen_{name}={max_seqlen} is smaller than the longest sequence ({longest})")
+
+
+def debug_check_pages(page_table, seqused_k, page_size: int, num_pages: int) -> None:
+    """Opt-in host check of a page table (one device->host copy): every page a sequence uses (the first
+    ceil(seqused_k / page_size) entries of its row; the rest may be padding such as -1) is in [0, num_pages)."""
+    if capturing():
+        raise ValueError("debug_checks read page_table on the host, which cannot be done while capturing a CUDA "
+                         "graph; turn them off for the capture")
+    batch, max_pages = page_table.shape
+    if batch == 0 or max_pages == 0:
+        return
+    if seqused_k is None:
+        used = torch.full((batch,), max_pages, dtype=torch.int64, device=page_table.device)
+    else:
+        used = (seqused_k.long().clamp(0, max_pages * page_size) + page_size - 1) // page_size
+    cols = torch.arange(max_pages, device=page_table.device)
+    bad = (cols[None, :] < used[:, None]) & ((page_table < 0) | (page_table >= num_pages))
+    where = bad.nonzero()
+    if where.numel():
+        b, c = where[0].tolist()
+        raise ValueError(f"page_table[{b}, {c}]={int(page_table[b, c])} is outside [0, {num_pages}) (the pages of "
+                         f"k/v) and sequence {b} uses that entry (seqused_k gives it {int(used[b])} pages)")
+
+
+def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table=None):
+    """Rank/dtype/device/stride/shape checks of one call (raise before any launch); returns batch.  A page table
+    with cu_seqlens_k never reaches here (compat.py refuses the pair)."""
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    check_tensor("q", q, 3 if varlen_q else 4)
+    dev = q.device
+    check_tensor("k", k, 3 if varlen_k else 4, dev)
+    check_tensor("v", v, 3 if varlen_k else 4, dev)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    d, dv = q.shape[-1], v.shape[-1]
+    check_head_dims(d, dv)
+    if k.shape[-1] != d:
+        raise ValueError(f"k.shape[-1]={k.shape[-1]} must equal q.shape[-1]={d}")
+    check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    if varlen_q:
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+            raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,), got "
+                             f"{type(cu_seqlens_q).__name__} {tuple(getattr(cu_seqlens_q, 'shape', ()))}")
+        batch = cu_seqlens_q.shape[0] - 1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with batch >= 0, got shape (0,)")
+    else:
+        batch = q.shape[0]
+    if page_table is not None:
+        check_page_table(page_table, k, v, batch, dev)
+    elif varlen_k:
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    elif k.shape[:2] != v.shape[:2] or k.shape[0] != batch:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have batch {batch} and equal sequence lengths"
+        )
+    if varlen_q:
+        check_index_tensor("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
+    if varlen_k:
+        check_index_tensor("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
+    if seqused_q is not None:
+        check_index_tensor("seqused_q", seqused_q, batch, dev)
+    if seqused_k is not None:
+        check_index_tensor("seqused_k", seqused_k, batch, dev)
+    check_batch(batch)
+    check_lengths(seqlen_q=q.shape[0] if varlen_q else q.shape[1], seqlen_k=k.shape[0] if varlen_k else k.shape[1])
+    return batch
+
+
+def host_values(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_size, softcap, debug_checks=None, page_table=None) -> tuple:
+    """(scale, softcap, left, right, windowed, batch, max_q, max_k) of a call (plan.FwdMeta's first fields), without
+    reading device memory when the caller gave what FlashAttention asks for.  With ``page_table`` the k extent is
+    max_pages_per_seq * page_size.  The debug checks (``debug_checks_enabled``) read the metadata here."""
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        rows_q = seqlen_q_static = q.shape[0]
+    else:
+        batch, seqlen_q_static = q.shape[0], q.shape[1]
+        rows_q = seqlen_q_static
+    rows_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
+    if page_table is not None:
+        rows_k = page_table.shape[1] * k.shape[1]
+    scale, softcap = check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = resolve_window(causal, window_size)
+    if (cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None
+            or page_table is not None) and debug_checks_enabled(debug_checks):
+        debug_check_lengths(cu_seqlens_q, seqused_q, batch, seqlen_q_static, q.shape[0], "q", max_seqlen_q)
+        debug_check_lengths(cu_seqlens_k, seqused_k, batch, rows_k, k.shape[0], "k", max_seqlen_k)
+        if page_table is not None:
+            debug_check_pages(page_table, seqused_k, k.shape[1], k.shape[0])
+    max_q = max_len(cu_seqlens_q, seqused_q, rows_q, "q", max_seqlen_q)
+    max_k = max_len(cu_seqlens_k, seqused_k, rows_k, "k", max_seqlen_k)
+    windowed = causal or left != WINDOW_UNBOUNDED or right != WINDOW_UNBOUNDED
+    return scale, softcap, left, right, windowed, batch, max_q, max_k
+
+
+def check_forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, debug_checks, page_table) -> tuple:
+    """The validation of one forward call, in one place: tensors (``check_inputs``), the sink, then the host values
+    (``host_values``).  Returns (sink as fp32 or None, host values)."""
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
+    sink = check_sink(learnable_sink, q.shape[-2], q.device)
+    return sink, host_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                             seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                             debug_checks=debug_checks, page_table=page_table)

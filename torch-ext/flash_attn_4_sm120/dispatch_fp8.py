@@ -128,10 +128,10 @@ def compile_fp8(cfg: Fp8FwdConfig, with_kernel: bool = False):
 
 
 def get_fp8_kernel(cfg: Fp8FwdConfig, device: torch.device):
-    from .jit import _get_kernel, target_arch
+    from .jit import cached_kernel, target_arch
 
     with torch.cuda.device(device):
-        return _get_kernel(("FlashFwdFp8", cfg, target_arch()), cfg, compile_fp8)
+        return cached_kernel(("FlashFwdFp8", cfg, target_arch()), cfg, compile_fp8)
 
 
 def window_bounds(window_size, causal: bool, sq: int, sk: int):

@@ -223,8 +223,8 @@ class FlashBwdDkdv(KernelStateMixin):
     def branch_masks(self) -> bool:
         """Trace time: whether the walk masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
         per tile) instead of every tile: dense windowed walks without mods (block-sparse walks mask by block kind)
-        up to head dim 128.  Measured on the H100 proxy (per-kernel time, S=4096, causal,
-        results/bwd_mask_branch_h100_s28.jsonl): d32 -12%, d64 with dropout -5%, d192 -0.5%, d256 +1.7%.  Walks
+        up to head dim 128, where it measured faster per kernel on the H100 proxy
+        (benchmarks/experiments/results/bwd_mask_branch_h100_s28.jsonl).  Walks
         that are not windowed keep masking the sequence end on every tile (only the last key block is cut, the same
         for the whole CTA; the branch cost the key-row kernel 4% there with dropout)."""
         cfg = self.cfg

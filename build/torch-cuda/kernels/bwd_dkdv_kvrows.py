@@ -64,9 +64,9 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
         cute.arch.cp_async_commit_group()
 
     def branch_masks(self) -> bool:
-        """``FlashBwdDkdv.branch_masks`` for this kernel: dense windowed walks at head dim 128 only.  Measured on the
-        H100 proxy (per-kernel time, causal, results/bwd_mask_branch_h100_s28.jsonl): d128 -8% with dropout, -1 to
-        -2% without; d64 -0.5%; d96 +6% (kept masking every tile there)."""
+        """``FlashBwdDkdv.branch_masks`` for this kernel: dense windowed walks at head dim 128 only, where the branch
+        per tile measured faster than masking every tile (most with dropout); at d64 it made no difference and at
+        d96 it was slower (per-kernel times, causal: benchmarks/experiments/results/bwd_mask_branch_h100_s28.jsonl)."""
         cfg = self.cfg
         return (not cfg.block_sparse and cfg.mods is None and cfg.windowed
                 and max(cfg.head_dim, cfg.head_dim_v) >= 128)

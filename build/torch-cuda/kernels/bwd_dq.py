@@ -43,11 +43,11 @@ class FlashBwdDq(KernelStateMixin):
         # block-sparse lists, ``sparse_loop``)
         self.split_kv_wait = cfg.kv_stages == 1 and getattr(cfg, "split_kv_wait", False)
         self.num_threads = cfg.num_warps * 32
-        # measured on sm_120a (compile gate): the d256 dQ tiles (64x32) spill a few STL/LDL with the row loop of
-        # ScoreHook.dropout_bits and not when it is unrolled
+        # the d256 dQ tiles (64x32) spill on sm_120a with the row loop of ScoreHook.dropout_bits and not when it is
+        # unrolled (compile gate)
         self.dropout_row_loop = cfg.tile_n > 32
-        # measured on sm_120a (compile gate): the d192 dQ tile (64x64, 4 warps) spilled 27 STL/LDL (d192/dv192) and
-        # 15 (d192/dv32) in its heaviest dropout set with the four Philox calls of a row pair unrolled, 0 in a loop
+        # the d192 dQ tile (64x64, 4 warps) spilled on sm_120a in its heaviest dropout set (d192/dv192 and
+        # d192/dv32) with the four Philox calls of a row pair unrolled, and not in a loop (compile gate)
         self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 64
 
     @cute.jit
@@ -346,9 +346,9 @@ class FlashBwdDq(KernelStateMixin):
     def branch_masks(self) -> bool:
         """Trace time: whether ``step`` masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
         per tile) instead of every tile: dense walks without mods (block-sparse walks mask by block kind), except
-        the windowed one without dropout.  Measured on the H100 proxy (d128, S=4096, per-kernel time,
-        results/bwd_mask_branch_h100_s28.jsonl): not windowed -11% (-15% with dropout: the sequence-end mask
-        leaves all tiles but the last), causal with dropout -2%, causal without dropout +2% (kept masking all)."""
+        the windowed one without dropout, where the branch measured slower than masking every tile.  Without a
+        window the sequence-end mask leaves all tiles but the last, so the branch skips most of the masking (d128
+        per-kernel times: benchmarks/experiments/results/bwd_mask_branch_h100_s28.jsonl)."""
         cfg = self.cfg
         return not cfg.block_sparse and cfg.mods is None and (not cfg.windowed or cfg.has_dropout)
 
@@ -377,8 +377,8 @@ class FlashBwdDq(KernelStateMixin):
             acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-            # the mod's verdict gated, no branch (ScoreHook.gate_branch measured 7% slower here, d128 S=16K causal
-            # as a block mask; 2% faster in the key-row dK/dV kernel, which keeps it)
+            # the mod's verdict gated, no branch (ScoreHook.gate_branch measured slower here, d128 S=16K causal as a
+            # block mask, and faster in the key-row dK/dV kernel, which keeps it)
             hook = score.for_sparse_block(masked)
         needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
         if const_expr(self.branch_masks()):

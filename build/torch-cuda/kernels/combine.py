@@ -20,7 +20,8 @@ into registers) and reduces max and sum with butterfly shuffles.  With ``split_g
 and walks all its splits ``UNROLL`` at a time, scaling and adding the partial vectors.  The loads of a batch of
 splits depend only on the split index (an empty split's partial is read and dropped by a select), and the first
 batch is requested before the LSEs, so a row with few splits costs one memory round trip, not one for the LSE max,
-one for the sum and one per batch (H100, MQA B=1 decode, 64 splits: 3.9 us before).  With G > 1 (few rows, many splits:
+one for the sum and one per batch (benchmarks/experiments/results/combine_one_round_trip_h100_s26.jsonl, MQA B=1
+decode).  With G > 1 (few rows, many splits:
 config_combine.combine_split_groups) G groups share a row: group g walks splits g*UNROLL.. in strides of G*UNROLL, the
 groups' sums meet in shared memory and group 0 adds them in group order (a fixed order: reproducible) and stores.
 Rows past the end are clamped to the last row (so every lane joins the shuffles and barriers) and not stored.  No

@@ -61,11 +61,11 @@ class FwdKernelBase(KernelStateMixin):
         self.s_tile_n = t.tile_n // t.kv_groups
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
-        # measured on sm_120a (compile gate): the 64x32 cp.async tile (d256/dv256 with dropout) spills with the
-        # row loop of ScoreHook.dropout_bits in its heaviest feature set (279 STL/LDL), not when unrolled
+        # the 64x32 cp.async tile (d256/dv256 with dropout) spills on sm_120a with the row loop of
+        # ScoreHook.dropout_bits in its heaviest feature set, not when unrolled (compile gate)
         self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
-        # measured on sm_120a (compile gate): the d192 TMA tile reading Q from shared memory (128x64, one stage)
-        # spilled 10 STL/LDL in its lightest dropout set (d192/dv192) with a row pair's four Philox calls unrolled
+        # the d192 TMA tile reading Q from shared memory (128x64, one stage) spilled on sm_120a in its lightest
+        # dropout set (d192/dv192) with a row pair's four Philox calls unrolled (compile gate)
         self.dropout_group_loop = t.tma and t.tile_m == 128 and t.tile_n == 64 and t.num_stages == 1 and not t.q_in_regs
         # causal / windowed tiles: every (head group, batch)'s longest tile launches before any second-longest one
         # (``cta_coords``; config.FWD_LPT_ORDER)

@@ -268,7 +268,7 @@ class FlashFwdCpAsync(FwdKernelBase):
                                  seqlen_k, True)
                 # the main loop reads each block's page numbers at the top of the step that loads it, so the page
                 # table's latency overlaps the barrier and the S mma instead of stalling the cp.async issue.  Not
-                # on the one-stage tiles (d >= 192): the page registers spill the d256 64x64 tile (8 STL/LDL).
+                # on the one-stage tiles (d >= 192): the page registers spill the d256 64x64 tile.
                 if const_expr(self.num_stages > 1):
                     prefetch_k = partial(self.prefetch_pages, ts.kv, tKcK,
                                          lambda page, pos: ts.kv.row_in(mK, page, pos, kv_head))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, Uint64, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 
 from .cute_utils import acc_mn_view, lt_abs_mask_f16x2
 from ..dropout import KEEP_BITS
@@ -35,6 +35,23 @@ def _t_hi(t: Uint32) -> Uint32:
     return t << Uint32(16)
 
 
+def _shift_pair(lo: Uint32, hi: Uint32, n: int, row: Uint32, at: int):
+    """Trace time: the 64-bit shift register (hi:lo) moved down ``n`` bits (0 < n <= 32), then ``row`` (n bits)
+    ORed in at bit ``at`` (at + n <= 64), in 32-bit halves.  A loop-carried Uint64 register here gave wrong high
+    words on the H100 (packed GQA rows on the 128-key tile; benchmarks/experiments/results/packed_dropout_probe_h100_s31.log)."""
+    if n == 32:
+        lo, hi = hi, Uint32(0)
+    else:
+        lo, hi = (lo >> Uint32(n)) | (hi << Uint32(32 - n)), hi >> Uint32(n)
+    if at >= 32:
+        hi = hi | (row << Uint32(at - 32)) if at > 32 else hi | row
+    else:
+        lo = lo | (row << Uint32(at)) if at > 0 else lo | row
+        if at + n > 32:
+            hi = hi | (row >> Uint32(32 - at))
+    return lo, hi
+
+
 def _regular_step(groups):
     """Trace time: the column step between consecutive Philox groups when they are evenly spaced, of one kind,
     and cover mn-view columns in order (group g = columns g * n ... g * n + n - 1); else None."""
@@ -56,7 +73,7 @@ class DropoutScore:
     # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
     # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
     # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code (in the
-    # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, 0 spills); the
+    # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, unspilled); the
     # backward consumers read one bit per element, the forward (``dropout_fwd``, drop bits) two per PRMT + LOP3.
     def _dropout_groups(self, t0ScS_mn):
         """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
@@ -70,7 +87,7 @@ class DropoutScore:
         is an XOR of disjoint bits, which Philox's first XOR absorbs: the per-call group costs one LOP3 with the
         loop-invariant rest, not a shift-and-add chain from the column.  The forward's (``dropout_fwd_direct``);
         the keep-bit paths form the group from the column (folded in the windowed dQ kernel, its loop-invariant
-        parts took registers, 242 -> 255, and its loop grew by 11 instructions on sm_120a)."""
+        parts held registers for the whole loop, up to the 255 limit, and the loop grew on sm_120a)."""
         g_tile = Uint32(n_block) * Uint32(self.tile_n // 4)
         g_thr = Uint32(((col_thr >> 4) << 2) + ((col_thr & 7) >> 1))
         split = self.tile_n % 16 == 0
@@ -142,7 +159,8 @@ class DropoutScore:
         npairs = len(pairs)
         total = 2 * npairs * ncols
         if const_expr(npairs > 1 and total <= 64 and ncols <= 32 and self.row_loop):
-            acc = Uint64(0)
+            lo = Uint32(0)
+            hi = Uint32(0)
             for pi in cutlass.range(npairs, unroll=1):
                 qpos = row_qpos[pairs[0][0]]
                 for pj in cutlass.range_constexpr(1, npairs):
@@ -154,17 +172,16 @@ class DropoutScore:
                     bh = row_bh[pairs[0][0]]
                     for pj in cutlass.range_constexpr(1, npairs):
                         bh = row_bh[pairs[pj][0]] if pi == pj else bh
-                # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...).
-                # The rows' bits come from the compare-and-select test here, not the sign test: with the sign test
-                # in this loop the forward's PRMT application (dropout_fwd) zeroed wrong elements of the first
-                # pair's rows on the H100 (d64 256x64 tile, two m16 atoms per warp; either part alone was exact,
-                # test_kernel_mask_is_the_emulated_mask), a cause not found
-                lo_row, hi_row = replace(self, sign_test=False)._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
-                acc = (acc >> Uint64(2 * ncols)) | (Uint64(lo_row) << Uint64(total - 2 * ncols)) | (
-                    Uint64(hi_row) << Uint64(total - ncols))
-            bits[0] = Uint32(acc)
+                # shift register: pairs are rows (2k, 2k + 1); after the last pair, row r sits at [r * ncols, ...)
+                if const_expr(self.sign_test):
+                    both = self._pair_keep(groups, ncols, col_base, qpos, bh, k0, k1, t)
+                else:
+                    lo_row, hi_row = self._pair_rows(groups, col_base, qpos, bh, k0, k1, t)
+                    both = lo_row | (hi_row << Uint32(ncols))
+                lo, hi = _shift_pair(lo, hi, 2 * ncols, both, total - 2 * ncols)
+            bits[0] = lo
             if const_expr(total > 32):
-                bits[1] = Uint32(acc >> Uint64(32))
+                bits[1] = hi
         else:
             for pi in cutlass.range_constexpr(npairs):
                 ra, rb = pairs[pi]
@@ -278,7 +295,8 @@ class DropoutScore:
         flight."""
         total = nrows * ncols
         if const_expr(total <= 64 and ncols <= 32 and self.row_loop):
-            acc = Uint64(0)
+            lo = Uint32(0)
+            hi = Uint32(0)
             for r in cutlass.range(nrows, unroll=1):
                 qpos = row_qpos[0]
                 for rr in cutlass.range_constexpr(1, nrows):
@@ -292,10 +310,10 @@ class DropoutScore:
                         bh = row_bh[rr] if r == rr else bh
                 row = self._row_bits(groups, col_base, qpos, bh, k0, k1, t)
                 # shift register: after the last row, row r sits at bits [r * ncols, (r + 1) * ncols)
-                acc = (acc >> Uint64(ncols)) | (Uint64(row) << Uint64(total - ncols))
-            bits[0] = Uint32(acc)
+                lo, hi = _shift_pair(lo, hi, ncols, row, total - ncols)
+            bits[0] = lo
             if const_expr(total > 32):
-                bits[1] = Uint32(acc >> Uint64(32))
+                bits[1] = hi
         else:
             for r in cutlass.range_constexpr(nrows):
                 bh = row_bh if const_expr(scalar_bh) else row_bh[r]
@@ -494,9 +512,9 @@ class DropoutScore:
     def _ds_dropout(self, s, p, dp, d_r, keep):
         """(dS, P * keep, keep dP / (1-p)) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS.  Without a
         window the keep test selects the scale (0 for a dropped element), so that dP * scale - D contracts to one
-        FFMA; with one, dP * scale is selected.  Measured on the H100 proxy (Nsight Compute cycles, d128, S=4096,
-        p=0.1): the FFMA form made the key-row dK/dV kernel 5% faster without a window and 5% slower with one
-        (the causal kernel; its sm_120a loop is 13 instructions shorter either way: a scheduling effect)."""
+        FFMA; with one, dP * scale is selected: in Nsight Compute cycles (d128, S=4096, p=0.1) the FFMA form made the
+        key-row dK/dV kernel faster without a window and slower with one, although its sm_120a loop is shorter
+        either way (a scheduling effect)."""
         dp_eff = Float32(0.0)
         ds = Float32(0.0)
         if const_expr(self.windowed):

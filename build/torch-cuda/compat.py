@@ -1,0 +1,218 @@
+"""The one table of feature combinations this bundle refuses, and the one check of a call against it.
+
+Each ``Conflict`` holds the pair (as CONFLICTS_LOG.md names it), the exception, the message (a format string of
+the call's values) and the reason; ``scripts/conflicts_log.py`` renders the table into CONFLICTS_LOG.md (``--check``
+in CI).  ``check_call`` runs once per attention call, in ``interface._attention`` after the arguments are
+normalised and before any planning: the forward path (dispatch.run_forward, the torch.library op, autograd) runs
+only calls that passed it.  ``check_kvcache`` is the same for the arguments only ``flash_attn_with_kvcache`` takes.
+
+A refusal that depends on a limit held by a tile table names the function that holds it (``limit``): the check
+calls it, and the message is that function's, since it names the tiles.
+
+Host only: no CuTe-DSL import, no side effects.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Conflict(NamedTuple):
+    pair: str  # the pair cell of CONFLICTS_LOG.md
+    error: type
+    message: str  # format string of the call's values ("" when ``limit`` raises it)
+    why: str  # CONFLICTS_LOG.md's resolution prose after the error
+    tests: tuple = ()
+    limit: str = ""  # the function that holds the limit and raises (a feature x limit refusal)
+
+
+CONFLICTS: dict[str, Conflict] = {
+    "dropout_split": Conflict(
+        "`dropout_p` × split-KV", ValueError,
+        "dropout_p={p} with num_splits={n}: dropout and split-KV are not supported together (split-KV is an "
+        "inference path with no backward); use num_splits=1 for a call with dropout",
+        "`dropout_p > 0` with `num_splits != 1` (N > 1, or ≤ 0 automatic; the default None means 1 there) is refused "
+        "before launch, naming both. Split-KV is inference-only; the mask itself would need no change, being "
+        "independent of the split.", ("test_dropout_with_split_kv_raises_before_launch",)),
+    "dropout_sparse": Conflict(
+        "`dropout_p` × block sparsity", ValueError,
+        "dropout_p={p} with block_sparse_tensors: dropout and block sparsity are not supported together (the "
+        "block-sparse kernels, forward and backward, are not built with the dropout keep mask: the compile gate has "
+        "no such configuration); pass dropout_p=0 or drop block_sparse_tensors",
+        "`block_sparse_tensors` with `dropout_p > 0` is refused before the lists are read, naming both: the "
+        "block-sparse kernels, forward and backward, are not built with the keep mask (the compile gate has no "
+        "such configuration; the block-sparse backward itself exists, see Backward).",
+        ("test_dropout_with_block_sparse_raises_before_launch",)),
+    "dropout_paged": Conflict(
+        "`dropout_p` × `page_table`", ValueError,
+        "dropout_p={p} with paged K/V (page_table): paged K/V is inference-only and has no dropout; pass dropout_p=0",
+        "paged K/V is inference-only: inference has no use for dropout, and the compile gate builds no paged "
+        "kernel with dropout.", ("test_dropout_with_paged_kv_raises",)),
+    "dropout_mods_head_dim": Conflict(
+        "`dropout_p` × score/mask mods × head dim / devices without TMA", ValueError, "",
+        "0 < `dropout_p` < 1 with mods runs only the tiles of `config.MODS_DROPOUT_TILES` (every other tile "
+        "spilled with both, see the `dropout_p` × score/mask mods row): none at max(d, dv) = 256, and only TMA "
+        "tiles at head dim ≤ 128, so devices without TMA (8.0/8.6/8.9) are refused there. p = 0 and p = 1 run the "
+        "kernels without dropout and are accepted.",
+        ("test_dropout_with_mods_at_d256_raises_before_launch_through_the_api", "test_mods_with_dropout_without_tma"),
+        "config.mods_dropout_fwd_tile"),
+    "softcap_score_mod": Conflict(
+        "`softcap` × `score_mod`", ValueError,
+        "softcap={softcap} together with score_mod: softcap is itself a score modification; write it into the "
+        "score_mod (softcap * tanh(score / softcap)) and its score_mod_bwd, or leave softcap at 0",
+        "both would rewrite the scores, and which runs first changes the result: the score_mod takes the cap "
+        "instead (the `mods.py` library shows how).", ("test_softcap_with_score_mod_raises_before_launch_through_the_api",)),
+    "mods_compile": Conflict(
+        "score/mask mods × torch.compile", NotImplementedError,
+        "score_mod/mask_mod are not supported under torch.compile yet (the torch.library op does not take "
+        "callables); call it eagerly",
+        "the torch.library op's schema has no place for a callable.", ()),
+    "paged_grad": Conflict(
+        "`page_table` × autograd", ValueError,
+        "paged K/V (page_table) is inference-only: the backward does not read pages. Call it under torch.no_grad() "
+        "or with tensors that do not require grad (got q, k, v or learnable_sink with requires_grad=True)",
+        "a call with grad enabled and any input requiring grad is refused before launch: the backward does not read "
+        "pages (under torch.compile the op skips the backward validation for paged calls).",
+        ("test_requires_grad_paged_call_raises_before_launch",)),
+    "split_grad": Conflict(
+        "split-KV × autograd", ValueError,
+        "num_splits > 1 (split-KV) is inference-only: the backward does not split. Call it under torch.no_grad() or "
+        "with tensors that do not require grad, or leave num_splits at 1",
+        "N > 1 with an input requiring grad is refused before launch; automatic means 1 for such a call.",
+        ("test_requires_grad_split_call_raises_before_launch",)),
+    "sparse_compile": Conflict(
+        "`block_sparse_tensors` × torch.compile", NotImplementedError,
+        "block_sparse_tensors is not supported under torch.compile yet (the torch.library op does not take it); "
+        "call it eagerly",
+        "the torch.library op's schema does not carry the block lists yet.", ()),
+    "sparse_split": Conflict(
+        "`block_sparse_tensors` × split-KV", ValueError,
+        "num_splits={n} with block_sparse_tensors is not supported by flash-attn-4-sm120 (block-sparse calls run "
+        "one split); use num_splits=1 or 0",
+        "one split: automatic (≤ 0) means 1 (the sparse schedule lists KV blocks per query block; cutting those "
+        "lists into splits is not implemented).", ()),
+    "sparse_paged": Conflict(
+        "`block_sparse_tensors` × `page_table`", NotImplementedError,
+        "block_sparse_tensors cannot be combined with page_table (paged K/V) yet",
+        "the block-sparse producer issues TMA boxes over contiguous K/V; a paged walk of the lists is not built.",
+        ("test_public_api_refuses_before_any_launch",)),
+    "sparse_pack_gqa": Conflict(
+        "`block_sparse_tensors` × `pack_gqa=True`", ValueError,
+        "block_sparse_tensors runs without GQA packing (each query head has its own rows of blocks): pass "
+        "pack_gqa=None or False",
+        "each query head has its own rows of blocks, so packing is off for block-sparse calls; None/False run "
+        "unpacked.", ()),
+    "sparse_bwd_alone": Conflict(
+        "`block_sparse_tensors_bwd` × no `block_sparse_tensors`", ValueError,
+        "block_sparse_tensors_bwd (the KV-major lists of the backward) was given without block_sparse_tensors (the "
+        "forward's lists): give both, or neither",
+        "the KV-major lists describe the forward's (query block, KV block) pairs; without the forward's lists "
+        "there is nothing they could match.", ("test_public_api_refuses_before_any_launch",)),
+    "paged_cu_seqlens_k": Conflict(
+        "`page_table` × `cu_seqlens_k`", ValueError,
+        "page_table cannot be combined with cu_seqlens_k: with paged K/V the lengths come from seqused_k (leave "
+        "cu_seqlens_k=None)",
+        "with paged K/V the lengths come from `seqused_k` (flash-attn-4's rule).",
+        ("test_page_table_with_cu_seqlens_k_raises_first",)),
+    "split_compile": Conflict(
+        "split-KV × torch.compile", NotImplementedError,
+        "num_splits={n} under torch.compile is not supported by flash-attn-4-sm120 (the compiled op runs one "
+        "split); use num_splits=1 or 0 (automatic: one split when compiled), or call it outside torch.compile",
+        "the compiled op runs one split; automatic means 1 there.", ()),
+    "kvcache_grad": Conflict(
+        "`flash_attn_with_kvcache` × autograd", ValueError,
+        "flash_attn_with_kvcache is inference-only (no backward through a KV cache): call it under torch.no_grad() "
+        "or with tensors that do not require grad",
+        "a call with grad enabled and any input requiring grad is refused: there is no backward through a KV cache.",
+        ("test_requires_grad_paged_call_raises_before_launch",)),
+    "kvcache_block_table": Conflict(
+        "`flash_attn_with_kvcache` × `page_table` with `block_table`", ValueError,
+        "give the page table once: page_table or block_table (its FlashAttention-2 name), not both",
+        "`block_table` is FlashAttention-2's name for the page table; both given are refused unless they are the "
+        "same tensor.", ("test_kvcache_rejects",)),
+    "kvcache_batch_idx_pages": Conflict(
+        "`flash_attn_with_kvcache` × `cache_batch_idx` with a page table", ValueError,
+        "cache_batch_idx cannot be combined with a page table: with paged K/V the page table already chooses the "
+        "cache pages of each sequence",
+        "the page table already picks the pages of each sequence.", ("test_kvcache_contiguous_append_and_cache_batch_idx",)),
+    "kvcache_varlen_append": Conflict(
+        "`flash_attn_with_kvcache` × append with varlen q (`cu_seqlens_q` with `k`/`v`)", NotImplementedError,
+        "appending k/v with cu_seqlens_q (varlen q) is not supported by flash-attn-4-sm120; append with a dense q, "
+        "or write the cache first",
+        "the append writes S_new rows per entry of a dense q's batch. Varlen q without an append is supported "
+        "(chunked prefill over the cache).", ("test_kvcache_rejects",)),
+}
+
+
+def refuse(name: str, **values):
+    """Raise the table's exception of conflict ``name`` with its message filled from ``values``."""
+    c = CONFLICTS[name]
+    raise c.error(c.message.format(**values))
+
+
+def check_call(*, p: float, dropout_p, num_splits: int, sparse: bool, sparse_bwd: bool, paged: bool,
+               cu_seqlens_k: bool, pack_gqa, needs_grad: bool, compiling: bool, mods: bool, score_mod: bool, softcap,
+               q, v) -> None:
+    """Every conflict of one attention call, once, before planning (the order is the order refusals win in).
+    ``p``: the checked dropout probability (``dropout_p`` as given, for the message); ``num_splits``: after the
+    default is resolved; ``mods``: a score_mod or mask_mod was given; ``score_mod``: a score_mod was given;
+    ``q``/``v``: the call's tensors, read only for a limit that depends on their head dims or device (anything else
+    is named by validation later)."""
+    if p > 0.0:
+        if num_splits != 1:
+            refuse("dropout_split", p=dropout_p, n=num_splits)
+        if sparse:
+            refuse("dropout_sparse", p=dropout_p)
+    if sparse_bwd and not sparse:
+        refuse("sparse_bwd_alone")
+    if score_mod and softcap:
+        refuse("softcap_score_mod", softcap=softcap)
+    if mods:
+        if 0.0 < p < 1.0 and hasattr(q, "shape") and hasattr(v, "shape"):
+            from .config import mods_dropout_fwd_tile
+            from .device import device_caps
+
+            # the table's limit (its message names the tiles); a device is asked only when it is a CUDA one (other
+            # tensors are refused by validation, and the plan would raise the same for them)
+            tma = device_caps(q.device).tma if getattr(q.device, "type", None) == "cuda" else True
+            mods_dropout_fwd_tile(q.shape[-1], v.shape[-1], tma)
+        if compiling:
+            refuse("mods_compile")
+    if paged:
+        if needs_grad:
+            refuse("paged_grad")
+        if p > 0.0:
+            refuse("dropout_paged", p=dropout_p)
+        if cu_seqlens_k:
+            refuse("paged_cu_seqlens_k")
+    if num_splits > 1:
+        if needs_grad:
+            refuse("split_grad")
+        if compiling and not sparse:
+            refuse("split_compile", n=num_splits)
+    if sparse:
+        if compiling:
+            refuse("sparse_compile")
+        if num_splits > 1:
+            refuse("sparse_split", n=num_splits)
+        if paged:
+            refuse("sparse_paged")
+        if pack_gqa is True:
+            refuse("sparse_pack_gqa")
+
+
+def check_kvcache(*, needs_grad: bool, page_table, block_table, cache_batch_idx, varlen_q: bool,
+                  append: bool) -> None:
+    """The conflicts of ``flash_attn_with_kvcache``'s own arguments (its attention call then passes
+    ``check_call``)."""
+    if needs_grad:
+        refuse("kvcache_grad")
+    if page_table is not None and block_table is not None and page_table is not block_table:
+        refuse("kvcache_block_table")
+    if cache_batch_idx is not None and (page_table is not None or block_table is not None):
+        refuse("kvcache_batch_idx_pages")
+    if varlen_q and append:
+        refuse("kvcache_varlen_append")
+
+
+__all__ = ["CONFLICTS", "Conflict", "check_call", "check_kvcache", "refuse"]

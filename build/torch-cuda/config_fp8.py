@@ -1,0 +1,92 @@
+"""Host-only configuration of the FP8 (e4m3) forward, kernels/fwd_fp8.py (no CuTe-DSL import, no side effects).
+
+One frozen record per compiled kernel; ``can_implement`` raises ValueError / NotImplementedError naming the value
+and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
+q/k/v in float8_e4m3fn, head dims 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable
+sink, bf16 or fp16 output, one
+(B, Hkv) fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP8_HEAD_DIMS = (64, 128)
+FP8_OUT_DTYPES = ("bf16", "fp16")
+FP8_TILE_M = 64  # 4 warps x 16 query rows
+FP8_TILE_N = 64  # keys per K/V tile
+FP8_NUM_WARPS = 4
+FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
+# compile targets whose cubins carry mma.sync e4m3 (PTX needs sm_89+): sm_80 cubins, which 8.0/8.6/8.9 devices
+# load (device.CAPABILITIES), do not; ptxas rejects "mma with FP8 floating point type" there
+# (benchmarks/results/fp8_gate_sm80.jsonl)
+FP8_TARGETS = ("sm_90a", "sm_120a", "sm_121a", "sm_120f")
+SMEM_LIMIT = 101376  # SM120's shared memory per block
+ROW_PAD = 16  # bytes added to each K/V smem row: 8 rows x 4 lanes of 4-byte reads hit 32 distinct banks
+
+
+@dataclass(frozen=True)
+class Fp8FwdConfig:
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    out_dtype: str = "bf16"
+    local: bool = False  # a sliding window (left and/or right bound beyond causal), runtime bounds
+    has_sink: bool = False  # learnable sink: one fp32 logit per query head in the denominator
+    tile_m: int = FP8_TILE_M
+    tile_n: int = FP8_TILE_N
+    num_warps: int = FP8_NUM_WARPS
+    num_stages: int = FP8_NUM_STAGES
+
+    def name(self) -> str:
+        return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
+                f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}"
+                f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
+
+
+def smem_bytes(cfg: Fp8FwdConfig) -> int:
+    return (cfg.tile_m * (cfg.head_dim + ROW_PAD)
+            + cfg.num_stages * cfg.tile_n * ((cfg.head_dim + ROW_PAD) + (cfg.head_dim_v + ROW_PAD)))
+
+
+def can_implement(cfg: Fp8FwdConfig) -> None:
+    if cfg.head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"head_dim={cfg.head_dim} is not served by the FP8 forward (served: {FP8_HEAD_DIMS}); "
+                         "use bf16/fp16 inputs for other head dims")
+    if cfg.head_dim_v != cfg.head_dim:
+        raise ValueError(f"head_dim_v={cfg.head_dim_v} != head_dim={cfg.head_dim}: the FP8 forward serves equal "
+                         "head dims only")
+    if cfg.out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
+    for flag in ("causal", "local", "has_sink"):
+        if not isinstance(getattr(cfg, flag), bool):
+            raise ValueError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
+    if cfg.tile_m != 16 * cfg.num_warps:
+        raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
+    if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
+        raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
+    if cfg.num_stages != 2:
+        raise ValueError(f"num_stages={cfg.num_stages}: the FP8 kernel double-buffers K/V (num_stages=2 only)")
+    if smem_bytes(cfg) > SMEM_LIMIT:
+        raise ValueError(f"{cfg.name()} needs {smem_bytes(cfg)} B of shared memory, over SM120's {SMEM_LIMIT} B")
+
+
+def check_target(arch: str, device_text: str) -> None:
+    if arch not in FP8_TARGETS:
+        raise ValueError(f"{device_text} runs {arch} cubins, which cannot hold the FP8 mma (targets with it: "
+                         f"{FP8_TARGETS}); use bf16/fp16 inputs on this device")
+
+
+def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
+                  has_sink: bool = False) -> Fp8FwdConfig:
+    cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, out_dtype=out_dtype, local=local,
+                       has_sink=has_sink)
+    can_implement(cfg)
+    return cfg
+
+
+def all_configs() -> list[Fp8FwdConfig]:
+    """Every configuration the dispatcher can select (the compile gate's FP8 worklist)."""
+    return [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k)
+            for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
+            for k in (False, True)]

@@ -1,0 +1,238 @@
+"""FP8 (e4m3) forward: validate -> select config -> compiled kernel -> launch (kernels/fwd_fp8.py).
+
+FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
+fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
+raises before anything launches, and so does every feature the FP8 kernel does not serve yet (varlen, paged K/V,
+softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served.  No host read of a device value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config_fp8 import FP8_HEAD_DIMS, Fp8FwdConfig, select_config
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+_OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+LOG2_E = math.log2(math.e)
+
+
+def is_fp8(*tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors)
+
+
+def _check_descale(name, d, b, hkv, device):
+    if d is None:
+        return torch.ones(b, hkv, dtype=torch.float32, device=device)
+    if not isinstance(d, torch.Tensor):
+        raise ValueError(f"{name} must be an fp32 tensor of shape ({b}, {hkv}) (batch, KV heads), got "
+                         f"{type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {d.dtype}")
+    if tuple(d.shape) != (b, hkv):
+        raise ValueError(f"{name} must have shape (batch, KV heads) = ({b}, {hkv}), got {tuple(d.shape)}")
+    if d.device != device:
+        raise ValueError(f"{name} is on {d.device}, q on {device}: put it on q's device")
+    return d.contiguous()  # an expanded (stride-0) descale gets its own (B, Hkv) copy: the kernel reads rows
+
+
+def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict):
+    """ValueError / NotImplementedError for anything the FP8 forward does not serve; returns (descales, out_dtype
+    name).  ``unsupported``: name -> True for each non-default feature argument of the call."""
+    if needs_grad:
+        raise ValueError("FP8 attention is inference only: q/k/v (or learnable_sink) require grad; call it under "
+                         "torch.no_grad() / torch.inference_mode(), or use bf16/fp16 inputs to train")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype == torch.float8_e5m2:
+            raise NotImplementedError(f"{name} is float8_e5m2: the FP8 forward serves float8_e4m3fn only; convert "
+                                      "with fp8_quant.quantize_qkv")
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"q, k, v must all be float8_e4m3fn when one is (FP8 attention); {name} is {t.dtype}. "
+                             "An FP8 KV cache with a bf16/fp16 query is not implemented yet")
+    for name, on in unsupported.items():
+        if on:
+            raise NotImplementedError(f"{name} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 "
+                                      "forward serves dense causal/non-causal attention with GQA); leave it at "
+                                      "its default or use bf16/fp16 inputs")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise NotImplementedError(f"{name} has shape {tuple(t.shape)}: the FP8 forward serves dense "
+                                      "(batch, seqlen, heads, head_dim) tensors only (no varlen / paged K/V yet)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+        if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}'s rows must be 16-byte aligned (strides {t.stride()}, a multiple of 16 "
+                             "elements): use .contiguous()")
+        if t.stride(1) >= 2 ** 31:  # the kernel keeps K/V row strides in 32 bits
+            raise ValueError(f"{name}'s sequence stride {t.stride(1)} must be below 2**31 elements: use .contiguous()")
+    b, sq, hq, d = q.shape
+    _, sk, hkv, dv = v.shape
+    if tuple(k.shape) != (b, sk, hkv, d) or v.shape[0] != b:
+        raise ValueError(f"q/k/v shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's ({hkv})")
+    if d not in FP8_HEAD_DIMS or dv != d:
+        raise ValueError(f"head dims (d={d}, dv={dv}) are not served by the FP8 forward (served: d = dv in "
+                         f"{FP8_HEAD_DIMS})")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in _OUT:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    descales = tuple(_check_descale(n, x, b, hkv, q.device)
+                     for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.is_cuda:
+        raise ValueError(f"FP8 attention needs CUDA tensors, got device {q.device}")
+    return descales, _OUT[out_dtype], out_dtype
+
+
+def fake_args(cfg: Fp8FwdConfig) -> tuple:
+    """Symbolic arguments of the FP8 kernel (batch, lengths, heads, strides dynamic), in ``FlashFwdFp8.ARG_NAMES``
+    order plus the stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    out_dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.out_dtype]
+
+    def act(dtype, last):
+        return cute.runtime.make_fake_tensor(
+            dtype, tuple(cute.sym_int() for _ in range(3)) + (last,),
+            stride=tuple(cute.sym_int64(divisibility=128 // dtype.width) for _ in range(3)) + (1,), assumed_align=16)
+
+    def f32(rank):
+        return cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int() for _ in range(rank)),
+                                             stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+                                             assumed_align=4)
+
+    u8 = cutlass.Uint8
+    sink = f32(1) if cfg.has_sink else None
+    return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
+            f32(3), f32(2), f32(2), f32(2), sink, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_fp8(cfg: Fp8FwdConfig, with_kernel: bool = False):
+    """Compile (no cache); on a CPU-only machine too (CUTE_DSL_ARCH=sm_120a)."""
+    import cutlass.cute as cute
+
+    from .kernels.fwd_fp8 import FlashFwdFp8
+
+    kernel = FlashFwdFp8(cfg)
+    fn = cute.compile(kernel, *fake_args(cfg), options="--enable-tvm-ffi")
+    return (fn, kernel) if with_kernel else fn
+
+
+def get_fp8_kernel(cfg: Fp8FwdConfig, device: torch.device):
+    from .jit import cached_kernel, target_arch
+
+    with torch.cuda.device(device):
+        return cached_kernel(("FlashFwdFp8", cfg, target_arch()), cfg, compile_fp8)
+
+
+def window_bounds(window_size, causal: bool, sq: int, sk: int):
+    """(local, left, right) for the kernel: FlashAttention's rule (causal fixes right = 0; None or a negative side
+    is unbounded), an unbounded side given as a bound that covers every key (left = sk, right = sq)."""
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    for w in window_size:
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool)):
+            raise ValueError(f"window_size entries must be ints or None, got {window_size!r}")
+    left, right = (None if w is None or w < 0 else w for w in window_size)
+    if causal:
+        right = 0
+    local = left is not None or (right is not None and not causal)
+    return local, (sk if left is None else min(left, sk)), (sq if right is None else min(right, sq))
+
+
+def _sink(learnable_sink, hq, device):
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (hq,):
+        raise ValueError(f"learnable_sink must be a tensor of shape (Hq,) = ({hq},), got "
+                         f"{tuple(getattr(learnable_sink, 'shape', ())) or type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink is on {learnable_sink.device}, q on {device}")
+    return learnable_sink.float().contiguous()
+
+
+def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_dtype, window_size=None,
+                    learnable_sink=None):
+    """Launch the FP8 forward on checked inputs -> (out (B, Sq, Hq, Dv), lse fp32 (B, Hq, Sq))."""
+    from .config_fp8 import check_target
+    from .device import device_caps
+
+    caps = device_caps(q.device)  # ValueError for a device the bundle does not serve, before any compile
+    check_target(caps.arch, caps.describe())
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    local, left, right = window_bounds(window_size, causal, q.shape[1], k.shape[1])
+    sink = _sink(learnable_sink, hq, q.device)
+    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None)
+    out = torch.empty(b, sq, hq, v.shape[3], dtype=out_dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    if b == 0 or sq == 0 or hq == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys: O = 0, LSE = -inf, or the sink's logit
+        out.zero_()
+        if sink is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sink.view(1, hq, 1).expand(b, hq, sq))
+        return out, lse
+    fn = get_fp8_kernel(cfg, q.device)
+    num_m_blocks = (sq + cfg.tile_m - 1) // cfg.tile_m
+    qd, kd, vd = descales
+    with torch.cuda.device(q.device):
+        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink,
+           scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+    return out, lse
+
+
+def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, softmax_scale=None,
+                  causal=False, window_size=None, return_lse=False, learnable_sink=None,
+                  unsupported: dict | None = None):
+    """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None)."""
+    if not is_fp8(q, k, v):
+        given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                                ("out_dtype", out_dtype)) if x is not None]
+        raise ValueError(f"{', '.join(given)} given with {getattr(q, 'dtype', type(q).__name__)} inputs: descales "
+                         "and out_dtype apply to float8_e4m3fn q/k/v only; drop them or quantize the inputs "
+                         "(fp8_quant.quantize_qkv)")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("FP8 attention under torch.compile is not supported by flash-attn-4-sm120 yet "
+                                  "(no torch.library op for it); call it eagerly")
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                                 for t in (q, k, v, learnable_sink))
+    unsupported = dict(unsupported or {})
+    descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                                                   v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
+                                                   unsupported=unsupported)
+    out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
+                               out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
+    return out, (lse if return_lse else None)
+
+
+def fp8_unsupported(*, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:
+    """name -> True for each argument of an FP8 call that the FP8 forward does not serve (non-default value).
+    ``num_splits`` None, 0 (automatic) and 1 all run one split; ``pack_gqa`` None/False (the kernel reads K/V per
+    query head, so GQA never copies K/V either way)."""
+    out = {
+        f"softcap={softcap!r}": bool(softcap),
+        f"num_splits={num_splits!r}": not (num_splits is None or num_splits in (0, 1)) or isinstance(num_splits, bool),
+        f"pack_gqa={pack_gqa!r}": pack_gqa is True,
+        f"dropout_p={dropout_p!r}": dropout_p != 0,
+    }
+    out.update({name: value is not None for name, value in optional.items()})
+    return out

@@ -1,0 +1,299 @@
+"""FP8 (e4m3) attention forward for SM120/SM121 and the H100 proxy: ``mma.sync m16n8k32 e4m3`` for both GEMMs.
+
+Layouts (the host passes the e4m3 tensors as uint8 views; the kernel reads bytes):
+  q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): last dim contiguous, rows 16-byte aligned;
+  out (B, Sq, Hq, Dv) bf16/fp16, lse (B, Hq, Sq) fp32 (natural log); q/k/v_descale (B, Hkv) fp32.
+Grid (ceil(Sq / tile_m), Hq, B), 4 warps of 16 query rows; query head h reads KV head h // (Hq / Hkv).
+
+Algorithm, per CTA:
+  * Q is copied to shared memory once (cp.async, padded rows as K/V) and read as A fragments one 32-column chunk
+    at a time (4 x 32-bit reads).
+  * K/V tiles of 64 keys are double-buffered in shared memory by cp.async (keys past Sk zero-filled), each row
+    padded by 16 bytes so the 4-byte fragment reads hit 32 distinct banks (no swizzle).
+  * S = Q·Kᵀ: a K row's 4 bytes at column 4t are exactly a B-fragment register (no ldmatrix, no transpose).
+  * Online softmax in the log2 domain, scale = softmax_scale · log2(e) · q_descale · k_descale; KV tiles right
+    to left.  P is formed as exp2(s − m + 4) = 16·P (at most 16, four binades above e4m3's subnormals), converted
+    to e4m3 with saturation, while the row sum adds the fp32 values.  out = acc · v_descale / row_sum (the 16s
+    cancel).
+  * P·V without moving P: the accumulator of S tiles (4c, 4c+1) row g holds keys {2t, 2t+1, 8+2t, 9+2t} of
+    k-chunk c, which is what an A register holds once the chunk's keys are read in that order.  V is read in
+    the same key order: four 4-byte words (rows 2t, 2t+1, 8+2t, 9+2t; columns 4g..4g+3) transposed with eight
+    byte permutes give the B registers of the four n8 tiles whose thread g owns columns 4g+i, i = 0..3.  Thread
+    t then owns output columns 8t..8t+7 of each 32-column block: one 16-byte store per row and block.
+  (SM120 has an 8-bit transposing ldmatrix; the H100 proxy does not, so this file uses none.)
+  * Causal / sliding window: KV tiles outside every row's range are never loaded; the tiles that cross an edge
+    are masked.  A learnable sink joins the denominator in the epilogue.
+Constraints: D = Dv in {64, 128} (config_fp8.can_implement), dense batches, no softcap/split-KV yet.
+Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement
+from . import cute_utils as cu
+from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
+                      ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4,
+                      transpose_bytes_4x4)
+
+P_SHIFT_LOG2 = 4.0  # P is scaled by 2^4 before the e4m3 conversion (tests/fp8_emulation.py models the same)
+LN_2 = 0.6931471805599453
+LOG2_E = 1.4426950408889634
+
+
+class FlashFwdFp8:
+    ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "scale_log2",
+                 "window_left", "window_right", "qheads_per_kvhead", "num_m_blocks")
+
+    def __init__(self, cfg: Fp8FwdConfig):
+        can_implement(cfg)
+        self.cfg = cfg
+        self.d, self.dv = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.num_threads = 32 * cfg.num_warps
+        self.k_row = self.d + ROW_PAD  # bytes per padded smem row
+        self.v_row = self.dv + ROW_PAD
+        self.stages = cfg.num_stages
+        self.has_right = cfg.causal or cfg.local  # a right bound on the keys a row sees
+        self.launch_smem_bytes = None
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 q_descale: cute.Tensor, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
+                 scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
+                 num_m_blocks: Int32, stream):
+        q_bytes = self.tile_m * self.k_row
+        k_bytes = self.stages * self.tile_n * self.k_row
+        v_bytes = self.stages * self.tile_n * self.v_row
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, q_bytes], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, k_bytes], 128]
+            sV: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, v_bytes], 128]
+
+        self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
+        self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, scale_log2, window_left,
+                    window_right, qheads_per_kvhead, SharedStorage).launch(
+            grid=(num_m_blocks, q.shape[2], q.shape[0]), block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None, scale_log2: Float32,
+               window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, h, b = cute.arch.block_idx()
+        warp, lane = tidx // 32, tidx % 32
+        g, t = lane // 4, lane % 4
+        sq, sk = mQ.shape[1], mK.shape[1]
+        hkv = h // qheads_per_kvhead
+        sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
+        row0 = m_block * self.tile_m + warp * 16 + g
+        rows = (row0, row0 + 8)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ_addr = storage.sQ.get_tensor(cute.make_layout(self.tile_m * self.k_row)).iterator.toint()
+        sK_addr = storage.sK.get_tensor(cute.make_layout(self.stages * self.tile_n * self.k_row)).iterator.toint()
+        sV_addr = storage.sV.get_tensor(cute.make_layout(self.stages * self.tile_n * self.v_row)).iterator.toint()
+
+        # Q tile -> shared memory (rows past Sq read row Sq - 1 and are never stored), in the first cp.async group.
+        # Q fragments are read from there per 32-column chunk: holding all of Q in registers (16 at d128) spilled
+        # where the mma is emulated (sm_90a: benchmarks/results/fp8_gate_sm90a.jsonl)
+        q_base = mQ.iterator.toint() + Int64(b) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])
+        q_chunks = self.d // 16
+        for j in cutlass.range_constexpr(self.tile_m * q_chunks // self.num_threads):
+            idx = tidx + self.num_threads * j
+            r, cidx = idx // q_chunks, idx % q_chunks
+            q_row = cutlass.min(m_block * self.tile_m + r, sq - 1)
+            cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
+                        q_base + Int64(q_row) * Int64(mQ.stride[1]) + Int64(cidx * 16), 16)
+        q_frag_addr = sQ_addr + (warp * 16 + g) * self.k_row + 4 * t
+
+        # bottom-right aligned: row i sees keys j with i + shift - left <= j <= i + shift + right (the host passes
+        # right = 0 for causal, and bounds that cover every key for an unbounded side)
+        shift = sk - sq
+        if const_expr(self.cfg.causal):  # causal fixes the right bound to 0 (a constant: fewer live registers)
+            window_right = 0
+        row_first = m_block * self.tile_m
+        row_last = row_first + self.tile_m - 1
+        n_blocks = (sk + self.tile_n - 1) // self.tile_n
+        n_max = n_blocks
+        if const_expr(self.has_right):
+            limit = cutlass.max(row_last + shift + window_right + 1, 0)
+            n_max = cutlass.min(n_blocks, (limit + self.tile_n - 1) // self.tile_n)
+        n_min = 0
+        if const_expr(self.cfg.local):
+            n_min = cutlass.min(cutlass.max(row_first + shift - window_left, 0) // self.tile_n, n_max)
+        n_iters = n_max - n_min
+
+        k_base = mK.iterator.toint() + Int64(b) * Int64(mK.stride[0]) + Int64(hkv) * Int64(mK.stride[2])
+        v_base = mV.iterator.toint() + Int64(b) * Int64(mV.stride[0]) + Int64(hkv) * Int64(mV.stride[2])
+        # a row stride is H * D bytes (the host checks it fits 32 bits): one register each across the loop
+        k_rs, v_rs = Int32(mK.stride[1]), Int32(mV.stride[1])
+
+        n_acc_s = self.tile_n // 8
+        n_acc_o = self.dv // 8
+        acc_o = cute.make_rmem_tensor((n_acc_o * 4,), Float32)
+        acc_o.fill(0.0)
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_m.fill(-Float32.inf)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_l.fill(0.0)
+        acc_s = cute.make_rmem_tensor((n_acc_s * 4,), Float32)
+
+        if n_iters > 0:
+            self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+        cp_async_commit()
+        for it in cutlass.range(n_iters, unroll=1):
+            nb = n_max - 1 - it
+            stage = it % 2
+            if it + 1 < n_iters:  # the next tile lands in the other stage while this one is used
+                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+            cp_async_commit()
+            cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
+            cute.arch.barrier()
+            k_addr = sK_addr + stage * (self.tile_n * self.k_row)
+            v_addr = sV_addr + stage * (self.tile_n * self.v_row)
+            # S = Q K^T, one 32-column chunk of Q in registers at a time
+            acc_s.fill(0.0)
+            for c in cutlass.range_constexpr(self.d // 32):
+                qc = [ld_shared_u32(q_frag_addr + 32 * c + 8 * self.k_row * (x % 2) + 16 * (x // 2)) for x in range(4)]
+                for jt in cutlass.range_constexpr(n_acc_s):
+                    k_row_addr = k_addr + (8 * jt + g) * self.k_row + 4 * t
+                    bk = [ld_shared_u32(k_row_addr + 32 * c), ld_shared_u32(k_row_addr + 32 * c + 16)]
+                    res = mma_e4m3_16832(qc, bk, [acc_s[4 * jt + e] for e in range(4)])
+                    for e in cutlass.range_constexpr(4):
+                        acc_s[4 * jt + e] = res[e]
+            self.mask_and_scale(acc_s, nb, rows, t, row_first, row_last, sk, shift, window_left, window_right, sl2)
+            pa = self.softmax_p(acc_s, row_m, row_l, acc_o)
+            # O += P V
+            for c in cutlass.range_constexpr(self.tile_n // 32):
+                a_frag = pa[c]
+                for cb in cutlass.range_constexpr(self.dv // 32):
+                    halves = []
+                    for hf in cutlass.range_constexpr(2):
+                        key0 = 32 * c + 16 * hf + 2 * t
+                        w = [ld_shared_u32(v_addr + (key0 + dk) * self.v_row + 32 * cb + 4 * g) for dk in (0, 1, 8, 9)]
+                        halves.append(transpose_bytes_4x4(w))
+                    for i in cutlass.range_constexpr(4):
+                        j = cb * 4 + i
+                        res = mma_e4m3_16832(a_frag, [halves[0][i], halves[1][i]], [acc_o[4 * j + e] for e in range(4)])
+                        for e in cutlass.range_constexpr(4):
+                            acc_o[4 * j + e] = res[e]
+            cute.arch.barrier()  # every warp is done with this stage before the next load refills it
+        cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
+        # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
+        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, h // qheads_per_kvhead], rows, sq, b, h, t)
+
+    @cute.jit
+    def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
+        for which in cutlass.range_constexpr(2):
+            width = self.d if const_expr(which == 0) else self.dv
+            row_bytes = self.k_row if const_expr(which == 0) else self.v_row
+            base = k_base if const_expr(which == 0) else v_base
+            rs = k_rs if const_expr(which == 0) else v_rs
+            s_addr = (sK_addr if const_expr(which == 0) else sV_addr) + stage * (self.tile_n * row_bytes)
+            chunks = width // 16
+            for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
+                idx = tidx + self.num_threads * j
+                r, cidx = idx // chunks, idx % chunks
+                key = nb * self.tile_n + r
+                ok = key < sk
+                key_c = key if ok else 0
+                cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
+                            16 if ok else 0)
+
+    @cute.jit
+    def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2):
+        """Scores to the log2 domain; keys past Sk or outside a row's (causal / window) range to -inf, on the tiles
+        that cross an edge only."""
+        n0 = nb * self.tile_n
+        last = n0 + self.tile_n - 1
+        need = last >= sk
+        if const_expr(self.has_right):  # the first row's right edge
+            need = need | (last > row_first + shift + right)
+        if const_expr(self.cfg.local):  # the last row's left edge
+            need = need | (n0 < row_last + shift - left)
+        for i in cutlass.range_constexpr(cute.size(acc_s.shape)):
+            acc_s[i] = acc_s[i] * sl2
+        if need:
+            for jt in cutlass.range_constexpr(self.tile_n // 8):
+                for e in cutlass.range_constexpr(4):
+                    key = n0 + 8 * jt + 2 * t + (e % 2)
+                    bad = key >= sk
+                    if const_expr(self.has_right):
+                        bad = bad | (key > rows[e // 2] + shift + right)
+                    if const_expr(self.cfg.local):
+                        bad = bad | (key < rows[e // 2] + shift - left)
+                    if bad:
+                        acc_s[4 * jt + e] = -Float32.inf
+
+    @cute.jit
+    def softmax_p(self, acc_s, row_m, row_l, acc_o):
+        """Online softmax step; returns P as e4m3 A fragments, one list of 4 registers per 32-key chunk."""
+        n_acc_s = self.tile_n // 8
+        for hf in cutlass.range_constexpr(2):
+            mx = row_m[hf]
+            for jt in cutlass.range_constexpr(n_acc_s):
+                mx = cute.arch.fmax(mx, cute.arch.fmax(acc_s[4 * jt + 2 * hf], acc_s[4 * jt + 2 * hf + 1]))
+            mx = cu.quad_allreduce_max(mx)
+            m_use = 0.0 if mx == -Float32.inf else mx
+            corr = exp2_approx(row_m[hf] - m_use)
+            offset = m_use - P_SHIFT_LOG2
+            s = Float32(0.0)
+            for jt in cutlass.range_constexpr(n_acc_s):
+                for e in cutlass.range_constexpr(2):
+                    p = exp2_approx(acc_s[4 * jt + 2 * hf + e] - offset)
+                    acc_s[4 * jt + 2 * hf + e] = p
+                    s = s + p
+            row_l[hf] = row_l[hf] * corr + s
+            row_m[hf] = mx
+            for j in cutlass.range_constexpr(self.dv // 8):
+                for e in cutlass.range_constexpr(2):
+                    acc_o[4 * j + 2 * hf + e] = acc_o[4 * j + 2 * hf + e] * corr
+        pa = []
+        for c in cutlass.range_constexpr(self.tile_n // 32):
+            j0 = 4 * c
+            regs = []
+            for pair in cutlass.range_constexpr(2):  # tiles (4c, 4c+1), then (4c+2, 4c+3)
+                ja, jb = 4 * (j0 + 2 * pair), 4 * (j0 + 2 * pair + 1)
+                for hf in cutlass.range_constexpr(2):
+                    regs.append(cvt_e4m3x4(acc_s[ja + 2 * hf], acc_s[ja + 2 * hf + 1],
+                                           acc_s[jb + 2 * hf], acc_s[jb + 2 * hf + 1]))
+            pa.append(regs)  # [row g keys 0-15, row g+8 keys 0-15, row g keys 16-31, row g+8 keys 16-31]
+        return pa
+
+    @cute.jit
+    def epilogue(self, mO, mLSE, mSink, acc_o, row_m, row_l, v_descale, rows, sq, b, h, t):
+        o_base = mO.iterator.toint() + (Int64(b) * Int64(mO.stride[0]) + Int64(h) * Int64(mO.stride[2])) * 2
+        for hf in cutlass.range_constexpr(2):
+            l = cu.quad_allreduce_sum(row_l[hf])
+            m = row_m[hf]
+            rescale = Float32(1.0)
+            if const_expr(self.cfg.has_sink):
+                # the sink logit joins the denominator (as 16 * exp2, like the scores); the max becomes
+                # max(m, sink) so a large sink cannot overflow.  Written with < so a NaN sink propagates, and a
+                # row with no keys and a -inf sink stays empty (O = 0, LSE = -inf)
+                z = mSink[h] * LOG2_E
+                m_fin = m if z < m else z
+                rescale = 0.0 if m_fin == -Float32.inf else exp2_approx(m - m_fin)
+                term = 0.0 if m_fin == -Float32.inf else exp2_approx(z - m_fin + P_SHIFT_LOG2)
+                l = l * rescale + term
+                m = m_fin
+            inv = 0.0 if l == 0.0 else 1.0 / l
+            factor = inv * v_descale * rescale
+            row = rows[hf]
+            if row < sq:
+                o_row = o_base + Int64(row) * Int64(mO.stride[1]) * 2
+                for cb in cutlass.range_constexpr(self.dv // 32):
+                    vals = [acc_o[4 * (4 * cb + i) + 2 * hf + e] * factor for e in range(2) for i in range(4)]
+                    if const_expr(self.cfg.out_dtype == "bf16"):
+                        regs = [cvt_bf16x2(vals[2 * x], vals[2 * x + 1]) for x in range(4)]
+                    else:
+                        regs = [cvt_f16x2(vals[2 * x], vals[2 * x + 1]) for x in range(4)]
+                    st_global_v4(o_row + (32 * cb + 8 * t) * 2, regs)
+                if t == 0:
+                    lse = -Float32.inf if l == 0.0 else (m - P_SHIFT_LOG2 + log2_approx(l)) * LN_2
+                    mLSE[b, h, row] = lse

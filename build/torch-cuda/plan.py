@@ -1,0 +1,243 @@
+"""One plan per call: the plan key of a validated call, the memoised plan it names, and the host values the
+backward needs (``FwdMeta``).  Used by the forward (dispatch.run_forward) and the backward (dispatch_bwd).
+
+``PlanKey`` is built once per call from the validated arguments and adjusted with ``_replace`` for the overrides
+that follow from the call's shape (decode rows, split-KV, packed dropout rows); ``config_plan.kernel_configs``
+turns it into the kernel configurations (the chain of tile overrides lives there, in the config layer).  A key is
+a NamedTuple: a frozen record whose hash and equality run in C, where a frozen dataclass sets each field through
+``object.__setattr__`` and hashes a fresh tuple per lookup (the plan lookup runs on every call: serving engines
+call once per layer per decode step).
+
+Everything that depends only on the key (tile choice, kernel configs, the compiled launchers, the backward's
+feasibility) is memoised in a ``Plan``; the memo is dropped when the tile tables change (``config.table_version``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .config import paged_tma_tile, table_version
+from .config_decode import DECODE_MAX_ROWS, decode_rows, decode_tile
+from .config_plan import kernel_configs
+from . import validate as V
+from .dropout import DropoutArgs
+from .launch import sm_count
+from .splitkv import resolve_num_splits
+
+_LOG2_E = math.log2(math.e)
+_NO_SPARSE = (0, 0)
+_NO_SPARSE_BWD = (0, 0, 0, 0)
+
+
+class PlanKey(NamedTuple):
+    """What selects a call's kernels.  ``split``: fp32 split-KV partials; ``sparse``: (q_ratio, kv_ratio,
+    q_block, kv_block) of block sparsity, (0, 0) when off (config.select_sparse_tile of the block size, the first
+    tile when it is left out); ``decode``: at most that many query rows per CTA (the tile_m of its decode tile;
+    True: up to DECODE_MAX_ROWS), 0 otherwise; ``sparse_bwd``: (dq_q, dq_kv, dkdv_q, dkdv_kv) block ratios of
+    the backward's kernels, zeros when off; ``dropout``/``seed_tensor``/``dropout_packed``/``dropout_high_p``:
+    Philox dropout in the kernel, seed from a device tensor, packed GQA rows, p > 0.96875; ``mods``:
+    modspec.ModSpec or None; ``paged_tma``: a paged prefill call whose pages hold whole K/V tiles of the TMA tile
+    (``paged_eligible_for_tma``; ignored with split or decode); ``tma``: the device has TMA."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    windowed: bool = False
+    softcap: bool = False
+    sink: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    needs_grad: bool = False
+    device_index: int | None = 0
+    paged: bool = False
+    split: bool = False
+    sparse: tuple = _NO_SPARSE
+    decode: int = 0
+    sparse_bwd: tuple = _NO_SPARSE_BWD
+    dropout: bool = False
+    seed_tensor: bool = False
+    dropout_packed: bool = False
+    dropout_high_p: bool = False
+    mods: object = None
+    paged_tma: bool = False
+    tma: bool = True
+
+
+class Plan:
+    """Memoised per key: the kernel configs (the backward's validated at forward time when gradients are needed,
+    so a training step never fails half-way) and their compiled launchers, filled on first use."""
+
+    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn")
+
+    def __init__(self, fwd_cfg, bwd_cfg=None, dq_cfg=None):
+        self.fwd_cfg, self.bwd_cfg, self.dq_cfg = fwd_cfg, bwd_cfg, dq_cfg
+        self.fwd_fn = self.bwd_fn = self.dq_fn = None
+
+
+_PLANS: dict[PlanKey, Plan] = {}
+_PLANS_VERSION = [-1]  # the tile-table version the memo was built under
+
+
+def get_plan(key: PlanKey) -> Plan:
+    """The plan of ``key`` (built on first use; ValueError where no tile serves it)."""
+    version = table_version()
+    if _PLANS_VERSION[0] != version:
+        _PLANS.clear()
+        _PLANS_VERSION[0] = version
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = Plan(*kernel_configs(key))
+    return plan
+
+
+def clear() -> None:
+    """Forget every plan (tests that replace the compiler or the launches)."""
+    _PLANS.clear()
+
+
+# ---- host values of one call -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FwdMeta:
+    """What the backward needs besides the saved tensors (host values of one forward call)."""
+
+    scale: float
+    softcap: float
+    left: int
+    right: int
+    windowed: bool
+    batch: int
+    max_q: int
+    max_k: int
+    sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
+    dropout: DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
+    mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
+    # the backward runs the atomic-free kernel pair (bitwise reproducible), not the fused kernel
+    deterministic: bool = False
+
+    def log2_scales(self) -> tuple[float, float]:
+        """(scale_log2, softcap_prescale) of the score hook.  With a score_mod: (log2(e), softmax scale), the mod
+        seeing the scaled scores (upstream's convention)."""
+        if self.mods is not None and self.mods.score_mod is not None:
+            return _LOG2_E, self.scale
+        if self.softcap > 0:
+            return self.softcap * _LOG2_E, self.scale / self.softcap
+        return self.scale * _LOG2_E, 1.0
+
+    def sparse_bwd_key(self) -> tuple:
+        """The backward's block-sparse plan key (the dQ and dK/dV ratios; zeros without block sparsity)."""
+        sg = self.sparse
+        return _NO_SPARSE_BWD if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
+
+
+def forward_meta(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal, window_size, softcap, debug_checks=None, page_table=None) -> FwdMeta:
+    """The host values of a call (plan.FwdMeta), for the backward op, which has no forward meta to reuse."""
+    return FwdMeta(*V.host_values(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, debug_checks=debug_checks, page_table=page_table))
+
+
+# ---- paged calls on the TMA kernel -------------------------------------------------------------------------------
+# cuTensorMapEncodeTiled's limits on a global tensor: base address 16-byte aligned, every stride but the innermost
+# a multiple of 16 bytes below 2**40 bytes
+_TMA_MAX_STRIDE_BYTES = 1 << 40
+
+
+def tma_views_ok(*tensors) -> bool:
+    """Whether a TMA descriptor can be built over each tensor (last dim contiguous; base and every other stride
+    16-byte aligned, positive, below 2**40 bytes).  k and v views of one fused cache ((2, num_pages, ...) or
+    (num_pages, 2, ...)) qualify when each view does; a stride of 0 (an expanded tensor) does not."""
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        for st in t.stride()[:-1]:
+            if st <= 0 or (st * es) % 16 or st * es >= _TMA_MAX_STRIDE_BYTES:
+                return False
+    return True
+
+
+def paged_eligible_for_tma(k, v, d: int, dv: int, windowed: bool, mods=None, tma: bool = True) -> bool:
+    """Whether a paged call (k/v (num_pages, page_size, Hkv, D|Dv)) runs the TMA kernel on its prefill tile: the
+    contiguous call's tile is a TMA tile whose tile_n divides the page size (every K/V tile inside one page, one
+    TMA box per tile), both views qualify for TMA (``tma_views_ok``), and the call has no score/mask mods (their
+    paged TMA variants are not built by the compile gate).  Otherwise it runs the cp.async kernel, any page size.
+    Split-KV and decode calls keep their cp.async tiles whatever this says (config_plan.fwd_tile).  ``tma``: the
+    device has TMA (else False)."""
+    if mods is not None or paged_tma_tile(d, dv, windowed, int(k.shape[1]), tma=tma) is None:
+        return False
+    return tma_views_ok(k, v)
+
+
+# ---- the per-call choices ----------------------------------------------------------------------------------------
+def choose_pack(pack_gqa, ratio: int, max_seqlen_q: int, tile_m: int) -> int:
+    """Query heads per packed tile row block: ``pack_gqa`` None packs a KV group when a sequence alone fills less
+    than half a tile."""
+    if pack_gqa is None:
+        return ratio if ratio > 1 and max_seqlen_q * 2 <= tile_m else 1
+    if not isinstance(pack_gqa, bool):
+        raise ValueError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+    return ratio if pack_gqa else 1
+
+
+def packed_dropout(key: PlanKey, plan: Plan, pack: int) -> tuple[PlanKey, Plan, int]:
+    """(key, plan, pack) of a call with in-kernel dropout: packed rows make the keep bits row by row
+    (FwdKernelConfig.dropout_packed), on every tile."""
+    if pack > 1:
+        key = key._replace(dropout_packed=True)
+        return key, get_plan(key), pack
+    return key, plan, pack
+
+
+def decode_key(key: PlanKey, rows: int, grid: int, device):
+    """The decode variant of ``key`` for ``rows`` query rows per CTA (query length x packed heads), or None when
+    the call is not a decode call.  A key split runs unless the grid (``grid`` 64-row tiles) fills the device's
+    SMs without it (config_decode.decode_rows).  Never with block sparsity, in-kernel dropout (their tiles are gated on
+    the prefill tiles) or mods (the d256 decode tile is not gated with mods)."""
+    if key.sparse[0] or key.dropout or key.mods is not None or rows > DECODE_MAX_ROWS:
+        return None
+    d, dv = key.head_dim, key.head_dim_v
+    dtile = decode_tile(d, dv, rows)
+    if dtile is not None and dtile.kv_groups > 1:
+        dtile = decode_tile(d, dv, decode_rows(rows, grid, sm_count(device)))
+    if dtile is None:
+        return None
+    # the key carries the row bucket (the tile's tile_m), not the row count
+    return key._replace(decode=dtile.tile_m, sparse=_NO_SPARSE, sparse_bwd=_NO_SPARSE_BWD, paged_tma=False)
+
+
+def split_key(key: PlanKey) -> PlanKey:
+    """The split-KV variant of ``key`` (inference only; never with dropout or block sparsity)."""
+    return key._replace(needs_grad=False, split=True, sparse=_NO_SPARSE, sparse_bwd=_NO_SPARSE_BWD, dropout=False,
+                        seed_tensor=False, dropout_high_p=False, paged_tma=False)
+
+
+def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, batch: int, max_q: int, max_k: int,
+                num_splits: int, device, caps) -> tuple[Plan, int, int, int]:
+    """(plan, pack, splits, m-blocks) of a call with work to do, from its plan: GQA packing, packed dropout rows,
+    the decode tile of its row bucket, the split count (splitkv.resolve_num_splits: ValueError for a forced count
+    the device cannot run) and the split tile."""
+    pack = 1 if key.sparse[0] else choose_pack(pack_gqa, ratio, max_q, plan.fwd_cfg.tile.tile_m)
+    if key.dropout:
+        key, plan, pack = packed_dropout(key, plan, pack)
+    dkey = decode_key(key, max_q * pack, batch * (heads // pack) * max(num_splits, 1), device)
+    if dkey is not None:
+        key, plan = dkey, get_plan(dkey)
+    num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
+    splits = resolve_num_splits(num_splits, needs_grad=key.needs_grad, batch=batch,
+                                ctas=num_m_blocks * (heads // pack) * batch,
+                                n_blocks=-(-max_k // plan.fwd_cfg.tile.tile_n), dv=key.head_dim_v, device=device,
+                                paged=key.paged, caps=caps)
+    if splits > 1:
+        plan = get_plan(split_key(key))
+        num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
+    return plan, pack, splits, num_m_blocks
+
+
+__all__ = ["FwdMeta", "Plan", "PlanKey", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "launch_plan", "packed_dropout",
+           "paged_eligible_for_tma", "split_key", "tma_views_ok"]
