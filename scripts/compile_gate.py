@@ -217,9 +217,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-classes", action="store_true", help="the hand-made worklists only (no class sweep)")
     ap.add_argument("--ci", action="store_true", help="CI: check the committed full runs, build a shard and what "
                     "changed since the full run (scripts/gate_ci.py)")
+    ap.add_argument("--recheck", type=Path, default=None, help="a full run's JSON lines: rebuild its failing "
+                    "configurations here (CI's libs) and record the result in each row's 'recheck'")
     args = ap.parse_args(argv)
     if args.ci:
         return _ci(args)
+    if args.recheck:
+        return _recheck(args)
 
     work = _worklist(args.filter, args.arch, not args.no_classes)
     if args.shard is not None:
@@ -236,6 +240,32 @@ def main(argv=None) -> int:
     if args.limit is not None:
         work = work[: args.limit]
     return _gate(work, args)
+
+
+def _recheck(args) -> int:
+    """Rebuild the failing configurations of a full run (built elsewhere, e.g. with the GPU machine's cu13 libs)
+    with this environment's libs; each row gains ``recheck`` = {libs, problems, regs, spills}, the run's record
+    ``recheck_libs``.  The file is rewritten in place; the original verdict stays in the row."""
+    from scripts import gate_ci as GC
+
+    lines = [json.loads(line) for line in args.recheck.read_text().splitlines() if line.strip()]
+    meta = next((r["meta"] for r in lines if "meta" in r), {})
+    failing = {r["config"] for r in lines if "config" in r and r.get("problems")}
+    work = [c for c in _worklist(None, meta.get("arch", args.arch)) if c.name() in failing]
+    rows = {r["config"]: r for r in _run_pool(work, args)} if work else {}
+    _, libs = GC.cutlass_dsl()
+    for r in lines:
+        if "meta" in r:
+            r["meta"]["recheck_libs"] = libs
+        elif r.get("config") in rows:
+            got = rows[r["config"]]
+            r["recheck"] = {"libs": libs, "problems": got["problems"], "regs": got.get("regs"),
+                            "spills": got.get("spills")}
+    args.recheck.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    still = sorted(n for n, r in rows.items() if r["problems"])
+    print(f"compile gate --recheck: {len(rows)} failing configurations rebuilt with {libs}; "
+          f"{len(rows) - len(still)} pass there" + (f"; still failing: {', '.join(still)}" if still else ""))
+    return 1 if still or len(rows) != len(failing) else 0
 
 
 def _ci(args) -> int:
