@@ -35,8 +35,8 @@ PKG = "torch-ext/flash_attn_4_sm120"
 # cores, 5.9 core-seconds each (benchmarks/results/gate_timing_sample.jsonl: 4.2-10.2 s per configuration at one
 # job on a shared 2-core CPU); the largest shard of today's full worklist (about 2440 / 9 -> 275) takes about 14
 # minutes at 2 jobs (tests/test_gate_classes.py checks the bound).  sm_80 (what 8.0, 8.6 and 8.9 devices load) is
-# not gated in CI: three of its configurations still spill (README "The SM120 compile gate"; its full run is
-# committed by hand as benchmarks/results/gate_sm80_full_s31.jsonl).
+# not gated in CI: three of its configurations still spill (benchmarks/results/gate_spill_probes_sm80_s31.jsonl; the
+# hand-made sm_80 list's device run is benchmarks/results/gate_hand_sm80_device_s30.jsonl); no full run of it yet.
 FULL_ARCHS = ("sm_120a",)
 CI_SHARDS = {"sm_120a": 9}
 # what a full run is built from, under PKG: a change of one of these makes the committed full runs stale
