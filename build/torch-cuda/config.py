@@ -391,7 +391,15 @@ def paged_tma_tile(head_dim: int, head_dim_v: int, windowed: bool, page_size: in
     tile = select_fwd_tile(head_dim, head_dim_v, windowed, tma=tma)
     if not tile.tma or (page_size is not None and (page_size < 1 or page_size % tile.tile_n != 0)):
         return None
+    if tile in _PAGED_TMA_SPILLING.get((head_dim, head_dim_v), ()):
+        return None
     return tile
+
+
+# Paged TMA tiles that spill on sm_120a under the heaviest paged feature set (the page walk's addressing beside the
+# contiguous tile's registers; benchmarks/results/gate_full_sm_120a.jsonl of session 31, both dtypes): such calls
+# take the cp.async paged tile.
+_PAGED_TMA_SPILLING: dict[tuple[int, int], tuple[FwdTile, ...]] = {(64, 32): (FwdTile(256, 64, 8, 2, False, True),)}
 
 
 def select_fwd_tile(head_dim: int, head_dim_v: int, windowed: bool, paged: bool = False, tma: bool = True) -> FwdTile:
