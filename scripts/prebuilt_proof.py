@@ -4,9 +4,9 @@
 
 1. builds the bundle with the prebuilt set of this device's arch (``build_bundle.build(..., prebuilt=...)``, the
    function ``publish.py --prebuilt`` calls) into a temporary directory and serves it from the local Hub server
-   (tests/hub_server.py);
+   (tests/packaging/hub_server.py);
 2. in a fresh process with an empty user cache, loads it through transformers (``attn_implementation=<repo>``,
-   i.e. ``kernels.get_kernel``) and runs the Llama scenario of tests/tf_scenarios.py: forward (dense and
+   i.e. ``kernels.get_kernel``) and runs the Llama scenario of tests/packaging/tf_scenarios.py: forward (dense and
    left-padded), a training step (loss.backward) and greedy generate, with the bundle's compiler replaced by one
    that raises: the run must compile nothing;
 3. runs the same in a fresh process with the prebuilt set switched off (``FA4_SM120_PREBUILT=0``, empty cache:
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT / "tests" / "packaging")]
 REPO = "kernels-test/flash-attn-4-sm120"
 
 

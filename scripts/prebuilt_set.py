@@ -5,11 +5,11 @@
 
 The calls come from three sources, and the configurations from running the real API on them:
 
-* the transformers scenarios of ``tests/tf_scenarios.py`` (Llama, Qwen2, Mistral, Gemma 2, gpt-oss: the dense and
+* the transformers scenarios of ``tests/packaging/tf_scenarios.py`` (Llama, Qwen2, Mistral, Gemma 2, gpt-oss: the dense and
   the left-padded forward, a training step, greedy ``generate`` and continuous batching ``generate_batch``), run on
   small models on the CPU; transformers' calls into the bundle are recorded and answered by the pure-PyTorch
   reference (tests/reference.py), so the models run as they do on a GPU;
-* the README's usage examples (``README_CALLS`` below, checked against the README by tests/test_prebuilt.py);
+* the README's usage examples (``README_CALLS`` below, checked against the README by tests/packaging/test_prebuilt.py);
 * the benchmark grids (``bench_fwd.grid_cells``, forward and backward, and ``bench_decode.cases``).
 
 Each call is replayed through the package's public functions with the device stubbed (``stubbed_device``: the
@@ -43,7 +43,7 @@ PUBLISH_ARCHS = ("sm_120a",)  # what the publish step builds; sm_90a is listed f
 DTYPES = ("bf16", "fp16")
 TF_REPO = "kernels-test/flash-attn-4-sm120"
 
-# The README's usage examples, as (function, shapes, keywords); tests/test_prebuilt.py checks each `text` is in
+# The README's usage examples, as (function, shapes, keywords); tests/packaging/test_prebuilt.py checks each `text` is in
 # the README.
 README_CALLS = (
     dict(text="fa.flash_attn_func(q, k, v, causal=True, return_lse=True)", fn="dense",
@@ -185,6 +185,7 @@ def transformers_calls():
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "packaging"))
     sys.path.insert(0, str(ROOT / "scripts"))
     saved_cuda, saved_env = torch.version.cuda, os.environ.get("LOCAL_KERNELS")
     if torch.version.cuda is None:  # kernels picks the torch-cuda variant from it (as tests/hubtools.py does)
@@ -209,7 +210,7 @@ def transformers_calls():
             os.environ.pop("LOCAL_KERNELS", None)
         else:
             os.environ["LOCAL_KERNELS"] = saved_env
-        for p in (str(ROOT / "tests"), str(ROOT / "scripts")):
+        for p in (str(ROOT / "tests"), str(ROOT / "tests" / "packaging"), str(ROOT / "scripts")):
             if p in sys.path:
                 sys.path.remove(p)
     return calls
