@@ -73,7 +73,7 @@ def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: i
     import torch
 
     import flash_attn_4_sm120 as fa
-    from flash_attn_4_sm120 import config, device, jit, launch, validate
+    from flash_attn_4_sm120 import config, device, dispatch_bwd, jit, launch, validate
 
     class _OnCuda(torch.Tensor):  # a CPU tensor that validate.check_tensor sees as placed on the GPU
         is_cuda = True
@@ -99,12 +99,14 @@ def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: i
     _rebind(pkg, launch.launch, launched, undo)
     _rebind(pkg, real_check, check_tensor, undo)
     config.clear_caches()
+    dispatch_bwd.clear_caches()
     try:
         yield
     finally:
         for mod, attr, value in reversed(undo):
             setattr(mod, attr, value)
         config.clear_caches()
+        dispatch_bwd.clear_caches()
 
 
 class _Stub:

@@ -29,7 +29,7 @@ def stubbed(tma: bool, calls: list):
     """CPU tensors accepted, a device with (``tma``) capabilities, compiles returning the config and launches
     appended to ``calls`` as (config, values)."""
     import flash_attn_4_sm120 as fa  # noqa: F401 - loads the package
-    from flash_attn_4_sm120 import combine, config, device as DV, launch as L, validate as V
+    from flash_attn_4_sm120 import combine, config, device as DV, dispatch_bwd, launch as L, validate as V
 
     caps = (DV.caps_from_properties("SM120 (grid)", 12, 0, None, None, SMS) if tma
             else DV.caps_from_properties("SM86 (grid)", 8, 6, None, None, SMS))
@@ -59,12 +59,14 @@ def stubbed(tma: bool, calls: list):
     for cache in (combine._KERNELS, combine._CONFIGS):
         cache.clear()
     config.clear_caches()
+    dispatch_bwd.clear_caches()
     try:
         yield
     finally:
         for mod, attr, val in reversed(saved):
             setattr(mod, attr, val)
         config.clear_caches()
+        dispatch_bwd.clear_caches()
 
 
 _GEOMETRY = ("pack", "num_m_blocks", "num_head_groups", "num_batch", "num_n_blocks", "num_rows", "num_heads",

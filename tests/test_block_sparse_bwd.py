@@ -297,7 +297,9 @@ def recorded_launches(monkeypatch):
         monkeypatch.setattr(mod, "_kernel", lambda cfg, dev: cfg)
         monkeypatch.setattr(mod, "_launch", lambda fn, record, dev, values: calls.append((fn, record, values)))
     P.clear()
+    dispatch_bwd.clear_caches()  # compiled kernels a stubbed compiler of another test may have left
     yield calls
+    dispatch_bwd.clear_caches()
     P.clear()
 
 
