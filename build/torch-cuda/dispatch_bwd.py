@@ -52,6 +52,15 @@ def fused_plan(bwd_cfg, device: torch.device):
         cfgs = fused_for(bwd_cfg) if key[2] else None
         _FUSED[key] = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
     return _FUSED[key]
+
+
+def clear_caches() -> None:
+    """Forget the compiled preprocess and fused kernels (harnesses that replace the compiler call this before and
+    after, so no stand-in outlives them)."""
+    _PRE_KERNELS.clear()
+    _FUSED.clear()
+
+
 # rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
 # last CTA's rows past the end
 PRE_MAX_ROWS = (1 << 31) - (1 << 16)
