@@ -91,9 +91,13 @@ def test_paged(cpasync, page_size, causal):
 
 
 @pytest.mark.parametrize("num_splits", [3, 0, None])
-def test_split(cpasync, num_splits):
+def test_split(cpasync, num_splits, monkeypatch):
     """Forced, automatic and default split counts on a decode-shaped call (B=1, one query row, 8K keys), which the
-    automatic choice splits on any GPU of more than a few SMs."""
+    automatic choice splits on any GPU of more than a few SMs.  The default is tried with the automatic default
+    switched on (it ships off: splitkv.DEFAULT_SPLITS_AUTO)."""
+    if num_splits is None:
+        from flash_attn_4_sm120 import splitkv
+        monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)
     q, k, v = _inputs(1, 1, 8192, 8, 2, 128, 128, torch.bfloat16)
     kw = {} if num_splits is None else dict(num_splits=num_splits)
     out, lse = fa.flash_attn_func(q, k, v, return_lse=True, **kw)

@@ -218,3 +218,17 @@ def test_debug_switch_keyword_and_env(monkeypatch):
     assert V.debug_checks_enabled(None) is True
     monkeypatch.setenv("FA4_SM120_DEBUG_CHECKS", "0")
     assert V.debug_checks_enabled(None) is True  # read once per process
+
+
+def test_every_torch_cuda_attribute_the_package_names_exists():
+    """Calls like ``torch.cuda.is_current_stream_capturing()`` sit behind ``torch.cuda.is_available()``, so a misspelt
+    name never runs on a CPU machine and fails only on a GPU (it did: validate.capturing).  Check every
+    ``torch.cuda.<name>`` in the package's source against the installed torch."""
+    missing = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "cuda" and isinstance(node.value.value, ast.Name)
+                    and node.value.value.id == "torch" and not hasattr(torch.cuda, node.attr)):
+                missing.append(f"{path.name}:{node.lineno} torch.cuda.{node.attr}")
+    assert not missing, missing
