@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from . import compat
 from .config_fp8 import FP8_HEAD_DIMS, Fp8FwdConfig, select_config
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -47,9 +48,7 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
     """ValueError / NotImplementedError for anything the FP8 forward does not serve; returns (descales, out_dtype
     name).  ``unsupported``: name -> True for each non-default feature argument of the call.  ``varlen_q/k``: q or
     k/v are packed rows (total, H, D) of ``batch`` sequences (else (B, S, H, D))."""
-    if needs_grad:
-        raise ValueError("FP8 attention is inference only: q/k/v (or learnable_sink) require grad; call it under "
-                         "torch.no_grad() / torch.inference_mode(), or use bf16/fp16 inputs to train")
+    compat.check_fp8(compiling=False, needs_grad=needs_grad, unsupported={})  # before the dtypes, as before
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -59,11 +58,7 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         if t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"q, k, v must all be float8_e4m3fn when one is (FP8 attention); {name} is {t.dtype}. "
                              "An FP8 KV cache with a bf16/fp16 query is not implemented yet")
-    for name, on in unsupported.items():
-        if on:
-            raise NotImplementedError(f"{name} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 "
-                                      "forward serves dense causal/non-causal attention with GQA); leave it at "
-                                      "its default or use bf16/fp16 inputs")
+    compat.check_fp8(compiling=False, needs_grad=False, unsupported=unsupported)
     for name, t, packed in (("q", q, varlen_q), ("k", k, varlen_k), ("v", v, varlen_k)):
         if t.dim() != (3 if packed else 4):
             raise NotImplementedError(
@@ -286,9 +281,7 @@ def entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_
         raise ValueError(f"{', '.join(given)} given with {getattr(q, 'dtype', type(q).__name__)} inputs: descales "
                          "and out_dtype apply to float8_e4m3fn q/k/v only; drop them or quantize the inputs "
                          "(fp8_quant.quantize_qkv)")
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("FP8 attention under torch.compile is not supported by flash-attn-4-sm120 yet "
-                                  "(no torch.library op for it); call it eagerly")
+    compat.check_fp8(compiling=torch.compiler.is_compiling(), needs_grad=False, unsupported={})
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                            for t in (q, k, v, learnable_sink, *extra))
 

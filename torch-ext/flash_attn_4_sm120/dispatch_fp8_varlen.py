@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import compat
 from . import dispatch_fp8 as F8
 from . import validate as V
 
@@ -125,8 +126,7 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     needs_grad = F8.entry_checks(q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype, learnable_sink,
                                  k, v)
     if needs_grad:
-        raise ValueError("flash_attn_with_kvcache is inference only (no backward through a KV cache), FP8 included: "
-                         "call it under torch.no_grad() or with tensors that do not require grad")
+        compat.refuse("kvcache_grad")
     batch = getattr(q, "shape", (0,))[0]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.dim() != 4:
