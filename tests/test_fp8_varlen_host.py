@@ -115,7 +115,8 @@ def test_kvcache_appends_e4m3_keys_and_reads_the_first_rows(launches):
                                          k_descale=torch.ones(2, 2), return_softmax_lse=True)
     (c,) = launches
     ku8 = k_cache.view(torch.uint8)
-    assert torch.equal(ku8[0, 5:8], k_new.view(torch.uint8)[0]) and torch.equal(ku8[1, 20:23], k_new.view(torch.uint8)[1])
+    k_u8 = k_new.view(torch.uint8)
+    assert torch.equal(ku8[0, 5:8], k_u8[0]) and torch.equal(ku8[1, 20:23], k_u8[1])
     assert torch.equal(v_cache.view(torch.uint8)[1, 20:23], v_new.view(torch.uint8)[1])
     untouched = torch.ones(3, 32, dtype=torch.bool)
     untouched[0, 5:8] = untouched[1, 20:23] = False

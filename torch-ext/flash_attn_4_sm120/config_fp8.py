@@ -2,9 +2,9 @@
 
 One frozen record per compiled kernel; ``can_implement`` raises ValueError / NotImplementedError naming the value
 and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
-or varlen (cu_seqlens_q/k, seqused_k; a contiguous KV cache with cache_seqlens) q/k/v in float8_e4m3fn, head dims 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable
-sink, bf16 or fp16 output, one
-(B, Hkv) fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
+or varlen (cu_seqlens_q/k, seqused_k; a contiguous KV cache with cache_seqlens) q/k/v in float8_e4m3fn, head dims
+64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable sink, bf16 or fp16 output, one (B, Hkv)
+fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
 """
 
 from __future__ import annotations
