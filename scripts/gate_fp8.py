@@ -8,6 +8,11 @@ to ``config_fp8.smem_bytes`` and within 101376 B.
 
     CUTE_DSL_ARCH is set from --arch; one compile at a time (a few seconds each):
     .venv/bin/python scripts/gate_fp8.py --arch sm_120a --out benchmarks/results/fp8_gate_sm120a.jsonl
+    .venv/bin/python scripts/gate_fp8.py --ci      # CI (scripts/test.sh): sm_120a, shard HEAD mod FP8_CI_SHARDS
+
+The full worklist is 64 configurations (config_fp8.all_configs); on the 2-core CPU machine one compile took 5-9 s
+(dense) and 12-18 s (varlen), so the full sm_120a run is about 12 minutes there and CI builds a rotating quarter
+(gate_ci.in_shard: the same name hash as the main gate's shards; successive commits cover every configuration).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MMA_RE = r"\b([QHO]MMA\.[A-Z0-9_.]+)"
+FP8_CI_SHARDS = 4
 
 
 def main(argv=None) -> int:
@@ -31,7 +37,26 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_120a")
     ap.add_argument("--filter", default="", help="substring of the config name")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--shard", default=None, help="I/N: only the configurations of shard I of N (by name hash)")
+    ap.add_argument("--ci", action="store_true", help=f"CI: sm_120a, shard (HEAD mod {FP8_CI_SHARDS})")
     args = ap.parse_args(argv)
+    shard = None
+    if args.ci:
+        args.arch = "sm_120a"
+    if args.shard is not None or args.ci:
+        sys.path[:0] = [str(ROOT)]
+        from scripts import gate_ci as GC
+
+        if args.ci:
+            shard = (GC.ci_shard_index(FP8_CI_SHARDS), FP8_CI_SHARDS)
+        else:
+            try:
+                shard = tuple(int(x) for x in args.shard.split("/"))
+                if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+                    raise ValueError
+            except ValueError:
+                print(f"gate_fp8: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
+                return 2
     os.environ["CUTE_DSL_ARCH"] = args.arch
     os.environ["CUTE_DSL_KEEP"] = "cubin"
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp())
@@ -42,7 +67,7 @@ def main(argv=None) -> int:
 
     rows, failed = [], 0
     for cfg in config_fp8.all_configs():
-        if args.filter not in cfg.name():
+        if args.filter not in cfg.name() or (shard is not None and not GC.in_shard(cfg.name(), *shard)):
             continue
         t0 = time.time()
         row = {"config": cfg.name(), "arch": args.arch}
@@ -82,7 +107,8 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows) - failed}/{len(rows)} FP8 configurations pass for {args.arch}")
+    where = f" (shard {shard[0]}/{shard[1]})" if shard is not None else ""
+    print(f"{len(rows) - failed}/{len(rows)} FP8 configurations pass for {args.arch}{where}")
     return 1 if failed or not rows else 0
 
 

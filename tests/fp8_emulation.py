@@ -3,8 +3,13 @@
 * S = q8 · k8ᵀ on the e4m3 values (products of e4m3 values are exact in fp32), times q_descale · k_descale ·
   softmax_scale (block descales: per (query block, key block)).
 * Online softmax over key tiles of ``tile_n`` in the kernel's order, the running max over the scaled scores.
-* P is exp2(s·log2e − m) · 2^P_SHIFT_LOG2 (at most 16), rounded to e4m3 (saturating, round to nearest even);
-  the row sum adds the unrounded fp32 P.
+* P is exp2(s·log2e − (m − P_SHIFT_LOG2)) (at most 16: the kernel's fp32 argument, rounding included), rounded
+  to e4m3 (saturating, round to nearest even); the row sum adds the unrounded fp32 P.
+* ``return_slack``: also how far each output element can move if the P values that lie within ``TIE_REL`` of an
+  e4m3 rounding midpoint round the other way.  The kernel's ex2.approx differs from torch's exp2 by a few fp32 ulps,
+  so such a P may round to the neighbouring e4m3 value there: one step of 2^-3..2^-4 relative on one term, which
+  moves the output by up to |v| / row_sum (0.11 on a row whose window holds two keys: the two failures of session
+  31, benchmarks/experiments/fp8_window_probe.py).
 * acc = acc · exp2(m_old − m_new) + P8 · v8, out = acc · v_descale · 2^−P_SHIFT_LOG2 / row_sum, then rounded to
   the output dtype; a learnable sink joins row_sum at the end, causal / window masks as FlashAttention's.
 
@@ -19,6 +24,9 @@ import math
 import torch
 
 P_SHIFT_LOG2 = 4  # P is scaled by 2^4 = 16 before the e4m3 conversion (the kernel's constant)
+# a P within this relative distance of an e4m3 rounding midpoint may round either way on the GPU: 2^-18 is 32 fp32
+# ulps, 8x the few ulps between ex2.approx.ftz.f32 (max relative error about 2^-22) and torch's exp2
+TIE_REL = 2.0 ** -18
 
 
 def fa3_outlier_inputs(b, sq, sk, hq, hkv, d, *, seed=0, outlier_frac=1e-3, outlier_std=10.0, dtype=torch.float32,
@@ -46,9 +54,10 @@ def _expand_descale(descale, s, hq, block_size):
 
 def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                           tile_n=64, right_to_left=True, block_size=128, out_dtype=torch.bfloat16,
-                          quantize_p=True, window=(None, None), sink=None):
+                          quantize_p=True, window=(None, None), sink=None, return_slack=False):
     """Emulated FP8 forward -> out (B, Sq, Hq, Dv) in ``out_dtype``.  ``quantize_p=False`` keeps P in fp32 (to
-    separate the error of P's rounding from that of the inputs')."""
+    separate the error of P's rounding from that of the inputs').  ``return_slack=True`` -> (out, slack): slack
+    (B, Sq, Hq, Dv) fp32 bounds the output's move from near-tie P roundings (module docstring)."""
     b, sq, hq, d = q8.shape
     sk, hkv = k8.shape[1], k8.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -58,7 +67,9 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     qd = _expand_descale(q_descale.float(), sq, hq, block_size)  # (B, Hq, Sq)
     kd = _expand_descale(k_descale.float(), sk, hq, block_size)  # (B, Hq, Sk)
     vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
-    s_all = (qf @ kf.transpose(-1, -2)) * (qd[..., :, None] * kd[..., None, :]) * (scale * math.log2(math.e))
+    # the kernel's order: scale_log2 (rounded to fp32 on the host) times q_descale, times k_descale, times the score
+    scale_log2 = torch.tensor(scale * math.log2(math.e), dtype=torch.float32, device=q8.device)
+    s_all = (qf @ kf.transpose(-1, -2)) * ((scale_log2 * qd)[..., :, None] * kd[..., None, :])
     dev = q8.device
     left, right = (None if w is None or w < 0 else w for w in window)
     if causal:
@@ -72,18 +83,20 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     m = torch.full((b, hq, sq), -math.inf, device=dev)
     row_sum = torch.zeros(b, hq, sq, device=dev)
     acc = torch.zeros(b, hq, sq, vf.shape[-1], device=dev)
+    slack = torch.zeros_like(acc)
+    v_abs = vf.abs()
     starts = list(range(0, sk, tile_n))
     for n0 in (reversed(starts) if right_to_left else starts):
         s = s_all[..., n0:n0 + tile_n]
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)  # rows with no key yet
-        p = torch.exp2(s - m_use[..., None])
+        p = torch.exp2(s - (m_use - P_SHIFT_LOG2)[..., None])  # 16·P, the kernel's fp32 argument
         corr = torch.exp2(m - m_use)
-        row_sum = row_sum * corr + p.sum(dim=-1)
+        row_sum = row_sum * corr + p.sum(dim=-1) * 2.0 ** -P_SHIFT_LOG2
         if quantize_p:
-            p = (p * 2.0 ** P_SHIFT_LOG2).clamp(max=448.0).to(torch.float8_e4m3fn).float()
-        else:
-            p = p * 2.0 ** P_SHIFT_LOG2
+            up, down = (_e4m3(p * f) for f in (1.0 + TIE_REL, 1.0 - TIE_REL))
+            slack = slack * corr[..., None] + (up - down) @ v_abs[..., n0:n0 + tile_n, :]
+            p = _e4m3(p)
         acc = acc * corr[..., None] + p @ vf[..., n0:n0 + tile_n, :]
         m = m_new
     if sink is not None:  # one more logit in the denominator, in the same log2 units
@@ -93,9 +106,18 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
         rescale = torch.where(empty, torch.zeros_like(m), torch.exp2(m - m_fin))
         row_sum = row_sum * rescale + torch.where(empty, torch.zeros_like(m), torch.exp2(z - m_fin))
         acc = acc * rescale[..., None]
+        slack = slack * rescale[..., None]
     inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
-    out = acc * (inv * vd[..., None] * 2.0 ** -P_SHIFT_LOG2)[..., None]
-    return out.transpose(1, 2).to(out_dtype)
+    factor = (inv * vd[..., None] * 2.0 ** -P_SHIFT_LOG2)[..., None]
+    out = (acc * factor).transpose(1, 2).to(out_dtype)
+    if return_slack:
+        return out, (slack * factor.abs()).transpose(1, 2)
+    return out
+
+
+def _e4m3(x):
+    """Saturating round to nearest even e4m3, back in fp32."""
+    return x.clamp(max=448.0).to(torch.float8_e4m3fn).float()
 
 
 def rms(a, b) -> float:

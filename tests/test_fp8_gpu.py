@@ -6,7 +6,8 @@ Bars, derived from the measured error (benchmarks/results/fp8_accuracy_cpu.jsonl
     the kernel and the emulation differ by at most a fifth of that error (both round P to e4m3; the kernel's
     exp2 is an approximation and its output is rounded to bf16/fp16);
   * on e4m3-exact inputs with unit descales the only error left is P's rounding: the kernel matches the emulation
-    within the output dtype's rounding, and the LSE (P's rounding does not enter it) matches the fp32 reference;
+    within the output dtype's rounding plus the emulation's slack (a P within 2^-18 of an e4m3 rounding midpoint
+    may round either way: tests/fp8_emulation.py), and the LSE (P's rounding does not enter it) matches the fp32 reference;
     the same with sliding windows and a learnable sink.
 """
 
@@ -77,17 +78,21 @@ def test_exact_inputs_leave_only_p_rounding(d, causal, out_dtype, lengths):
 
 def _check_exact(out, lse, q8, k8, v8, out_dtype, causal=False, window=(None, None), sink=None):
     ones = torch.ones(q8.shape[0], k8.shape[2], device="cuda")
-    emu = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32, window=window,
-                                sink=sink)
+    emu, slack = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32,
+                                       window=window, sink=sink, return_slack=True)
     _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, window=window, sink=sink)
     eps = torch.finfo(out_dtype).eps
     assert out.dtype == out_dtype
-    # the output's rounding (half an ulp) plus the exp2 approximation's few fp32 ulps on P; a P value that rounds
-    # differently in e4m3 is a 2^-4 relative step of one term: allowed on at most 0.1% of the entries
+    # the output's rounding (half an ulp) plus the exp2 approximation's few fp32 ulps on P.  A P value within
+    # TIE_REL of an e4m3 rounding midpoint may round the other way in the kernel: one e4m3 step on one term, which
+    # on a row whose window holds two keys moves the output by up to 0.11 (the two failures of session 31,
+    # benchmarks/experiments/fp8_window_probe.py); the emulation's slack bounds that move per element.  Beyond the
+    # slack, allowed on at most 0.1% of the entries
+    err = (out.float() - emu).abs()
     tol = eps * emu.abs() + 1e-3
-    bad = ((out.float() - emu).abs() > tol).float().mean().item()
+    bad = (err > tol + slack).float().mean().item()
     assert bad <= 1e-3, bad
-    torch.testing.assert_close(out.float(), emu, atol=0.05, rtol=0.05)
+    assert (err <= 0.05 + 0.05 * emu.abs() + slack).all(), (err - slack).max().item()
     finite = torch.isfinite(lse_ref)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-4)

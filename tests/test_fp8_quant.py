@@ -145,3 +145,25 @@ def test_emulated_fp8_error_is_in_the_measured_range():
     assert errs["rot"] < errs["plain"]
     assert errs["rot"] < 1.5e-2 and errs["plain"] < 3e-2, errs
     assert errs["rot_p32"] <= errs["rot"] * 1.1
+
+
+def test_emulation_slack_covers_a_p_at_an_e4m3_rounding_midpoint():
+    """A row whose window holds two keys, one of whose 16·P lands on 8.5 (the midpoint of e4m3's 8 and 9) up to a
+    few fp32 ulps: the GPU may round it either way, and the slack is exactly the move of that one step."""
+    d = 64
+    q8, k8, v8 = (torch.zeros(1, 2, 1, d) for _ in range(3))
+    q8[0, :, 0, 0] = 1.0
+    k8[0, 0, 0, 0] = 1.0  # key 0 scores 1 * scale, key 1 scores 0
+    v8[0, 1, 0, :] = 1.0  # v0 = 0, v1 = 1: out = P8(key 1) / (16 + 16 P(key 1)) in every column
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q8, k8, v8))
+    ones = torch.ones(1, 1)
+    scale = math.log2(16 / 8.5) / math.log2(math.e)  # 16·exp2(−scale·log2e) = 8.5
+    out, slack = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, softmax_scale=scale, out_dtype=torch.float32,
+                                       return_slack=True)
+    row_sum = 16 + 8.5  # in 16ths, up to the fp32 ulps that decide the rounding
+    assert set(torch.round(out[0, 1, 0] * row_sum).tolist()) <= {8.0, 9.0}
+    torch.testing.assert_close(slack[0, 1, 0], torch.full((d,), 1 / row_sum), rtol=1e-5, atol=0)
+    # row 0 sees the same two keys (no mask), the same tie; a scale off the midpoint leaves no slack at all
+    _, slack = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, softmax_scale=scale * 1.01,
+                                     out_dtype=torch.float32, return_slack=True)
+    assert not slack.any()
