@@ -71,9 +71,9 @@ def test_outlier_input_error_matches_the_emulation_per_sequence(rotate):
     (q, k, v) = fa3_outlier_inputs(3, 1500, 1500, 4, 2, 128, seed=11, device="cuda")
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, rotate=rotate)  # (B, Hkv) descales: one per sequence
     pack = lambda x, lens: torch.cat([x[b, :n] for b, n in enumerate(lens)])  # noqa: E731
-    out = fa.flash_attn_varlen_func(pack(q8, lens_q), pack(k8, lens_k), pack(v8, lens_k), cu_seqlens_q=_cu(lens_q),
-                                    cu_seqlens_k=_cu(lens_k), max_seqlen_q=700, q_descale=qd, k_descale=kd,
-                                    v_descale=vd, causal=True)
+    out, _ = fa.flash_attn_varlen_func(pack(q8, lens_q), pack(k8, lens_k), pack(v8, lens_k), cu_seqlens_q=_cu(lens_q),
+                                       cu_seqlens_k=_cu(lens_k), max_seqlen_q=700, q_descale=qd, k_descale=kd,
+                                       v_descale=vd, causal=True)
     cu_q = _cu(lens_q)
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         sl = lambda x, n: x[b:b + 1, :n]  # noqa: E731
