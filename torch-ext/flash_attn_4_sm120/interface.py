@@ -172,8 +172,9 @@ def flash_attn_func(
     capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
     num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
     ``num_splits``: None (default) splits an inference call automatically when its grid would leave SMs idle
-    (as FlashAttention-2 does; never a call that needs grad, has dropout or block sparsity, runs under
-    torch.compile, or is captured in a CUDA graph with a caller-given max_seqlen_k: splitkv.default_num_splits);
+    and each CTA would walk at least ``splitkv.AUTO_MIN_KEYS`` keys (as FlashAttention-2 does; never a call that
+    needs grad, has dropout or block sparsity, runs under torch.compile, or is captured in a CUDA graph with a
+    caller-given max_seqlen_k: splitkv.default_num_splits; shipped off for now, splitkv.DEFAULT_SPLITS_AUTO);
     1 no split; N > 1 splits the keys into N ranges whose fp32 partials are combined (inference only); <= 0 picks
     N from the problem size and the SM count (1 for a call that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
