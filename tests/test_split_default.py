@@ -67,6 +67,21 @@ def test_kv_walk_of_a_malformed_argument_is_unknown(bad):
     assert SK.default_kv_walk(torch.zeros(1, 1, 4, 64), bad) is None
 
 
+def test_kv_walk_never_reads_a_tensor_length():
+    """A max_seqlen_k tensor (refused later by validation) is not turned into an int here: on a GPU that would be
+    a device->host sync."""
+    class Tripwire(int):
+        def __index__(self):
+            raise AssertionError("read")
+
+        __int__ = __index__
+
+    q, k = torch.zeros(1, 1, 4, 64), torch.zeros(1, 9000, 4, 64)
+    assert SK.default_kv_walk(q, k, max_seqlen_k=torch.tensor(9000)) is None
+    assert SK.default_kv_walk(q, k, max_seqlen_k=Tripwire(9000)) is None
+    assert SK.default_kv_walk(q, k, max_seqlen_k=True) is None
+
+
 # ---- through the public functions (stubbed device, 188 SMs) -----------------------------------------------------
 def _decode(L, **kw):
     calls = []

@@ -55,7 +55,9 @@ def default_kv_walk(q, k, *, page_table=None, cu_seqlens_k=None, max_seqlen_k=No
     call's validation names it)."""
     try:
         if max_seqlen_k is not None:
-            kv = int(max_seqlen_k)
+            if max_seqlen_k.__class__ is not int:  # a tensor would be read on the host (a sync): not here
+                return None
+            kv = max_seqlen_k
         elif cu_seqlens_k is not None:
             return None
         elif page_table is not None:
