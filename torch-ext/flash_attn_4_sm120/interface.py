@@ -19,7 +19,8 @@ from .dispatch_fp8 import fp8_attention, fp8_unsupported, is_fp8
 from .dispatch import run_forward
 from .dropout import check_p
 from .modspec import check_mods
-from .splitkv import check_num_splits, default_num_splits
+from . import splitkv as SK
+from .splitkv import check_num_splits
 from .features import require
 
 
@@ -61,13 +62,19 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
-        dropout = bool(kw.get("dropout_p"))
-        kw["num_splits"] = default_num_splits(
-            needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
-            # asked only where it matters (a host query per call otherwise)
-            capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing(),
-            kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None)
+        if not SK.DEFAULT_SPLITS_AUTO:  # shipped off: no split, and none of the per-call queries below
+            kw["num_splits"] = 1
+        else:
+            dropout = bool(kw.get("dropout_p"))
+            kw["num_splits"] = SK.default_num_splits(
+                needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
+                # asked only where it matters (a host query per call otherwise)
+                capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
+                and torch.cuda.is_current_stream_capturing(),
+                kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None,
+                kv_walk=SK.default_kv_walk(q, k, page_table=kw.get("page_table"),
+                                           cu_seqlens_k=kw.get("cu_seqlens_k"), max_seqlen_k=kw.get("max_seqlen_k"),
+                                           causal=kw["causal"], window_size=kw["window_size"]))
     mod_args = kw.pop("mod_args", None) or {}
     score_mod, mask_mod = mod_args.get("score_mod"), mod_args.get("mask_mod")
     compat.check_call(  # every refused combination, once per call
@@ -165,8 +172,9 @@ def flash_attn_func(
     capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
     num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
     ``num_splits``: None (default) splits an inference call automatically when its grid would leave SMs idle
-    (as FlashAttention-2 does; never a call that needs grad, has dropout or block sparsity, runs under
-    torch.compile, or is captured in a CUDA graph with a caller-given max_seqlen_k: splitkv.default_num_splits);
+    and each CTA would walk at least ``splitkv.AUTO_MIN_KEYS`` keys (as FlashAttention-2 does; never a call that
+    needs grad, has dropout or block sparsity, runs under torch.compile, or is captured in a CUDA graph with a
+    caller-given max_seqlen_k: splitkv.default_num_splits; shipped off for now, splitkv.DEFAULT_SPLITS_AUTO);
     1 no split; N > 1 splits the keys into N ranges whose fp32 partials are combined (inference only); <= 0 picks
     N from the problem size and the SM count (1 for a call that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
