@@ -1,0 +1,110 @@
+"""The first-call benchmark and the prebuilt set's size report on the CPU: bench_jit's row summary, the size row
+the publish path appends (``--report``), and the README sections rendered from both results files
+(scripts/readme_prebuilt.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hubtools import ROOT
+
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+import bench_jit  # noqa: E402
+import prebuilt_build  # noqa: E402
+import readme_prebuilt as rp  # noqa: E402
+
+
+def _run(seconds, load=0.05, compile_s=0.0, **extra):
+    return dict(seconds=seconds, second_s=0.001, import_s=1.0, torch_autograd_first_s=None, load_s=load,
+                runtime_s=0.03, compile_s=compile_s, compiles=0, prebuilt_loaded=1, disk_loaded=0,
+                cutlass_imported=False, **extra)
+
+
+def test_summary_is_the_median_run_with_its_breakdown():
+    runs = [_run(0.30, load=0.2), _run(0.10, load=0.05), _run(0.20, load=0.08)]
+    row = bench_jit.summarize("prebuilt", "fwd", runs)
+    assert row["seconds"] == 0.2 and row["load_s"] == 0.08, row  # the median run, not a mix of runs
+    assert row["all_s"] == [0.3, 0.1, 0.2] and row["runs"] == 3
+    assert abs(row["rest_s"] - 0.12) < 1e-9
+    even = bench_jit.summarize("prebuilt", "fwd", [_run(0.4), _run(0.2)])
+    assert even["seconds"] == 0.2  # the lower middle of an even count: a run that happened
+
+
+def test_sdpa_rows_have_no_breakdown():
+    row = bench_jit.summarize("sdpa", "fwd", [dict(seconds=0.05, second_s=0.001, import_s=1.0,
+                                                    torch_autograd_first_s=None)])
+    assert "rest_s" not in row and row["seconds"] == 0.05
+
+
+def test_bench_jit_refuses_both_prebuilt_options():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_jit.py"), "--prebuilt-dir", "a",
+                           "--build-prebuilt", "b"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not both" in proc.stderr
+
+
+def _manifest(sizes):
+    entries = {f"d{i}": {"kernel": kind, "bytes": n, "file": f"d{i}.so"} for i, (kind, n) in enumerate(sizes)}
+    return {"arch": "sm_120a", "cutlass_dsl": "4.8.1", "tvm_ffi": "0.1.15.post2", "sources": "ab" * 32,
+            "entries": entries}
+
+
+def test_size_row_totals_and_kinds():
+    m = _manifest([("FlashFwdTma", 150_000), ("FlashFwdTma", 130_000), ("FlashCombine", 50_000)])
+    row = prebuilt_build.size_row(m, sample_size=None, jobs=60, seconds=91.26)
+    assert row["configurations"] == 3 and row["bytes"] == 330_000 and row["mb"] == 0.33
+    assert row["largest_kb"] == 150.0 and row["build_s"] == 91.3 and row["sample"] is None
+    assert row["by_kernel"] == {"FlashCombine": {"objects": 1, "mb": 0.05}, "FlashFwdTma": {"objects": 2, "mb": 0.28}}
+    assert row["sources"] == "ab" * 8 and row["arch"] == "sm_120a"
+
+
+def test_report_needs_prebuilt():
+    for script in ("build_bundle.py", "publish.py"):
+        args = ["--report", "x.jsonl"] + (["--repo-id", "a/b"] if script == "publish.py" else [])
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
+                              text=True, cwd=ROOT / "scripts")
+        assert proc.returncode == 2 and "--report needs --prebuilt" in proc.stderr, (script, proc.stderr)
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_size_section_shows_the_newest_full_build_per_arch(tmp_path, monkeypatch):
+    m = _manifest([("FlashFwdTma", 150_000)])
+    old = prebuilt_build.size_row(m, sample_size=None, jobs=8, seconds=10)
+    new = {**old, "mb": 41.5, "configurations": 140, "build_s": 95.0, "jobs": 60, "cpus": 64}
+    sample = prebuilt_build.size_row(m, sample_size=1, jobs=2, seconds=5)
+    monkeypatch.setattr(rp, "SIZE_RESULTS", _write(tmp_path / "size.jsonl", [old, new, sample]))
+    text = rp.size_section()
+    table = [ln for ln in text.splitlines() if ln.startswith("| sm_120a")]
+    assert table == ["| sm_120a | 140 | 41.5 MB | 150 KB | no | 95 s (60 workers, 64 CPUs) | 4.8.1 |"], text
+    assert "Newest sample build: 1 configurations" in text
+    monkeypatch.setattr(rp, "SIZE_RESULTS", _write(tmp_path / "only-sample.jsonl", [sample]))
+    text = rp.size_section()
+    assert "No full build" in text and "| sm_120a" not in text
+
+
+def _first_call_run(prebuilt_s):
+    rows = [bench_jit.summarize(src, call, [_run(s, compile_s=c)])
+            for src, c, s in (("cold_jit", 6.5, 7.0), ("warm_disk", 0.0, 0.15), ("prebuilt", 0.0, prebuilt_s))
+            for call in ("fwd", "fwd_bwd")]
+    rows.append(bench_jit.summarize("sdpa", "fwd", [dict(seconds=0.04, second_s=0.001, import_s=1.0,
+                                                          torch_autograd_first_s=None)]))
+    return dict(kind="first_call", device="NVIDIA H100", torch="2.11", shape=bench_jit.SHAPE_TEXT,
+                prebuilt_set=dict(arch="sm_90a", configurations=132, mb=10.4, build_s=80.0), rows=rows)
+
+
+def test_first_call_section_renders_the_last_run_and_the_target(tmp_path, monkeypatch):
+    monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", _write(tmp_path / "fc.jsonl", [_first_call_run(0.5),
+                                                                                  _first_call_run(0.12)]))
+    text = rp.first_call_section()
+    assert "| prebuilt set | 120 ms | 120 ms | 0 / 0 |" in text, text
+    assert "| cold JIT (compile) | 7.00 s |" in text and "| torch SDPA (floor) | 40 ms | — | — | — |" in text
+    assert "0.3 s: 120 ms, met" in text and "132 objects, 10.4 MB" in text
+    monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", _write(tmp_path / "fc2.jsonl", [_first_call_run(0.5)]))
+    assert "0.3 s: 500 ms, not met" in rp.first_call_section()
+    monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", tmp_path / "missing.jsonl")
+    assert "No GPU run" in rp.first_call_section()
