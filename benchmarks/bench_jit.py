@@ -94,7 +94,7 @@ def child(call: str, impl: str) -> dict:
         (x * 2).backward(torch.ones_like(x))  # an explicit grad: torch's one-time sympy import, not attention's
         torch.cuda.synchronize()
         autograd_first = time.perf_counter() - t
-    grad = torch.ones(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    grad = torch.ones(b, s, h, d, device="cuda", dtype=torch.bfloat16) if bwd else None
     torch.cuda.synchronize()
 
     def once() -> float:
@@ -177,7 +177,7 @@ def measure(prebuilt_dir: Path | None, repeat: int, say=print) -> list[dict]:
                     ("warm_disk", "ours", repeat, lambda i: off)]
             if prebuilt_dir is not None:
                 plan.append(("prebuilt", "ours", repeat, lambda i: dict(
-                    FA4_SM120_CACHE_DIR=str(Path(tmp) / f"empty-{call}-{i}"),
+                    FA4_SM120_CACHE_DIR=str(Path(tmp) / f"empty-{call}-{i}"), FA4_SM120_PREBUILT="1",
                     FA4_SM120_PREBUILT_DIR=str(prebuilt_dir))))
             plan.append(("sdpa", "sdpa", repeat, lambda i: {}))
             for source, impl, n, env in plan:
