@@ -108,3 +108,32 @@ def test_first_call_section_renders_the_last_run_and_the_target(tmp_path, monkey
     assert "0.3 s: 500 ms, not met" in rp.first_call_section()
     monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", tmp_path / "missing.jsonl")
     assert "No GPU run" in rp.first_call_section()
+
+
+def test_sources_and_versions_are_read_once_per_process(monkeypatch):
+    """A first call that misses the prebuilt set checks its manifest (sources digest, versions) and then names the
+    disk cache entry (fingerprint: the same digest and versions): the package's sources are walked once."""
+    from pathlib import Path
+
+    from flash_attn_4_sm120 import compile_cache, prebuilt
+
+    monkeypatch.setattr(compile_cache, "_SOURCE_DIGEST", None)
+    monkeypatch.setattr(compile_cache, "_FINGERPRINT", None)
+    monkeypatch.setattr(compile_cache, "_VERSIONS", {})
+    walks, lookups = [], []
+    real_rglob = Path.rglob
+    monkeypatch.setattr(Path, "rglob", lambda self, pattern: walks.append(self) or real_rglob(self, pattern))
+    import importlib.metadata as md
+
+    real_version = md.version
+    monkeypatch.setattr(md, "version", lambda name: lookups.append(name) or real_version(name))
+    digest, versions = prebuilt.source_digest(), prebuilt.runtime_versions()
+    fp = compile_cache.fingerprint()
+    assert len(walks) == 1 and sorted(lookups) == ["apache-tvm-ffi", "nvidia-cutlass-dsl"], (walks, lookups)
+    assert versions == {"cutlass_dsl": compile_cache.dist_version("nvidia-cutlass-dsl"),
+                        "tvm_ffi": compile_cache.dist_version("apache-tvm-ffi")} and len(lookups) == 2
+    pkg = Path(compile_cache.__file__).absolute().parent
+    assert compile_cache.source_digest(pkg) == digest and len(walks) == 2  # a named directory is always hashed
+    monkeypatch.setattr(compile_cache, "_FINGERPRINT", None)
+    monkeypatch.setattr(compile_cache, "_SOURCE_DIGEST", "0" * 64)
+    assert compile_cache.fingerprint() != fp, "the sources digest is part of the disk cache's fingerprint"
