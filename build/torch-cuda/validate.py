@@ -216,7 +216,7 @@ def debug_checks_enabled(flag) -> bool:
 
 
 def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_streamcapturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # ---- lengths ---------------------------------------------------------------------------------------------------
