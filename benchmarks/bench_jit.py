@@ -115,12 +115,11 @@ def child(call: str, impl: str) -> dict:
     res = {"seconds": first, "second_s": second, "import_s": import_s, "torch_autograd_first_s": autograd_first}
     if impl == "ours":
         res.update(**spent, **counts, cutlass_imported="cutlass" in sys.modules)
-    try:
-        from tvm_ffi import _optional_torch_c_dlpack as dl  # whether tvm-ffi found a fast DLPack path
-
-        res["tvm_ffi_dlpack_addon"] = dl._LIB is not None
-    except Exception:
-        pass
+    # tvm-ffi's fast torch exchange: torch's own C API (torch >= 2.10), or an addon tvm-ffi builds with a C++
+    # compiler at its first import with an empty ~/.cache/tvm-ffi (a compile inside the first load) on older torch
+    res["torch_dlpack_c_api"] = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    dl = sys.modules.get("tvm_ffi._optional_torch_c_dlpack")
+    res["tvm_ffi_addon_loaded"] = None if dl is None else getattr(dl, "_LIB", None) is not None
     return res
 
 

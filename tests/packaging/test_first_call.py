@@ -137,3 +137,31 @@ def test_sources_and_versions_are_read_once_per_process(monkeypatch):
     monkeypatch.setattr(compile_cache, "_FINGERPRINT", None)
     monkeypatch.setattr(compile_cache, "_SOURCE_DIGEST", "0" * 64)
     assert compile_cache.fingerprint() != fp, "the sources digest is part of the disk cache's fingerprint"
+
+
+def test_build_set_builds_the_device_arch_through_the_publish_path(tmp_path, monkeypatch):
+    """bench_jit --build-prebuilt DIR: build_bundle.build (what publish.py --prebuilt calls) for the device's arch,
+    once; a DIR that already holds that arch's set is reused."""
+    from types import SimpleNamespace
+
+    import build_bundle
+
+    from flash_attn_4_sm120 import device
+
+    monkeypatch.setattr(device, "device_caps", lambda dev: SimpleNamespace(arch="sm_90a"))
+    calls = []
+
+    def fake_build(root, out, prebuilt):
+        calls.append((root, out, prebuilt))
+        d = out / build_bundle.VARIANT / "prebuilt" / "sm_90a"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps(_manifest([("FlashFwdTma", 2_000_000)])))
+
+    monkeypatch.setattr(build_bundle, "build", fake_build)
+    out = tmp_path / "b"
+    prebuilt_dir, info = bench_jit.build_set(out, 7)
+    assert calls == [(ROOT, out, {"archs": ["sm_90a"], "jobs": 7})]
+    assert prebuilt_dir == out / "torch-cuda" / "prebuilt"
+    assert info["arch"] == "sm_90a" and info["configurations"] == 1 and info["mb"] == 2.0
+    bench_jit.build_set(out, 7)
+    assert len(calls) == 1, "a directory holding the set is reused"
