@@ -165,3 +165,31 @@ def test_build_set_builds_the_device_arch_through_the_publish_path(tmp_path, mon
     assert info["arch"] == "sm_90a" and info["configurations"] == 1 and info["mb"] == 2.0
     bench_jit.build_set(out, 7)
     assert len(calls) == 1, "a directory holding the set is reused"
+
+
+def test_the_bench_cell_is_in_the_declared_set_of_every_arch():
+    """bench_jit's prebuilt rows must load, never compile: its forward and its forward + backward select only
+    configurations of the committed set, on each arch's first listed device (the dispatcher replayed on the CPU)."""
+    import pytest
+
+    pytest.importorskip("cutlass")
+    import torch
+
+    import flash_attn_4_sm120 as fa
+    import prebuilt_set
+
+    b, s, h, hkv, d = (bench_jit.SHAPE[k] for k in ("batch", "seqlen", "heads", "kv_heads", "head_dim"))
+    committed = prebuilt_set.committed()["sets"]
+    for arch, devices in prebuilt_set.DEVICES.items():
+        keys = {e["key"] for e in committed[arch]}
+        name, capability, sms = devices[0]
+        for grad in (False, True):
+            record = []
+            with prebuilt_set.stubbed_device(arch, name, capability, sms, record):
+                q = torch.empty(b, s, h, d, dtype=torch.bfloat16).requires_grad_(grad)
+                k, v = (torch.empty(b, s, hkv, d, dtype=torch.bfloat16).requires_grad_(grad) for _ in range(2))
+                out, _ = fa.flash_attn_func(q, k, v, causal=True)
+                if grad:
+                    out.backward(torch.ones_like(out))
+            assert record and all(repr(key) in keys for key in record), (arch, grad, record)
+            assert any(key[0].startswith("FlashBwd") for key in record) == grad, record
