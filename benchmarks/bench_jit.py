@@ -10,8 +10,8 @@ prebuilt set:
 
 * ``fwd``: the first ``flash_attn_func`` call (what a notebook waits for), synchronised;
 * ``fwd_bwd``: in another new process, the first forward and ``backward(grad)`` together.  torch's first
-  backward given an explicit grad imports sympy (``torch.autograd._make_grads``: 1.3 s on the 2-core CPU machine,
-  ``benchmarks/experiments/results/prebuilt_first_call_cpu_s32.jsonl``; any attention pays it there); the child
+  backward given an explicit grad imports sympy (``torch.autograd._make_grads``: 2.7 s on the loaded 2-core CPU
+  machine, ``benchmarks/experiments/results/prebuilt_first_call_cpu_s32.jsonl``; any attention pays it); the child
   pays it on a one-element tensor before the clock starts and reports it as ``torch_autograd_first_s``.
 
 for the sources ``cold_jit`` (empty disk cache, prebuilt off: compile, once), ``warm_disk`` (the cache the cold run
