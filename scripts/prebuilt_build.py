@@ -155,8 +155,19 @@ def size_row(manifest: dict, *, sample_size: int | None, jobs: int, seconds: flo
             "largest_kb": round(max((e["bytes"] for e in entries), default=0) / 1e3, 1),
             "by_kernel": {k: {"objects": c, "mb": round(b / 1e6, 2)} for k, (c, b) in sorted(kinds.items())},
             "build_s": round(seconds, 1), "jobs": jobs, "cpus": os.cpu_count(),
-            "cutlass_dsl": manifest["cutlass_dsl"], "tvm_ffi": manifest["tvm_ffi"],
+            "cutlass_dsl": manifest["cutlass_dsl"], "tvm_ffi": manifest["tvm_ffi"], "libs": _dsl_libs(),
             "sources": manifest["sources"][:16]}
+
+
+def _dsl_libs() -> str:
+    """Which CUDA major's CuTe-DSL libraries compiled the set (``cu12`` on CI's CPU, ``cu13`` on the GPU machines):
+    the objects' bytes, and so the size, can differ between them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    found = sorted({p.parent.parent.name for loc in locations for p in Path(loc).glob("cu*/lib/libcute_dsl_runtime.so")})
+    return "+".join(found) or "?"
 
 
 def build_into(variant: Path, archs: list[str], *, sample_size: int | None = None, jobs: int | None = None,

@@ -89,9 +89,10 @@ def size_section() -> str:
         out += ["| arch | objects | size | largest object | ≤ 40 MB | built in | cutlass-dsl |",
                 "|---|---|---|---|---|---|---|"]
         for arch, r in sorted(full.items()):
+            libs = f" ({r['libs']} libs)" if r.get("libs") else ""
             out.append(f"| {arch} | {r['configurations']} | {r['mb']:.1f} MB | {r['largest_kb']:.0f} KB "
                        f"| {'yes' if r['mb'] <= SIZE_BUDGET_MB else 'no'} | {r['build_s']:.0f} s "
-                       f"({r['jobs']} workers, {r['cpus']} CPUs) | {r['cutlass_dsl']} |")
+                       f"({r['jobs']} workers, {r['cpus']} CPUs) | {r['cutlass_dsl']}{libs} |")
         out += ["", "(`benchmarks/results/prebuilt_size.jsonl`.)"]
     else:
         out.append(f"No full build of a published set is recorded yet (`{SIZE_CMD}` records one; "

@@ -57,6 +57,7 @@ def test_size_row_totals_and_kinds():
     assert row["largest_kb"] == 150.0 and row["build_s"] == 91.3 and row["sample"] is None
     assert row["by_kernel"] == {"FlashCombine": {"objects": 1, "mb": 0.05}, "FlashFwdTma": {"objects": 2, "mb": 0.28}}
     assert row["sources"] == "ab" * 8 and row["arch"] == "sm_120a"
+    assert row["libs"] in ("cu12", "cu13", "cu12+cu13", "?"), row["libs"]
 
 
 def test_report_needs_prebuilt():
@@ -80,7 +81,8 @@ def test_size_section_shows_the_newest_full_build_per_arch(tmp_path, monkeypatch
     monkeypatch.setattr(rp, "SIZE_RESULTS", _write(tmp_path / "size.jsonl", [old, new, sample]))
     text = rp.size_section()
     table = [ln for ln in text.splitlines() if ln.startswith("| sm_120a")]
-    assert table == ["| sm_120a | 140 | 41.5 MB | 150 KB | no | 95 s (60 workers, 64 CPUs) | 4.8.1 |"], text
+    assert table == [f"| sm_120a | 140 | 41.5 MB | 150 KB | no | 95 s (60 workers, 64 CPUs) | 4.8.1 ({new['libs']} "
+                     "libs) |"], text
     assert "Newest sample build: 1 configurations" in text
     monkeypatch.setattr(rp, "SIZE_RESULTS", _write(tmp_path / "only-sample.jsonl", [sample]))
     text = rp.size_section()
