@@ -6,7 +6,7 @@ cache and compiled (cold JIT).  GPU only.
 
 Each measurement is a new interpreter with an empty user cache.  The call is a cell of the benchmark grid
 (Llama-3-8B shaped, B=4, S=4096, causal, bf16), so its forward and backward configurations are in the declared
-prebuilt set:
+prebuilt set of every arch (tests/packaging/test_first_call.py checks it):
 
 * ``fwd``: the first ``flash_attn_func`` call (what a notebook waits for), synchronised;
 * ``fwd_bwd``: in another new process, the first forward and ``backward(grad)`` together.  torch's first
@@ -22,9 +22,10 @@ arch's set into DIR through the publish path (``build_bundle.build(..., prebuilt
 --prebuilt`` calls), unless DIR already holds it, and uses ``DIR/torch-cuda/prebuilt``.
 
 Each child also reports where its time went: ``load_s`` (inside ``prebuilt.load`` / ``compile_cache.load``, of which
-``runtime_s`` loads tvm-ffi and the CuTe-DSL runtime library), ``compile_s`` (compile, export and link into the
-disk cache) and the rest (launches, allocation, the GPU's first module loads), the number of configurations compiled and loaded from the set, whether CuTe-DSL was
-imported, and the second call's time.  Rows: the median run of each (source, call) and every run's seconds.
+``runtime_s``, for the prebuilt set, imports tvm-ffi and loads the CuTe-DSL runtime library), ``compile_s``
+(compile, export and link into the disk cache) and the rest (launches, allocation, the GPU's first module
+loads), the number of configurations compiled and loaded from the set, whether CuTe-DSL was imported, and the
+second call's time.  Rows: the median run of each (source, call) and every run's seconds.
 The README's first-call table (``scripts/readme_sections.py``) reads the last line of
 ``benchmarks/results/first_call_h100.jsonl``.
 """

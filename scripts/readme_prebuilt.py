@@ -62,8 +62,13 @@ def first_call_section() -> str:
             str(r.get("compiles", "—")) if r else "—" for r in (fwd, both))
         where = "—"
         if fwd is not None and "load_s" in fwd:
-            where = (f"loading {_s(fwd['load_s'])} (tvm-ffi and runtime {_s(fwd['runtime_s'])}), compiling "
-                     f"{_s(fwd['compile_s'])}, launch and GPU {_s(fwd['rest_s'])}")
+            parts = [f"loading {_s(fwd['load_s'])}" + (
+                f" (of which tvm-ffi's import and the runtime library {_s(fwd['runtime_s'])})"
+                if fwd["runtime_s"] else "")]
+            if fwd["compile_s"]:
+                parts.append(f"compiling {_s(fwd['compile_s'])}")
+            parts.append(f"launch and GPU {_s(fwd['rest_s'])}")
+            where = ", ".join(parts)
         out.append(f"| {label} | {_s(fwd and fwd['seconds'])} | {_s(both and both['seconds'])} | {compiled} "
                    f"| {where} |")
     pre = by.get(("prebuilt", "fwd"))

@@ -103,7 +103,9 @@ def test_first_call_section_renders_the_last_run_and_the_target(tmp_path, monkey
     monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", _write(tmp_path / "fc.jsonl", [_first_call_run(0.5),
                                                                                   _first_call_run(0.12)]))
     text = rp.first_call_section()
-    assert "| prebuilt set | 120 ms | 120 ms | 0 / 0 |" in text, text
+    assert "| prebuilt set | 120 ms | 120 ms | 0 / 0 | loading 50 ms (of which tvm-ffi's import and the runtime " \
+           "library 30 ms), launch and GPU 70 ms |" in text, text
+    assert "compiling 6.50 s" in text  # the cold row
     assert "| cold JIT (compile) | 7.00 s |" in text and "| torch SDPA (floor) | 40 ms | — | — | — |" in text
     assert "0.3 s: 120 ms, met" in text and "132 objects, 10.4 MB" in text
     monkeypatch.setattr(rp, "FIRST_CALL_RESULTS", _write(tmp_path / "fc2.jsonl", [_first_call_run(0.5)]))
