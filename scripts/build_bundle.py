@@ -2,8 +2,9 @@
 
     python scripts/build_bundle.py            # (re)write build/torch-cuda
     python scripts/build_bundle.py --check    # exit 1 when build/ differs from a fresh build
-    python scripts/build_bundle.py --prebuilt [--arch sm_120a] [--sample N] [--out DIR]
-                                              # + the compiled prebuilt set (default out: build-prebuilt/)
+    python scripts/build_bundle.py --prebuilt [--arch sm_120a] [--sample N] [--jobs J] [--out DIR] [--report FILE]
+                                              # + the compiled prebuilt set (default out: build-prebuilt/);
+                                              # --report appends its size per arch to a jsonl file
 
 What a build holds (the layout the `kernels` library loads, see shared/reference/KERNELS_HUB.md):
 
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=None,
                         help="with --prebuilt: build only N configurations (one per kernel kind; CI)")
     parser.add_argument("--jobs", type=int, default=None, help="with --prebuilt: compile workers")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="with --prebuilt: append one row per arch (objects, MB, build time) to this jsonl "
+                             "file (benchmarks/results/prebuilt_size.jsonl feeds the README)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     out = (args.out or root / ("build-prebuilt" if args.prebuilt else "build")).resolve()
@@ -369,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         if out == (root / "build").resolve():
             parser.error("--prebuilt must not write into build/ (git keeps the set, not the objects); "
                          "use --out or the default build-prebuilt/")
-        prebuilt = dict(archs=args.arch or publish_archs(root), sample_size=args.sample, jobs=args.jobs)
+        prebuilt = dict(archs=args.arch or publish_archs(root), sample_size=args.sample, jobs=args.jobs,
+                        report=args.report and args.report.resolve())
+    elif args.report is not None:
+        parser.error("--report needs --prebuilt (it reports the compiled set)")
     try:
         if args.check:
             reasons = stale_reasons(root, out)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU steps for the H100 proxy (see README "Running the GPU tests").  Run from the repo root on the device after
-# `source /tmp/gpu-site/env.sh` (or `.gpu/p2/env.sh`).  Steps: smoke | test | bench | host | jit | sanitize | lies | decode | all.
+# `source /tmp/gpu-site/env.sh` (or `.gpu/p2/env.sh`).  Steps: smoke | test | bench | host | jit | prebuilt-size | sanitize | lies | decode | all.
+# jit: bench_jit.py (first call: prebuilt set built for this device's arch, warm disk, cold JIT, SDPA floor);
+# prebuilt-size: the full sm_120a prebuilt set through the publish path's build, its size row (64-core host).
 # decode: the decode tiles' GPU tests (key split, deep K/V pipelines, split, paged) and the A/B of decode tile tables.
 # Logs go to $OUT (the device tool's folder) when set, else ./out.
 set -uo pipefail
@@ -16,7 +18,11 @@ run_step() {
             --junitxml="$out/junit.xml" tests 2>&1 | tail -n 150 | tee "$out/test.log" ;;
     bench) timeout 540 python3 benchmarks/bench_fwd.py --out "$out/fwd_bench.jsonl" 2>&1 | tee "$out/bench.log" ;;
     host) timeout 300 python3 benchmarks/bench_host.py --out "$out/host_bench.jsonl" 2>&1 | tee "$out/host.log" ;;
-    jit) timeout 300 python3 benchmarks/bench_jit.py 2>&1 | tee "$out/jit.log" ;;
+    jit) timeout 540 python3 benchmarks/bench_jit.py --build-prebuilt /tmp/fa4-prebuilt \
+           --jobs "$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))" --out "$out/first_call_h100.jsonl" 2>&1 | tee "$out/jit.log" ;;
+    prebuilt-size) timeout 540 python3 scripts/build_bundle.py --prebuilt --arch sm_120a \
+           --jobs "$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))" --out /tmp/fa4-prebuilt-sm120a \
+           --report "$out/prebuilt_size.jsonl" 2>&1 | tail -n 20 | tee "$out/prebuilt_size.log" ;;
     decode) timeout 300 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
               tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py tests/test_kvcache_gpu.py \
               2>&1 | tail -n 60 \

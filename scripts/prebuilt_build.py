@@ -139,9 +139,43 @@ def build_arch(variant: Path, arch: str, entries: list[dict], jobs: int, say=pri
     return manifest
 
 
+def size_row(manifest: dict, *, sample_size: int | None, jobs: int, seconds: float) -> dict:
+    """The results row of one built arch (``--report``; the README's prebuilt-size table reads the rows whose
+    ``sample`` is None): objects, bytes in all and per kernel kind, the largest object, how long the build took
+    on how many workers, and the versions and sources it was built from."""
+    entries = list(manifest["entries"].values())
+    total = sum(e["bytes"] for e in entries)
+    kinds: dict[str, list[int]] = {}
+    for e in entries:
+        count_bytes = kinds.setdefault(e["kernel"], [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += e["bytes"]
+    return {"kind": "prebuilt_size", "arch": manifest["arch"], "configurations": len(entries),
+            "sample": sample_size, "bytes": total, "mb": round(total / 1e6, 2),
+            "largest_kb": round(max((e["bytes"] for e in entries), default=0) / 1e3, 1),
+            "by_kernel": {k: {"objects": c, "mb": round(b / 1e6, 2)} for k, (c, b) in sorted(kinds.items())},
+            "build_s": round(seconds, 1), "jobs": jobs, "cpus": os.cpu_count(),
+            "cutlass_dsl": manifest["cutlass_dsl"], "tvm_ffi": manifest["tvm_ffi"], "libs": _dsl_libs(),
+            "sources": manifest["sources"][:16]}
+
+
+def _dsl_libs() -> str:
+    """Which CUDA major's CuTe-DSL libraries compiled the set (``cu12`` on CI's CPU, ``cu13`` on the GPU machines):
+    the objects' bytes, and so the size, can differ between them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    found = sorted({p.parent.parent.name for loc in locations for p in Path(loc).glob("cu*/lib/libcute_dsl_runtime.so")})
+    return "+".join(found) or "?"
+
+
 def build_into(variant: Path, archs: list[str], *, sample_size: int | None = None, jobs: int | None = None,
-               say=print) -> dict[str, dict]:
-    """The prebuilt sets of ``archs`` into the rendered variant ``variant`` (its package files already copied)."""
+               report: Path | None = None, say=print) -> dict[str, dict]:
+    """The prebuilt sets of ``archs`` into the rendered variant ``variant`` (its package files already copied);
+    ``report``: a jsonl file that gets one ``size_row`` per arch appended."""
+    import time
+
     jobs = jobs or max(1, (os.cpu_count() or 2) - 1)
     manifests = {}
     for arch in archs:
@@ -149,7 +183,12 @@ def build_into(variant: Path, archs: list[str], *, sample_size: int | None = Non
         if sample_size is not None:
             entries = sample(entries, sample_size)
         say(f"prebuilt {arch}: {len(entries)} configurations, {jobs} workers")
+        t0 = time.perf_counter()
         manifests[arch] = build_arch(variant, arch, entries, jobs, say)
-        total = sum(e["bytes"] for e in manifests[arch]["entries"].values())
-        say(f"prebuilt {arch}: {len(entries)} objects, {total / 1e6:.1f} MB")
+        row = size_row(manifests[arch], sample_size=sample_size, jobs=jobs, seconds=time.perf_counter() - t0)
+        say(f"prebuilt {arch}: {row['configurations']} objects, {row['mb']:.1f} MB, {row['build_s']:.0f} s")
+        if report is not None:
+            report.parent.mkdir(parents=True, exist_ok=True)
+            with open(report, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return manifests

@@ -10,7 +10,11 @@
    left-padded), a training step (loss.backward) and greedy generate, with the bundle's compiler replaced by one
    that raises: the run must compile nothing;
 3. runs the same in a fresh process with the prebuilt set switched off (``FA4_SM120_PREBUILT=0``, empty cache:
-   JIT) and checks logits, loss, every gradient and the generated tokens are bitwise equal;
+   JIT) and checks logits, loss, every gradient and the generated tokens are bitwise equal; then times the same
+   model's first forward with transformers' SDPA in a fresh process (``sdpa_floor``: what a first forward costs
+   without this bundle: cuBLAS set-up, CUDA's lazy module loads).  The prebuilt step reports the time spent
+   inside ``prebuilt.load`` during the first forward and the second forward's time, so the first forward's
+   excess splits into loading, the GPU's first launches, and the model's own first-call costs;
 4. damages the bundle (one object's bytes; then the manifest's cutlass-dsl version) and checks, loaded from the
    local path (``LOCAL_KERNELS``), that the run warns naming the file (one line for the version) and compiles
    the damaged configuration only (every configuration for the version), with outputs still bitwise equal.
@@ -35,6 +39,29 @@ REPO = "kernels-test/flash-attn-4-sm120"
 
 
 # -- the child: one fresh process -----------------------------------------------------------------------------------
+def floor_child() -> None:
+    """The same model's first forward with transformers' own SDPA attention, in a fresh process: what the first
+    forward costs without this bundle (cuBLAS and CUDA's lazy module loads, the model's other ops)."""
+    import torch
+
+    import tf_scenarios as tf
+
+    cfg = tf.make_config("llama")
+    model = tf.build(cfg, "sdpa", torch.bfloat16, "cuda")
+    ids, mask = tf.inputs(cfg, "cuda", padded=False)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    torch.cuda.synchronize()
+    print(json.dumps({"first_forward_s": first, "second_forward_s": time.perf_counter() - t1}))
+
+
 def child(out: Path, forbid_compile: bool) -> None:
     import logging
 
@@ -69,6 +96,18 @@ def child(out: Path, forbid_compile: bool) -> None:
         return real(cfg, **kw)
 
     jit.compile_kernel = counted
+    prebuilt = importlib.import_module(bundle.__name__ + ".prebuilt")
+    in_load = [0.0]  # seconds inside prebuilt.load during the first forward (manifest, sha256, tvm-ffi, dlopen)
+    real_load = prebuilt.load
+
+    def timed_load(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return real_load(*a, **kw)
+        finally:
+            in_load[0] += time.perf_counter() - t
+
+    prebuilt.load = timed_load
     res: dict = {"load_s": time.perf_counter() - t0}
     ids, mask = tf.inputs(cfg, "cuda", padded=False)
     torch.cuda.synchronize()
@@ -77,6 +116,12 @@ def child(out: Path, forbid_compile: bool) -> None:
         res["logits_dense"] = model(ids, attention_mask=mask).logits
     torch.cuda.synchronize()
     res["first_forward_s"] = time.perf_counter() - t1
+    res["first_forward_prebuilt_load_s"] = in_load[0]
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    torch.cuda.synchronize()
+    res["second_forward_s"] = time.perf_counter() - t1
     ids, mask = tf.inputs(cfg, "cuda", padded=True)
     with torch.no_grad():
         res["logits_padded"] = model(ids, attention_mask=mask).logits
@@ -95,12 +140,15 @@ def child(out: Path, forbid_compile: bool) -> None:
     torch.save(res, out)
     print(json.dumps({"compiles": compiles, "used_keys": used, "log": records,
                       "cutlass_imported": "cutlass" in sys.modules, "load_s": res["load_s"],
-                      "first_forward_s": res["first_forward_s"], "bundle_file": bundle.__file__}))
+                      "first_forward_s": res["first_forward_s"], "bundle_file": bundle.__file__,
+                      "first_forward_prebuilt_load_s": res["first_forward_prebuilt_load_s"],
+                      "second_forward_s": res["second_forward_s"]}))
 
 
 # -- the parent --------------------------------------------------------------------------------------------------
-def run_child(env: dict, out: Path, forbid: bool) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out)] + (["--forbid-compile"] if forbid else [])
+def run_child(env: dict, out: Path | None, forbid: bool) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve())]
+    cmd += ["--child", str(out)] + (["--forbid-compile"] if forbid else []) if out is not None else ["--floor"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -121,6 +169,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--forbid-compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--bundle", type=Path, default=None,
                     help="a build directory: used as it is when it holds this arch's prebuilt set (e.g. from "
@@ -128,6 +177,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child is not None:
         child(args.child, args.forbid_compile)
+        return 0
+    if args.floor:
+        floor_child()
         return 0
 
     import torch
@@ -168,12 +220,16 @@ def main(argv=None) -> int:
         pre = run_child(env_for("prebuilt", HF_ENDPOINT=hub.endpoint), work / "prebuilt.pt", forbid=True)
         report("prebuilt", compiles=len(pre["compiles"]), kernels=len(pre["used_keys"]),
                cutlass_imported=pre["cutlass_imported"], first_forward_s=round(pre["first_forward_s"], 3),
-               log=pre["log"])
+               first_forward_prebuilt_load_s=round(pre["first_forward_prebuilt_load_s"], 3),
+               second_forward_s=round(pre["second_forward_s"], 4), log=pre["log"])
         if pre["compiles"]:
             failures.append(f"prebuilt run compiled {pre['compiles']}")
         ref = run_child(env_for("jit", HF_ENDPOINT=hub.endpoint, FA4_SM120_PREBUILT="0"), work / "jit.pt",
                         forbid=False)
         report("jit", compiles=len(ref["compiles"]), first_forward_s=round(ref["first_forward_s"], 3))
+        floor = run_child(env_for("sdpa"), None, forbid=False)
+        report("sdpa_floor", first_forward_s=round(floor["first_forward_s"], 3),
+               second_forward_s=round(floor["second_forward_s"], 4))
         diff = same(work / "prebuilt.pt", work / "jit.pt")
         report("bitwise", equal=not diff, differs=diff)
         if diff:

@@ -1,6 +1,7 @@
 """Publish the committed build to a Hub kernel repo.
 
-    python scripts/publish.py --repo-id ORG/NAME [--endpoint URL] [--dry-run] [--prebuilt [--arch A] [--sample N]]
+    python scripts/publish.py --repo-id ORG/NAME [--endpoint URL] [--dry-run] [--prebuilt [--arch A] [--sample N]
+                              [--jobs J] [--report FILE]]
 
 Uploads, with huggingface_hub and ``repo_type="kernel"``:
 
@@ -19,7 +20,7 @@ operations and contacts nobody. The token comes from ``HF_TOKEN`` or ``huggingfa
 compiled prebuilt set (``build_bundle.py --prebuilt``: ``prebuilt/<arch>/`` objects and manifest, in the
 digest), built in a temporary directory after the checks above; a full set is first checked against a fresh
 derivation (``scripts/prebuilt_set.py --check``). ``--sample N`` builds N configurations only (what CI runs, with
-``--dry-run``).
+``--dry-run``); ``--report FILE`` appends each arch's size (objects, MB, build time) to a jsonl file.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def build_files(build_dir: Path) -> dict[str, Path]:
 
 
 def render_prebuilt(root: Path, dest: Path, archs: list[str] | None, sample_size: int | None,
-                    jobs: int | None = None) -> tuple[Path, dict]:
+                    jobs: int | None = None, report: Path | None = None) -> tuple[Path, dict]:
     """The build to upload with its prebuilt set, rendered into ``dest/build``; returns (dir, metadata)."""
     if sample_size is None:
         import prebuilt_set
@@ -111,7 +112,7 @@ def render_prebuilt(root: Path, dest: Path, archs: list[str] | None, sample_size
                                f"it, then {build_bundle.REBUILD_HINT}")
     out = dest / "build"
     meta = build_bundle.build(root, out, prebuilt=dict(archs=archs or build_bundle.publish_archs(root),
-                                                       sample_size=sample_size, jobs=jobs))
+                                                       sample_size=sample_size, jobs=jobs, report=report))
     return out, meta
 
 
@@ -175,11 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", action="append", default=None, help="with --prebuilt: arch(s) to build")
     parser.add_argument("--sample", type=int, default=None, help="with --prebuilt: N configurations only (CI)")
     parser.add_argument("--jobs", type=int, default=None, help="with --prebuilt: compile workers")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="with --prebuilt: append the set's size per arch to this jsonl file")
     args = parser.parse_args(argv)
     if args.repo_id.count("/") != 1:
         parser.error(f"--repo-id must be ORG/NAME, got {args.repo_id!r}")
     try:
-        prebuilt = dict(archs=args.arch, sample_size=args.sample, jobs=args.jobs) if args.prebuilt else None
+        if args.report is not None and not args.prebuilt:
+            parser.error("--report needs --prebuilt (it reports the compiled set)")
+        prebuilt = dict(archs=args.arch, sample_size=args.sample, jobs=args.jobs,
+                        report=args.report and args.report.resolve()) if args.prebuilt else None
         return publish(args.root.resolve(), args.repo_id, args.endpoint, args.dry_run, prebuilt)
     except (PublishError, BuildError) as e:
         print(f"error: refusing to publish: {e}", file=sys.stderr)

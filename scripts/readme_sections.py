@@ -10,6 +10,8 @@
   <!-- bench-decode-summary --> the decode summary from decode_h100.jsonl
   <!-- bench-block-sparse / bench-mods --> from block_sparse_h100.jsonl / mods_h100.jsonl
   <!-- differs --> how this bundle differs from its peers, each row from a results file or a test
+  <!-- bench-first-call / prebuilt-size --> first-call latency (first_call_h100.jsonl) and the prebuilt set's size
+                 (prebuilt_size.jsonl): scripts/readme_prebuilt.py
   <!-- plots --> PNG plots drawn from the results files (benchmarks/results/plots/), with the sha256 of the data each
                  is drawn from recorded in plots.json: --check compares those hashes, never pixels
 
@@ -25,6 +27,9 @@ import json
 import math
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import readme_prebuilt  # noqa: E402  (the prebuilt set's sections: first-call latency, set size)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -591,7 +596,8 @@ SECTIONS = {"features": features_section, "gate": gate_section, "bench-fwd": ben
             "bench-dropout": bench_dropout_section, "bench-fwd-targets": bench_fwd_targets_section,
             "bench-bwd-targets": bench_bwd_targets_section, "bench-decode-summary": bench_decode_summary_section,
             "bench-block-sparse": bench_block_sparse_section, "bench-mods": bench_mods_section,
-            "plots": plots_section, "differs": differs_section}
+            "plots": plots_section, "differs": differs_section,
+            "bench-first-call": readme_prebuilt.first_call_section, "prebuilt-size": readme_prebuilt.size_section}
 
 
 def render(text: str, check: bool = False) -> str:

@@ -32,6 +32,8 @@ log = logging.getLogger("flash_attn_4_sm120")
 
 EXPORT_NAME = "fa4sm120_fwd"  # the symbol every exported kernel is written under (one kernel per file)
 _FINGERPRINT: str | None = None
+_SOURCE_DIGEST: str | None = None  # this package's, hashed once per process (prebuilt.py and fingerprint share it)
+_VERSIONS: dict[str, str] = {}
 _RUNTIME_LIBS_LOADED = False
 _REFUSED_DIRS: set[str] = set()
 
@@ -76,36 +78,46 @@ def safe_dir(d: Path) -> bool:
 
 
 def dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The installed version of distribution ``name`` ("?" when absent), looked up once per process (the
+    prebuilt manifest check and the disk cache's fingerprint both ask)."""
+    if name not in _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "?"
+        try:
+            _VERSIONS[name] = version(name)
+        except PackageNotFoundError:
+            _VERSIONS[name] = "?"
+    return _VERSIONS[name]
 
 
 def source_digest(pkg: Path | None = None) -> str:
     """sha256 of the Python sources (relative path and bytes of each, sorted) of this package, or of the package
     directory ``pkg``.  The path is not resolved: in the Hub cache each file is a symlink into a blob store, and
-    the package is the directory of the links."""
+    the package is the directory of the links.  This package's digest is computed once per process (the modules
+    it describes are the ones already imported)."""
+    global _SOURCE_DIGEST
+    if pkg is None and _SOURCE_DIGEST is not None:
+        return _SOURCE_DIGEST
     h = hashlib.sha256()
-    pkg = pkg or Path(__file__).absolute().parent
-    for src in sorted(pkg.rglob("*.py")):
-        h.update(src.relative_to(pkg).as_posix().encode())
+    root = pkg or Path(__file__).absolute().parent
+    for src in sorted(root.rglob("*.py")):
+        h.update(src.relative_to(root).as_posix().encode())
         h.update(src.read_bytes())
+    if pkg is None:
+        _SOURCE_DIGEST = h.hexdigest()
+        return _SOURCE_DIGEST
     return h.hexdigest()
 
 
 def fingerprint() -> str:
+    """The disk cache's directory name: Python version, cutlass-dsl and tvm-ffi versions and the sources' digest
+    (shared with the prebuilt check, so a first call that misses the prebuilt set hashes the sources once)."""
     global _FINGERPRINT
     if _FINGERPRINT is None:
         h = hashlib.sha256()
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
         h.update(f"cutlass={dist_version('nvidia-cutlass-dsl')} tvm_ffi={dist_version('apache-tvm-ffi')}".encode())
-        pkg = Path(__file__).absolute().parent
-        for src in sorted(pkg.rglob("*.py")):
-            h.update(src.relative_to(pkg).as_posix().encode())
-            h.update(src.read_bytes())
+        h.update(source_digest().encode())
         _FINGERPRINT = h.hexdigest()[:16]
     return _FINGERPRINT
 

@@ -207,7 +207,8 @@ def test_committed_set_matches_the_sources():
 
 
 def test_publish_uploads_the_build_with_a_prebuilt_sample(tmp_path):
-    """publish.py --prebuilt (a one-kernel sample) uploads the variant with its objects and manifest, in its digest."""
+    """publish.py --prebuilt (a one-kernel sample) uploads the variant with its objects and manifest, in its digest,
+    and ``--report`` appends the set's size row."""
     from hub_server import LocalHub
     from hubtools import git, isolated_env, make_project, script
 
@@ -219,7 +220,8 @@ def test_publish_uploads_the_build_with_a_prebuilt_sample(tmp_path):
     with LocalHub(tmp_path / "hub", write_token="hf_local_test_token") as hub:
         env = isolated_env(tmp_path, HF_TOKEN="hf_local_test_token")
         proc = script("publish.py", "--root", str(project), "--repo-id", repo, "--endpoint", hub.endpoint,
-                      "--prebuilt", "--arch", ARCH, "--sample", "1", "--jobs", "1", env=env)
+                      "--prebuilt", "--arch", ARCH, "--sample", "1", "--jobs", "1",
+                      "--report", str(tmp_path / "size.jsonl"), env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         files = hub.store.files(repo, hub.store.branches(repo)["v1"])
     base = f"build/torch-cuda/prebuilt/{ARCH}/"
@@ -230,3 +232,6 @@ def test_publish_uploads_the_build_with_a_prebuilt_sample(tmp_path):
     meta = json.loads(files["build/torch-cuda/metadata.json"].read_text())
     assert f"prebuilt/{ARCH}/{entry['file']}" in meta["digest"]["files"]
     assert not (project / "build" / "torch-cuda" / "prebuilt").exists(), "the committed build never gets objects"
+    (row,) = [json.loads(line) for line in (tmp_path / "size.jsonl").read_text().splitlines()]
+    assert row["kind"] == "prebuilt_size" and row["arch"] == ARCH and row["sample"] == 1
+    assert row["configurations"] == 1 and row["bytes"] == entry["bytes"] and row["jobs"] == 1
