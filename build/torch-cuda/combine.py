@@ -12,11 +12,16 @@ import torch
 from .arguments import COMBINE_ARGS
 from .config_combine import (COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem,
                      combine_split_groups)
+from .launch import compiled_kernel as _kernel, launch as _launch, sm_count  # shared with the attention kernels
 
 COMBINE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_ROWS = (1 << 31) - 1  # rows (batch * seqlen * heads) are indexed in int32
 _CONFIGS: dict[tuple, CombineKernelConfig] = {}
+# (config, device index) -> compiled kernel, and ("call", partial dtype, out dtype, out shape, splits, has_lse,
+# device index) -> the same kernel, so a decode loop's combine launch is one dict lookup (one memo: clearing it
+# forgets both)
 _KERNELS: dict[tuple, object] = {}
+_MAX_CALL_KEYS = 4096
 
 
 def _fail(msg: str):
@@ -107,17 +112,24 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
                    lse: torch.Tensor | None) -> None:
     """Run the combine kernel on (splits, B, S, H, D) / (splits, B, S, H) partials into (B, S, H, D) / (B, S, H)
     outputs (lse may be None).  No checks: callers validated."""
-    from .launch import compiled_kernel as _kernel, launch as _launch, sm_count  # shared with the attention kernels
-
-    num_rows = out.numel() // out.shape[-1] if out.shape[-1] else 0
+    shape = out.shape
+    dv = shape[-1]
+    num_rows = out.numel() // dv if dv else 0
     if num_rows == 0:
         return
     dev = out.device
-    groups = combine_split_groups(num_rows, out_partial.shape[0], out.shape[-1], sm_count(dev))
-    cfg = combine_config(out_partial.dtype, out.dtype, out.shape[-1], lse is not None, groups)
-    fn = _KERNELS.get((cfg, dev.index))
+    call = ("call", out_partial.dtype, out.dtype, shape, out_partial.shape[0], lse is not None, dev.index)
+    fn = _KERNELS.get(call)
     if fn is None:
-        fn = _KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)
+        groups = combine_split_groups(num_rows, out_partial.shape[0], dv, sm_count(dev))
+        cfg = combine_config(out_partial.dtype, out.dtype, dv, lse is not None, groups)
+        fn = _KERNELS.get((cfg, dev.index))
+        if fn is None:
+            fn = _KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)
+        if len(_KERNELS) >= _MAX_CALL_KEYS:  # many shapes (varlen totals): keep the compiled kernels only
+            for k in [k for k in _KERNELS if k[0] == "call"]:
+                del _KERNELS[k]
+        _KERNELS[call] = fn
     _launch(fn, COMBINE_ARGS, dev, dict(out_partial=out_partial, lse_partial=lse_partial, out=out, lse=lse,
                                         num_rows=num_rows))
 

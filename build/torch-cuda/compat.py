@@ -144,6 +144,47 @@ CONFLICTS: dict[str, Conflict] = {
 }
 
 
+# ---- FP8 (e4m3) forward: its feature-pair refusals (dispatch_fp8.py / dispatch_fp8_varlen.py call check_fp8 before
+# any launch; value checks — dtypes, descale shapes, layouts — stay in dispatch_fp8.check_fp8_call) ----
+CONFLICTS.update({
+    "fp8_compile": Conflict(
+        "float8_e4m3fn q/k/v × torch.compile", NotImplementedError,
+        "FP8 attention under torch.compile is not supported by flash-attn-4-sm120 yet (no torch.library op for "
+        "it); call it eagerly",
+        "the FP8 forward has no torch.library op (and no fake implementation) yet.", ()),
+    "fp8_grad": Conflict(
+        "float8_e4m3fn q/k/v × autograd", ValueError,
+        "FP8 attention is inference only: q/k/v (or learnable_sink) require grad; call it under torch.no_grad() / "
+        "torch.inference_mode(), or use bf16/fp16 inputs to train",
+        "there is no FP8 backward: a call whose q, k, v (or appended k/v) or learnable_sink requires grad with grad "
+        "enabled is refused before anything launches (`flash_attn_with_kvcache` refuses it as `kvcache_grad`).",
+        ("test_grad_call_raises_before_launch", "test_grad_and_e5m2_raise_before_launch_on_the_gpu",
+         "test_varlen_grad_e5m2_and_a_bf16_query_raise")),
+    "fp8_unserved": Conflict(
+        "float8_e4m3fn q/k/v × softcap / split-KV / `pack_gqa=True` / dropout / paged K/V / `cache_batch_idx` / "
+        "varlen q in `flash_attn_with_kvcache` / `seqused_q` / mods / block sparsity / qv / `debug_checks`",
+        NotImplementedError,
+        "{feature} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 forward serves causal/"
+        "non-causal attention with sliding window, sink and GQA, dense, varlen and over a contiguous KV cache); "
+        "leave it at its default or use bf16/fp16 inputs",
+        "the FP8 kernel (kernels/fwd_fp8.py) is built without them: each is named before launch. `num_splits` None, "
+        "0 and 1 run one split; `pack_gqa` None/False read K/V per query head (never copied).",
+        ("test_unserved_features_raise_before_launch", "test_varlen_refusals_name_the_argument",
+         "test_kvcache_refusals_name_the_argument")),
+})
+
+
+def check_fp8(*, compiling: bool, needs_grad: bool, unsupported: dict) -> None:
+    """The FP8 forward's conflicts, in the order they win: torch.compile, grad, then each unserved feature
+    (``unsupported``: its name as the message shows it -> whether the call uses it)."""
+    if compiling:
+        refuse("fp8_compile")
+    if needs_grad:
+        refuse("fp8_grad")
+    for name, on in unsupported.items():
+        if on:
+            refuse("fp8_unserved", feature=name)
+
 def refuse(name: str, **values):
     """Raise the table's exception of conflict ``name`` with its message filled from ``values``."""
     c = CONFLICTS[name]

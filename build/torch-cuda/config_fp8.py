@@ -2,9 +2,9 @@
 
 One frozen record per compiled kernel; ``can_implement`` raises ValueError / NotImplementedError naming the value
 and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
-q/k/v in float8_e4m3fn, head dims 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable
-sink, bf16 or fp16 output, one
-(B, Hkv) fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
+or varlen (cu_seqlens_q/k, seqused_k; a contiguous KV cache with cache_seqlens) q/k/v in float8_e4m3fn, head dims
+64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable sink, bf16 or fp16 output, one (B, Hkv)
+fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Fp8FwdConfig:
     out_dtype: str = "bf16"
     local: bool = False  # a sliding window (left and/or right bound beyond causal), runtime bounds
     has_sink: bool = False  # learnable sink: one fp32 logit per query head in the denominator
+    varlen: bool = False  # packed rows with per-sequence offsets/lengths (cu_seqlens_q/k, seqused_k), runtime values
     tile_m: int = FP8_TILE_M
     tile_n: int = FP8_TILE_N
     num_warps: int = FP8_NUM_WARPS
@@ -40,7 +41,7 @@ class Fp8FwdConfig:
 
     def name(self) -> str:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
-                f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}"
+                f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
                 f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
 
 
@@ -58,7 +59,7 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
                          "head dims only")
     if cfg.out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
-    for flag in ("causal", "local", "has_sink"):
+    for flag in ("causal", "local", "has_sink", "varlen"):
         if not isinstance(getattr(cfg, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
     if cfg.tile_m != 16 * cfg.num_warps:
@@ -78,15 +79,15 @@ def check_target(arch: str, device_text: str) -> None:
 
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
-                  has_sink: bool = False) -> Fp8FwdConfig:
+                  has_sink: bool = False, varlen: bool = False) -> Fp8FwdConfig:
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, out_dtype=out_dtype, local=local,
-                       has_sink=has_sink)
+                       has_sink=has_sink, varlen=varlen)
     can_implement(cfg)
     return cfg
 
 
 def all_configs() -> list[Fp8FwdConfig]:
     """Every configuration the dispatcher can select (the compile gate's FP8 worklist)."""
-    return [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k)
+    return [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
-            for k in (False, True)]
+            for k in (False, True) for vl in (False, True)]

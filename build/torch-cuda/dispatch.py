@@ -105,8 +105,8 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         key, plan, pack_gqa=pack_gqa, ratio=ratio, heads=hq, batch=batch, max_q=max_q, max_k=max_k,
         num_splits=num_splits, device=dev, caps=caps)
     o_dst, lse_dst = out, lse
-    if splits > 1:  # fp32 partials with a leading split dim, combined below
-        o_dst, lse_dst = SK.partials(out, lse, splits)
+    if splits > 1:  # fp32 partials with a leading split dim (one allocation), combined below
+        o_dst, lse_dst, o_comb, lse_comb = SK.partials(out, lse, splits, varlen_q)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
     thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = D.kernel_args(drop if in_kernel else None)
@@ -122,7 +122,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         rng_seed_hi=seed_hi, rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t,
     ))
     if splits > 1:
-        SK.combine_into(o_dst, lse_dst, out, lse, varlen_q)
+        SK.combine_into(o_comb, lse_comb, out, lse, varlen_q)
     if drop is not None and not in_kernel:  # p = 1: every probability dropped
         out.zero_()
     return out, lse, meta, sink

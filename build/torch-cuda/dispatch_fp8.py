@@ -2,8 +2,12 @@
 
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
-raises before anything launches, and so does every feature the FP8 kernel does not serve yet (varlen, paged K/V,
-softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served.  No host read of a device value.
+raises before anything launches, and so does every feature the FP8 kernel does not serve yet (paged K/V,
+softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served, dense
+(``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous KV
+cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 appends); dispatch_fp8_varlen.py maps the last two onto the
+kernel's packed-rows form.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
+the bf16 path does).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 
 import torch
 
+from . import compat
 from .config_fp8 import FP8_HEAD_DIMS, Fp8FwdConfig, select_config
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -38,12 +43,12 @@ def _check_descale(name, d, b, hkv, device):
     return d.contiguous()  # an expanded (stride-0) descale gets its own (B, Hkv) copy: the kernel reads rows
 
 
-def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict):
+def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict,
+                   varlen_q=False, varlen_k=False, batch=None):
     """ValueError / NotImplementedError for anything the FP8 forward does not serve; returns (descales, out_dtype
-    name).  ``unsupported``: name -> True for each non-default feature argument of the call."""
-    if needs_grad:
-        raise ValueError("FP8 attention is inference only: q/k/v (or learnable_sink) require grad; call it under "
-                         "torch.no_grad() / torch.inference_mode(), or use bf16/fp16 inputs to train")
+    name).  ``unsupported``: name -> True for each non-default feature argument of the call.  ``varlen_q/k``: q or
+    k/v are packed rows (total, H, D) of ``batch`` sequences (else (B, S, H, D))."""
+    compat.check_fp8(compiling=False, needs_grad=needs_grad, unsupported={})  # before the dtypes, as before
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -53,26 +58,29 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         if t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"q, k, v must all be float8_e4m3fn when one is (FP8 attention); {name} is {t.dtype}. "
                              "An FP8 KV cache with a bf16/fp16 query is not implemented yet")
-    for name, on in unsupported.items():
-        if on:
-            raise NotImplementedError(f"{name} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 "
-                                      "forward serves dense causal/non-causal attention with GQA); leave it at "
-                                      "its default or use bf16/fp16 inputs")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise NotImplementedError(f"{name} has shape {tuple(t.shape)}: the FP8 forward serves dense "
-                                      "(batch, seqlen, heads, head_dim) tensors only (no varlen / paged K/V yet)")
+    compat.check_fp8(compiling=False, needs_grad=False, unsupported=unsupported)
+    for name, t, packed in (("q", q, varlen_q), ("k", k, varlen_k), ("v", v, varlen_k)):
+        if t.dim() != (3 if packed else 4):
+            raise NotImplementedError(
+                f"{name} has shape {tuple(t.shape)}: the FP8 forward takes "
+                + ("packed (total, heads, head_dim) rows with cu_seqlens" if packed else
+                   "dense (batch, seqlen, heads, head_dim) tensors here (packed rows: flash_attn_varlen_func with "
+                   "cu_seqlens; no paged K/V yet)"))
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
         if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"{name}'s rows must be 16-byte aligned (strides {t.stride()}, a multiple of 16 "
                              "elements): use .contiguous()")
-        if t.stride(1) >= 2 ** 31:  # the kernel keeps K/V row strides in 32 bits
-            raise ValueError(f"{name}'s sequence stride {t.stride(1)} must be below 2**31 elements: use .contiguous()")
-    b, sq, hq, d = q.shape
-    _, sk, hkv, dv = v.shape
-    if tuple(k.shape) != (b, sk, hkv, d) or v.shape[0] != b:
-        raise ValueError(f"q/k/v shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if t.stride(-3) >= 2 ** 31:  # the kernel keeps K/V row strides in 32 bits
+            raise ValueError(f"{name}'s sequence stride {t.stride(-3)} must be below 2**31 elements: use "
+                             ".contiguous()")
+    b = q.shape[0] if batch is None else batch
+    hq, d = q.shape[-2:]
+    hkv, dv = v.shape[-2:]
+    if (tuple(k.shape[:-1]) != tuple(v.shape[:-1]) or k.shape[-1] != d or (not varlen_q and q.shape[0] != b)
+            or (not varlen_k and k.shape[0] != b)):
+        raise ValueError(f"q/k/v shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                         + (f" (batch {b})" if batch is not None else ""))
     if hq % hkv:
         raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's ({hkv})")
     if d not in FP8_HEAD_DIMS or dv != d:
@@ -83,11 +91,16 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     descales = tuple(_check_descale(n, x, b, hkv, q.device)
                      for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    require_cuda(q, k, v)
+    return descales, _OUT[out_dtype], out_dtype
+
+
+def require_cuda(q, k, v) -> None:
+    """The device check, last of the host checks (the CPU tests of the routing stub it)."""
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not q.is_cuda:
         raise ValueError(f"FP8 attention needs CUDA tensors, got device {q.device}")
-    return descales, _OUT[out_dtype], out_dtype
 
 
 def fake_args(cfg: Fp8FwdConfig) -> tuple:
@@ -109,10 +122,14 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
                                              stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
                                              assumed_align=4)
 
+    def i32():
+        return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
     u8 = cutlass.Uint8
     sink = f32(1) if cfg.has_sink else None
+    lens = (i32(), i32(), i32()) if cfg.varlen else (None, None, None)
     return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), f32(2), f32(2), f32(2), sink, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            f32(3), f32(2), f32(2), f32(2), sink, *lens, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -195,8 +212,50 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     num_m_blocks = (sq + cfg.tile_m - 1) // cfg.tile_m
     qd, kd, vd = descales
     with torch.cuda.device(q.device):
-        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink,
-           scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink, None, None,
+           None, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+    return out, lse
+
+
+def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, softmax_scale, causal, out_name,
+                   out_dtype, window_size=None, learnable_sink=None):
+    """Launch the FP8 forward on checked packed rows: q (1, total_q, Hq, D), k/v (1, total_k, Hkv, D), sequence b
+    = q rows cu_q[b]..cu_q[b+1], keys cu_k[b]..cu_k[b]+used_k[b] (int32 on q's device) -> (out (1, total_q, Hq,
+    Dv), lse fp32 (1, Hq, total_q))."""
+    from .config_fp8 import check_target
+    from .device import device_caps
+
+    caps = device_caps(q.device)
+    check_target(caps.arch, caps.describe())
+    total_q, hq, d = q.shape[1:]
+    total_k, hkv = k.shape[1:3]
+    batch = cu_q.shape[0] - 1
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    # bounds that cover every key of any sequence stand for an unbounded side
+    local, left, right = window_bounds(window_size, causal, total_q, total_k)
+    sink = _sink(learnable_sink, hq, q.device)
+    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True)
+    out = torch.empty(1, total_q, hq, v.shape[3], dtype=out_dtype, device=q.device)
+    lse = torch.empty(1, hq, total_q, dtype=torch.float32, device=q.device)
+    if batch == 0 or total_q == 0 or hq == 0:
+        return out, lse
+    if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
+        out.zero_()
+        if sink is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sink.view(1, hq, 1).expand(1, hq, total_q))
+        return out, lse
+    num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+    if num_m_blocks == 0:
+        return out, lse
+    fn = get_fp8_kernel(cfg, q.device)
+    qd, kd, vd = descales
+    with torch.cuda.device(q.device):
+        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink, cu_q, cu_k,
+           used_k, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
     return out, lse
 
 
@@ -204,17 +263,7 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
                   causal=False, window_size=None, return_lse=False, learnable_sink=None,
                   unsupported: dict | None = None):
     """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None)."""
-    if not is_fp8(q, k, v):
-        given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
-                                ("out_dtype", out_dtype)) if x is not None]
-        raise ValueError(f"{', '.join(given)} given with {getattr(q, 'dtype', type(q).__name__)} inputs: descales "
-                         "and out_dtype apply to float8_e4m3fn q/k/v only; drop them or quantize the inputs "
-                         "(fp8_quant.quantize_qkv)")
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("FP8 attention under torch.compile is not supported by flash-attn-4-sm120 yet "
-                                  "(no torch.library op for it); call it eagerly")
-    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                                 for t in (q, k, v, learnable_sink))
+    needs_grad = entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
     unsupported = dict(unsupported or {})
     descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                                    v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
@@ -222,6 +271,19 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
     out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                                out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
     return out, (lse if return_lse else None)
+
+
+def entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink, *extra) -> bool:
+    """The checks every FP8 entry point makes first; returns whether the call needs grad."""
+    if not is_fp8(q, k, v, *extra):
+        given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                                ("out_dtype", out_dtype)) if x is not None]
+        raise ValueError(f"{', '.join(given)} given with {getattr(q, 'dtype', type(q).__name__)} inputs: descales "
+                         "and out_dtype apply to float8_e4m3fn q/k/v only; drop them or quantize the inputs "
+                         "(fp8_quant.quantize_qkv)")
+    compat.check_fp8(compiling=torch.compiler.is_compiling(), needs_grad=False, unsupported={})
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                           for t in (q, k, v, learnable_sink, *extra))
 
 
 def fp8_unsupported(*, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:

@@ -19,7 +19,8 @@ from .dispatch_fp8 import fp8_attention, fp8_unsupported, is_fp8
 from .dispatch import run_forward
 from .dropout import check_p
 from .modspec import check_mods
-from .splitkv import check_num_splits, default_num_splits
+from . import splitkv as SK
+from .splitkv import check_num_splits
 from .features import require
 
 
@@ -61,13 +62,19 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
-        dropout = bool(kw.get("dropout_p"))
-        kw["num_splits"] = default_num_splits(
-            needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
-            # asked only where it matters (a host query per call otherwise)
-            capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing(),
-            kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None)
+        if not SK.DEFAULT_SPLITS_AUTO:  # shipped off: no split, and none of the per-call queries below
+            kw["num_splits"] = 1
+        else:
+            dropout = bool(kw.get("dropout_p"))
+            kw["num_splits"] = SK.default_num_splits(
+                needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
+                # asked only where it matters (a host query per call otherwise)
+                capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
+                and torch.cuda.is_current_stream_capturing(),
+                kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None,
+                kv_walk=SK.default_kv_walk(q, k, page_table=kw.get("page_table"),
+                                           cu_seqlens_k=kw.get("cu_seqlens_k"), max_seqlen_k=kw.get("max_seqlen_k"),
+                                           causal=kw["causal"], window_size=kw["window_size"]))
     mod_args = kw.pop("mod_args", None) or {}
     score_mod, mask_mod = mod_args.get("score_mod"), mod_args.get("mask_mod")
     compat.check_call(  # every refused combination, once per call
@@ -165,8 +172,9 @@ def flash_attn_func(
     capture; change it between replays); ``dropout_offset``: an int (default 0 with a seed).  Dropout with
     num_splits != 1 (split-KV), block sparsity or paged K/V raises ValueError.
     ``num_splits``: None (default) splits an inference call automatically when its grid would leave SMs idle
-    (as FlashAttention-2 does; never a call that needs grad, has dropout or block sparsity, runs under
-    torch.compile, or is captured in a CUDA graph with a caller-given max_seqlen_k: splitkv.default_num_splits);
+    and each CTA would walk at least ``splitkv.AUTO_MIN_KEYS`` keys (as FlashAttention-2 does; never a call that
+    needs grad, has dropout or block sparsity, runs under torch.compile, or is captured in a CUDA graph with a
+    caller-given max_seqlen_k: splitkv.default_num_splits; shipped off for now, splitkv.DEFAULT_SPLITS_AUTO);
     1 no split; N > 1 splits the keys into N ranges whose fp32 partials are combined (inference only); <= 0 picks
     N from the problem size and the SM count (1 for a call that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;
@@ -241,6 +249,10 @@ def flash_attn_varlen_func(
     block_sparse_tensors_bwd=None,
     dropout_seed: int | torch.Tensor | None = None,
     dropout_offset: int | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Variable-length attention.  With ``cu_seqlens_q`` (B+1,) int32, q is (total_q, Hq, D) and out/lse are
     (total_q, Hq, Dv) / (Hq, total_q); without it q is (B, Sq, Hq, D).  Likewise ``cu_seqlens_k`` for k/v.
@@ -260,7 +272,26 @@ def flash_attn_varlen_func(
     defaults to max_pages_per_seq * page_size.  Rows of a last page past seqused_k are never read.  Cannot be
     combined with ``cu_seqlens_k`` or dropout; inference only (a call that needs grad raises).  Page indices are
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
+
+    FP8: float8_e4m3fn q/k/v with (B, Hkv) fp32 descales, as ``flash_attn_func``'s (packed or dense q and k/v,
+    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py).
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or is_fp8(q, k, v)):
+        from .dispatch_fp8_varlen import fp8_varlen_attention
+
+        return fp8_varlen_attention(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            return_lse=return_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
+                block_sparse_tensors=block_sparse_tensors, page_table=page_table, qv=qv,
+                gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+                mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
+                scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split,
+                block_sparse_tensors_bwd=block_sparse_tensors_bwd, dropout_seed=dropout_seed,
+                dropout_offset=dropout_offset, debug_checks=debug_checks or None))
     p = _check_common(num_splits, block_sparse_tensors, dropout_p, deterministic, block_sparse_tensors_bwd)
     if (qv is not None or gather_kv_indices is not None or aux_scalars is not None
             or min_seqlen_k is not None or scheduler_metadata is not None or seqlen_k_per_split is not None):
@@ -332,7 +363,11 @@ def flash_attn_with_kvcache(
 
     No device->host sync and CUDA-graph capturable (give ``max_seqlen_q`` with ``cu_seqlens_q``).  Returns out
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
-    (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad, qv and FP8 descales raise NotImplementedError.
+    (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad and qv raise NotImplementedError.
+
+    FP8: float8_e4m3fn q and a float8_e4m3fn contiguous cache with (B, Hkv) fp32 descales (FlashAttention-3's);
+    appended k/v are e4m3 under the cache's descales; bf16 output.  No paged cache, cache_batch_idx or varlen q
+    with FP8 yet, and a bf16/fp16 q over an e4m3 cache raises (dispatch_fp8_varlen.py).
     """
     from . import kvcache as KV
 
@@ -340,12 +375,23 @@ def flash_attn_with_kvcache(
         raise NotImplementedError("rotary_cos/rotary_sin/rotary_seqlens: rotary embedding inside "
                                   "flash_attn_with_kvcache is not supported by flash-attn-4-sm120; apply the rotary "
                                   "embedding to q and k before the call and leave these at None")
-    if (alibi_slopes is not None or cache_leftpad is not None or qv is not None or q_descale is not None
-            or k_descale is not None or v_descale is not None or cu_seqlens_k_new is not None
+    if q_descale is not None or k_descale is not None or v_descale is not None or is_fp8(q, k_cache, v_cache, k, v):
+        from .dispatch_fp8_varlen import fp8_kvcache_attention
+
+        out, lse = fp8_kvcache_attention(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, out_dtype=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            return_lse=return_softmax_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0, page_table=page_table,
+                block_table=block_table, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
+                alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,
+                scheduler_metadata=scheduler_metadata, debug_checks=debug_checks or None,
+                attention_chunk=attention_chunk or None, sm_margin=sm_margin or None))
+        return (out, lse) if return_softmax_lse else out
+    if (alibi_slopes is not None or cache_leftpad is not None or qv is not None or cu_seqlens_k_new is not None
             or scheduler_metadata is not None):
-        _unsupported(alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, q_descale=q_descale,
-                     k_descale=k_descale, v_descale=v_descale, cu_seqlens_k_new=cu_seqlens_k_new,
-                     scheduler_metadata=scheduler_metadata)
+        _unsupported(alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv,
+                     cu_seqlens_k_new=cu_seqlens_k_new, scheduler_metadata=scheduler_metadata)
     if attention_chunk:
         raise NotImplementedError(f"attention_chunk={attention_chunk} is not supported by flash-attn-4-sm120; "
                                   "leave it at 0")

@@ -71,11 +71,13 @@ class Plan:
     """Memoised per key: the kernel configs (the backward's validated at forward time when gradients are needed,
     so a training step never fails half-way) and their compiled launchers, filled on first use."""
 
-    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn")
+    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn", "shapes")
 
     def __init__(self, fwd_cfg, bwd_cfg=None, dq_cfg=None):
         self.fwd_cfg, self.bwd_cfg, self.dq_cfg = fwd_cfg, bwd_cfg, dq_cfg
         self.fwd_fn = self.bwd_fn = self.dq_fn = None
+        # launch_plan's choices that depend on the call's shapes but not on its KV length, per shape (_ShapePlan)
+        self.shapes = {}
 
 
 _PLANS: dict[PlanKey, Plan] = {}
@@ -217,11 +219,24 @@ def split_key(key: PlanKey) -> PlanKey:
                         seed_tensor=False, dropout_high_p=False, paged_tma=False)
 
 
-def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, batch: int, max_q: int, max_k: int,
-                num_splits: int, device, caps) -> tuple[Plan, int, int, int]:
-    """(plan, pack, splits, m-blocks) of a call with work to do, from its plan: GQA packing, packed dropout rows,
-    the decode tile of its row bucket, the split count (splitkv.resolve_num_splits: ValueError for a forced count
-    the device cannot run) and the split tile."""
+class _ShapePlan:
+    """What ``launch_plan`` derives from a plan and the call's shapes other than the KV length (packing, decode
+    tile, m-blocks, CTAs, KV tile), and the split-KV plan once a call of these shapes splits: a decode loop, whose
+    KV length grows every step, repeats none of it (memoised in ``Plan.shapes``)."""
+
+    __slots__ = ("key", "plan", "pack", "num_m_blocks", "ctas", "tile_n", "split")
+
+    def __init__(self, key, plan, pack, num_m_blocks, ctas, tile_n):
+        self.key, self.plan, self.pack, self.num_m_blocks, self.ctas, self.tile_n = \
+            key, plan, pack, num_m_blocks, ctas, tile_n
+        self.split = None  # (split plan, its m-blocks), on the first call of these shapes that splits
+
+
+_MAX_SHAPES = 256  # shape entries per plan (a serving loop's batch sizes); beyond it the memo starts over
+
+
+def _shape_plan(key: PlanKey, plan: Plan, pack_gqa, ratio: int, heads: int, batch: int, max_q: int,
+                num_splits: int, device) -> _ShapePlan:
     pack = 1 if key.sparse[0] else choose_pack(pack_gqa, ratio, max_q, plan.fwd_cfg.tile.tile_m)
     if key.dropout:
         key, plan, pack = packed_dropout(key, plan, pack)
@@ -229,14 +244,34 @@ def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, b
     if dkey is not None:
         key, plan = dkey, get_plan(dkey)
     num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
-    splits = resolve_num_splits(num_splits, needs_grad=key.needs_grad, batch=batch,
-                                ctas=num_m_blocks * (heads // pack) * batch,
-                                n_blocks=-(-max_k // plan.fwd_cfg.tile.tile_n), dv=key.head_dim_v, device=device,
-                                paged=key.paged, caps=caps)
+    return _ShapePlan(key, plan, pack, num_m_blocks, num_m_blocks * (heads // pack) * batch, plan.fwd_cfg.tile.tile_n)
+
+
+def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, batch: int, max_q: int, max_k: int,
+                num_splits: int, device, caps) -> tuple[Plan, int, int, int]:
+    """(plan, pack, splits, m-blocks) of a call with work to do, from its plan: GQA packing, packed dropout rows,
+    the decode tile of its row bucket, the split count (splitkv.resolve_num_splits: ValueError for a forced count
+    the device cannot run) and the split tile.  Only the split count reads ``max_k``; the rest is memoised per
+    shape in the plan (``_ShapePlan``)."""
+    if pack_gqa is None or pack_gqa is True or pack_gqa is False:
+        memo = (pack_gqa, ratio, heads, batch, max_q, max(num_splits, 1), device.index)
+        sp = plan.shapes.get(memo)
+        if sp is None:
+            if len(plan.shapes) >= _MAX_SHAPES:
+                plan.shapes.clear()
+            sp = plan.shapes[memo] = _shape_plan(key, plan, pack_gqa, ratio, heads, batch, max_q, num_splits, device)
+    else:  # not a valid value: choose_pack raises, naming it
+        sp = _shape_plan(key, plan, pack_gqa, ratio, heads, batch, max_q, num_splits, device)
+    splits = resolve_num_splits(num_splits, needs_grad=sp.key.needs_grad, batch=batch, ctas=sp.ctas,
+                                n_blocks=-(-max_k // sp.tile_n), dv=sp.key.head_dim_v, device=device,
+                                paged=sp.key.paged, caps=caps)
     if splits > 1:
-        plan = get_plan(split_key(key))
-        num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
-    return plan, pack, splits, num_m_blocks
+        split = sp.split
+        if split is None:
+            splan = get_plan(split_key(sp.key))
+            split = sp.split = (splan, -(-max_q * sp.pack // splan.fwd_cfg.tile.tile_m))
+        return split[0], sp.pack, splits, split[1]
+    return sp.plan, sp.pack, splits, sp.num_m_blocks
 
 
 __all__ = ["FwdMeta", "Plan", "PlanKey", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "launch_plan", "packed_dropout",

@@ -37,17 +37,57 @@ AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (benchm
 # split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
 DEFAULT_SPLITS_AUTO = False
 
+# The default splits only a call whose KV walk per CTA is at least this many keys: below it the split path's fixed
+# cost (a second launch, the fp32 workspace, the combine) exceeds the kernel time it saves.  Derived from
+# benchmarks/experiments/results/split_generate_probe_h200_s31.jsonl (B=1, Hq 32 / Hkv 8, d128, one call with a
+# synchronize): unsplit 105.5 us at 4K keys and 213.8 us at 16K, i.e. ~69 us + 8.8 us per 1K keys; split
+# 137.5-146.9 us at both, flat; the two cross at ~8K keys.  The grid-fill condition (an unsplit grid that leaves
+# SMs idle) is auto_num_splits'.  An explicit num_splits (0 included) is not subject to it.
+AUTO_MIN_KEYS = 8192
+
+
+def default_kv_walk(q, k, *, page_table=None, cu_seqlens_k=None, max_seqlen_k=None, causal=False,
+                    window_size=None) -> int | None:
+    """Keys one CTA of the unsplit kernel walks at most, from shapes and the caller-given ``max_seqlen_k`` (never a
+    device value): the KV extent (k's sequence dim; pages per sequence x page size with a page table;
+    ``max_seqlen_k`` with cu_seqlens_k), capped by a window bounded on both sides (left + right + query rows).
+    None when it cannot be told from those (cu_seqlens_k without max_seqlen_k) or an argument is malformed (the
+    call's validation names it)."""
+    try:
+        if max_seqlen_k is not None:
+            if max_seqlen_k.__class__ is not int:  # a tensor would be read on the host (a sync): not here
+                return None
+            kv = max_seqlen_k
+        elif cu_seqlens_k is not None:
+            return None
+        elif page_table is not None:
+            kv = int(page_table.shape[1]) * int(k.shape[1])
+        else:
+            kv = int(k.shape[-3])
+        if window_size is not None:
+            left, right = window_size
+            right = 0 if causal else right
+            if isinstance(left, int) and isinstance(right, int) and left >= 0 and right >= 0:
+                kv = min(kv, left + right + max(int(q.shape[-3]), 1))
+        return kv
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
 
 def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, compiling: bool, capturing: bool,
-                       kv_extent_static: bool) -> int:
+                       kv_extent_static: bool, kv_walk: int | None = None) -> int:
     """What ``num_splits=None`` means for one call: 0 (automatic: ``auto_num_splits`` splits only a grid that
     leaves SMs idle, from shapes and the SM count) or 1 (no split).  1 for a training call (needs grad), a call with
-    dropout or block sparsity (neither runs split), under torch.compile (the compiled op runs one split), and under
+    dropout or block sparsity (neither runs split), under torch.compile (the compiled op runs one split), under
     CUDA-graph capture when the KV extent is a caller-given ``max_seqlen_k`` rather than a tensor shape (the count
-    would be frozen for a length the caller may change between replays).  ``DEFAULT_SPLITS_AUTO = False``: always 1."""
+    would be frozen for a length the caller may change between replays), and when the keys a CTA walks
+    (``kv_walk``, ``default_kv_walk``; from shapes, never device values) are fewer than ``AUTO_MIN_KEYS``.
+    ``DEFAULT_SPLITS_AUTO = False``: always 1."""
     if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
         return 1
     if capturing and not kv_extent_static:
+        return 1
+    if kv_walk is not None and kv_walk < AUTO_MIN_KEYS:
         return 1
     return 0
 
@@ -111,18 +151,45 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
                            2 if paged else 1)
 
 
-def partials(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partial O and LSE in the forward kernel's layouts, with a leading num_splits dim."""
-    o = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
-    s = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=lse.device)
-    return o, s
-
-
-def combine_into(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 varlen_q: bool) -> None:
-    """Combine the partials into the call's out/lse (the forward's layouts: lse (B, Hq, Sq) or (Hq, total_q))."""
+@functools.lru_cache(maxsize=256)  # per (splits, shapes): fixed for every step of a decode loop but the split count
+def _workspace_geometry(num_splits: int, out_shape: tuple, lse_shape: tuple, varlen_q: bool) -> tuple:
+    """(floats, o view, lse view, o view for the combine, lse view for the combine) of one fp32 workspace holding
+    the partial O (offset 0; rows stay 16-byte aligned) then the partial LSE; each view is (shape, stride, offset),
+    read off the same view ops on a meta tensor, so every stride is the one those ops give."""
+    o_numel = num_splits
+    for n in out_shape:
+        o_numel *= n
+    l_numel = num_splits
+    for n in lse_shape:
+        l_numel *= n
+    ws = torch.empty(o_numel + l_numel, dtype=torch.float32, device="meta")
+    o, lp = ws[:o_numel].view(num_splits, *out_shape), ws[o_numel:].view(num_splits, *lse_shape)
     if varlen_q:  # (splits, total, H, D), (splits, H, total) -> batch 1
-        launch_combine(o_part.unsqueeze(1), lse_part.transpose(1, 2).unsqueeze(1), out.unsqueeze(0),
-                       lse.t().unsqueeze(0))
+        oc, lc = o.unsqueeze(1), lp.transpose(1, 2).unsqueeze(1)
     else:
-        launch_combine(o_part, lse_part.transpose(2, 3), out, lse.transpose(1, 2))
+        oc, lc = o, lp.transpose(2, 3)
+
+    def geo(t):
+        return tuple(t.shape), t.stride(), t.storage_offset()
+
+    return o_numel + l_numel, geo(o), geo(lp), (None if oc is o else geo(oc)), geo(lc)
+
+
+def partials(out: torch.Tensor, lse: torch.Tensor, num_splits: int, varlen_q: bool = False) -> tuple:
+    """fp32 partial O and LSE in the forward kernel's layouts, with a leading num_splits dim, and the same two in the
+    combine kernel's layouts: (o, lse, o_combine, lse_combine), views of one allocation (one torch.empty per call;
+    the views' geometry is memoised per shape)."""
+    floats, o_v, l_v, oc_v, lc_v = _workspace_geometry(num_splits, tuple(out.shape), tuple(lse.shape), varlen_q)
+    ws = torch.empty(floats, dtype=torch.float32, device=out.device)
+    o = ws.as_strided(*o_v)
+    return o, ws.as_strided(*l_v), (o if oc_v is None else ws.as_strided(*oc_v)), ws.as_strided(*lc_v)
+
+
+def combine_into(o_comb: torch.Tensor, lse_comb: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 varlen_q: bool) -> None:
+    """Combine the partials (``partials``' combine views) into the call's out/lse (the forward's layouts: lse
+    (B, Hq, Sq) or (Hq, total_q))."""
+    if varlen_q:
+        launch_combine(o_comb, lse_comb, out.unsqueeze(0), lse.t().unsqueeze(0))
+    else:
+        launch_combine(o_comb, lse_comb, out, lse.transpose(1, 2))

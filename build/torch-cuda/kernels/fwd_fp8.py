@@ -23,7 +23,10 @@ Algorithm, per CTA:
   (SM120 has an 8-bit transposing ldmatrix; the H100 proxy does not, so this file uses none.)
   * Causal / sliding window: KV tiles outside every row's range are never loaded; the tiles that cross an edge
     are masked.  A learnable sink joins the denominator in the epilogue.
-Constraints: D = Dv in {64, 128} (config_fp8.can_implement), dense batches, no softcap/split-KV yet.
+  * Varlen (cfg.varlen): q/out (1, total_q, H, D) and k/v (1, total_k, Hkv, D) packed rows, lse (1, Hq, total_q);
+    sequence b has rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] and keys cu_seqlens_k[b] .. + seqused_k[b] (the
+    host makes all three, on the device, for dense tensors: a contiguous KV cache with cache_seqlens is this).
+Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap/split-KV/paged K/V yet.
 Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
 """
 
@@ -43,8 +46,9 @@ LOG2_E = 1.4426950408889634
 
 
 class FlashFwdFp8:
-    ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "scale_log2",
-                 "window_left", "window_right", "qheads_per_kvhead", "num_m_blocks")
+    ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
+                 "cu_seqlens_k", "seqused_k", "scale_log2", "window_left", "window_right", "qheads_per_kvhead",
+                 "num_m_blocks")
 
     def __init__(self, cfg: Fp8FwdConfig):
         can_implement(cfg)
@@ -61,6 +65,7 @@ class FlashFwdFp8:
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                  q_descale: cute.Tensor, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
+                 cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
                  scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
                  num_m_blocks: Int32, stream):
         q_bytes = self.tile_m * self.k_row
@@ -74,20 +79,34 @@ class FlashFwdFp8:
             sV: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, v_bytes], 128]
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
-        self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, scale_log2, window_left,
-                    window_right, qheads_per_kvhead, SharedStorage).launch(
-            grid=(num_m_blocks, q.shape[2], q.shape[0]), block=(self.num_threads, 1, 1),
+        # varlen: one batch of packed rows (1, total, H, D), one grid slice per sequence
+        batch = cu_seqlens_q.shape[0] - 1 if const_expr(self.cfg.varlen) else q.shape[0]
+        self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                    scale_log2, window_left, window_right, qheads_per_kvhead, SharedStorage).launch(
+            grid=(num_m_blocks, q.shape[2], batch), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None, scale_log2: Float32,
+               mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None,
+               mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mUsedK: cute.Tensor | None, scale_log2: Float32,
                window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
         sq, sk = mQ.shape[1], mK.shape[1]
+        bq = b  # the batch index of q/out/lse and k/v tensors (0 for packed varlen rows)
+        q_off, k_off = Int32(0), Int32(0)  # the sequence's first row in them
+        if const_expr(self.cfg.varlen):
+            bq = 0
+            # offsets and lengths are the caller's contract; clamped to the rows that exist, a lie gives wrong
+            # numbers but never an out-of-bounds access (as the bf16 forward)
+            q_off = cutlass.min(cutlass.max(mCuQ[b], 0), sq)
+            sq = cutlass.min(cutlass.max(mCuQ[b + 1], q_off), sq) - q_off
+            k_off = cutlass.min(cutlass.max(mCuK[b], 0), sk)
+            # the host passes cu_seqlens_k's differences when no seqused_k is given
+            sk = cutlass.min(cutlass.max(mUsedK[b], 0), sk - k_off)
         hkv = h // qheads_per_kvhead
         sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
         row0 = m_block * self.tile_m + warp * 16 + g
@@ -101,14 +120,20 @@ class FlashFwdFp8:
         # Q tile -> shared memory (rows past Sq read row Sq - 1 and are never stored), in the first cp.async group.
         # Q fragments are read from there per 32-column chunk: holding all of Q in registers (16 at d128) spilled
         # where the mma is emulated (sm_90a: benchmarks/results/fp8_gate_sm90a.jsonl)
-        q_base = mQ.iterator.toint() + Int64(b) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])
+        q_base = mQ.iterator.toint() + Int64(bq) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])
         q_chunks = self.d // 16
         for j in cutlass.range_constexpr(self.tile_m * q_chunks // self.num_threads):
             idx = tidx + self.num_threads * j
             r, cidx = idx // q_chunks, idx % q_chunks
             q_row = cutlass.min(m_block * self.tile_m + r, sq - 1)
-            cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
-                        q_base + Int64(q_row) * Int64(mQ.stride[1]) + Int64(cidx * 16), 16)
+            if const_expr(self.cfg.varlen):  # an empty sequence (sq = 0) reads nothing: zero-filled, never stored
+                q_ok = q_row >= 0
+                cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
+                            q_base + Int64((q_off + q_row) if q_ok else 0) * Int64(mQ.stride[1]) + Int64(cidx * 16),
+                            16 if q_ok else 0)
+            else:
+                cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
+                            q_base + Int64(q_row) * Int64(mQ.stride[1]) + Int64(cidx * 16), 16)
         q_frag_addr = sQ_addr + (warp * 16 + g) * self.k_row + 4 * t
 
         # bottom-right aligned: row i sees keys j with i + shift - left <= j <= i + shift + right (the host passes
@@ -120,16 +145,20 @@ class FlashFwdFp8:
         row_last = row_first + self.tile_m - 1
         n_blocks = (sk + self.tile_n - 1) // self.tile_n
         n_max = n_blocks
+        if const_expr(self.cfg.varlen):  # the grid covers the longest sequence: a tile past this one's rows is idle
+            n_max = cutlass.max(cutlass.min(sq - row_first, 1), 0) * n_blocks
         if const_expr(self.has_right):
             limit = cutlass.max(row_last + shift + window_right + 1, 0)
-            n_max = cutlass.min(n_blocks, (limit + self.tile_n - 1) // self.tile_n)
+            n_max = cutlass.min(n_max, (limit + self.tile_n - 1) // self.tile_n)
         n_min = 0
         if const_expr(self.cfg.local):
             n_min = cutlass.min(cutlass.max(row_first + shift - window_left, 0) // self.tile_n, n_max)
         n_iters = n_max - n_min
 
-        k_base = mK.iterator.toint() + Int64(b) * Int64(mK.stride[0]) + Int64(hkv) * Int64(mK.stride[2])
-        v_base = mV.iterator.toint() + Int64(b) * Int64(mV.stride[0]) + Int64(hkv) * Int64(mV.stride[2])
+        k_base = (mK.iterator.toint() + Int64(bq) * Int64(mK.stride[0]) + Int64(k_off) * Int64(mK.stride[1])
+                  + Int64(hkv) * Int64(mK.stride[2]))
+        v_base = (mV.iterator.toint() + Int64(bq) * Int64(mV.stride[0]) + Int64(k_off) * Int64(mV.stride[1])
+                  + Int64(hkv) * Int64(mV.stride[2]))
         # a row stride is H * D bytes (the host checks it fits 32 bits): one register each across the loop
         k_rs, v_rs = Int32(mK.stride[1]), Int32(mV.stride[1])
 
@@ -185,7 +214,8 @@ class FlashFwdFp8:
             cute.arch.barrier()  # every warp is done with this stage before the next load refills it
         cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
         # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
-        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, h // qheads_per_kvhead], rows, sq, b, h, t)
+        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, h // qheads_per_kvhead], rows, sq, bq, q_off, h,
+                      t)
 
     @cute.jit
     def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
@@ -266,7 +296,7 @@ class FlashFwdFp8:
         return pa
 
     @cute.jit
-    def epilogue(self, mO, mLSE, mSink, acc_o, row_m, row_l, v_descale, rows, sq, b, h, t):
+    def epilogue(self, mO, mLSE, mSink, acc_o, row_m, row_l, v_descale, rows, sq, b, q_off, h, t):
         o_base = mO.iterator.toint() + (Int64(b) * Int64(mO.stride[0]) + Int64(h) * Int64(mO.stride[2])) * 2
         for hf in cutlass.range_constexpr(2):
             l = cu.quad_allreduce_sum(row_l[hf])
@@ -286,7 +316,7 @@ class FlashFwdFp8:
             factor = inv * v_descale * rescale
             row = rows[hf]
             if row < sq:
-                o_row = o_base + Int64(row) * Int64(mO.stride[1]) * 2
+                o_row = o_base + Int64(q_off + row) * Int64(mO.stride[1]) * 2
                 for cb in cutlass.range_constexpr(self.dv // 32):
                     vals = [acc_o[4 * (4 * cb + i) + 2 * hf + e] * factor for e in range(2) for i in range(4)]
                     if const_expr(self.cfg.out_dtype == "bf16"):
@@ -296,4 +326,4 @@ class FlashFwdFp8:
                     st_global_v4(o_row + (32 * cb + 8 * t) * 2, regs)
                 if t == 0:
                     lse = -Float32.inf if l == 0.0 else (m - P_SHIFT_LOG2 + log2_approx(l)) * LN_2
-                    mLSE[b, h, row] = lse
+                    mLSE[b, h, q_off + row] = lse

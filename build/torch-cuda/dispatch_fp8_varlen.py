@@ -1,0 +1,160 @@
+"""FP8 (e4m3) forward for ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``: both become the kernel's
+packed-rows form (kernels/fwd_fp8.py, ``Fp8FwdConfig.varlen``) — q (1, total_q, Hq, D), k/v (1, total_k, Hkv, D),
+int32 cu_seqlens_q / cu_seqlens_k / seqused_k — and ``dispatch_fp8.run_fp8_packed`` launches it.
+
+* varlen: packed q and/or k/v with cu_seqlens_q / cu_seqlens_k, seqused_k capping each sequence's keys; a dense
+  side is flattened (a view) with its cu_seqlens made on the device (``arange(B + 1) * S``).
+* kvcache: a contiguous cache (B_cache >= B, S_cache, Hkv, D), rows b < B read as dense K/V with
+  seqused_k = cache_seqlens (+ the appended keys); new e4m3 k/v are written into the cache first (the same indexed
+  writes as the bf16 path, on uint8 views: torch has no index_put for float8).  They are the caller's e4m3 values,
+  under the cache's k_descale / v_descale.
+
+Refused before launch (NotImplementedError naming the argument): paged K/V (page_table / block_table),
+cache_batch_idx, varlen q in the cache call, seqused_q, and the features ``flash_attn_func``'s FP8 path refuses.
+Descales are (B, Hkv) per sequence.  No host read of a device value, but a varlen call's missing max_seqlen_q
+(``validate.max_len``: read once, as the bf16 path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compat
+from . import dispatch_fp8 as F8
+from . import validate as V
+
+_E4 = torch.float8_e4m3fn
+
+
+def _check_lengths(name, t, length, device):
+    if t is None:
+        return
+    V.check_index_tensor(name, t, length, device)
+
+
+def _flatten(t, name):
+    """(B, S, H, D) -> (1, B * S, H, D) view, without a copy (a cache is never copied)."""
+    b, s = t.shape[:2]
+    if b > 1 and s > 0 and t.stride(0) != s * t.stride(1):
+        raise ValueError(f"{name} (strides {t.stride()}) cannot be read as packed rows: its batch stride must be "
+                         f"seqlen x its row stride ({s} x {t.stride(1)}); use .contiguous()")
+    return t.as_strided((1, b * s) + tuple(t.shape[2:]), (b * s * t.stride(1) or 1,) + t.stride()[1:],
+                        t.storage_offset())
+
+
+def _flatten_q(q):
+    """A dense q as packed rows: a view, or a copy of q (never of K/V) when its layout does not allow one."""
+    ok = q.shape[0] <= 1 or q.shape[1] == 0 or q.stride(0) == q.shape[1] * q.stride(1)
+    return _flatten(q if ok else q.contiguous(), "q")
+
+
+def _dense_cu(batch, s, device):
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * s
+
+
+def _unpack(out, lse, batch, sq, dense_q, return_lse):
+    """The kernel's (1, total_q, Hq, Dv) / (1, Hq, total_q) back to the caller's layout."""
+    hq = out.shape[2]
+    if not dense_q:
+        return out[0], (lse[0] if return_lse else None)
+    out = out.view(batch, sq, hq, out.shape[3])
+    return out, (lse.view(hq, batch, sq).permute(1, 0, 2).contiguous() if return_lse else None)
+
+
+def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
+                         k_descale, v_descale, out_dtype, softmax_scale, causal, window_size, return_lse,
+                         learnable_sink, unsupported: dict):
+    """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv)."""
+    needs_grad = F8.entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
+    unsupported = dict(unsupported)
+    unsupported["seqused_q"] = seqused_q is not None
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is not None and (not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 1):
+            raise ValueError(f"{name} must be a 1-D int32 tensor of shape (batch + 1,)")
+    if varlen_q:
+        batch = cu_seqlens_q.shape[0] - 1
+    elif varlen_k:
+        batch = cu_seqlens_k.shape[0] - 1
+    else:
+        batch = getattr(q, "shape", (0,))[0]
+    descales, out_name, out_torch = F8.check_fp8_call(
+        q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+        needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch)
+    dev = q.device
+    _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
+    _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
+    _check_lengths("seqused_k", seqused_k, batch, dev)
+    qp = q.unsqueeze(0) if varlen_q else _flatten_q(q)
+    kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
+    vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")
+    cu_q = cu_seqlens_q if varlen_q else _dense_cu(batch, q.shape[1], dev)
+    cu_k = cu_seqlens_k if varlen_k else _dense_cu(batch, k.shape[1], dev)
+    used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
+    max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
+    out, lse = F8.run_fp8_packed(qp, kp, vp, cu_q, cu_k, used_k, max_q, descales, softmax_scale=softmax_scale,
+                                 causal=causal, out_name=out_name, out_dtype=out_torch, window_size=window_size,
+                                 learnable_sink=learnable_sink)
+    return _unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
+
+
+def _check_new(k, v, k_cache, v_cache, batch):
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values to append) must be given together")
+    if k is None:
+        return 0
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if not isinstance(new, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
+        if new.dtype != _E4:
+            raise (NotImplementedError if new.dtype == torch.float8_e5m2 else ValueError)(
+                f"{name} has dtype {new.dtype}; appending into a float8_e4m3fn cache takes float8_e4m3fn {name} "
+                "(already scaled by the cache's descale: quantizing bf16/fp16 appends is not implemented yet)")
+        if new.dim() != 4 or new.shape[0] != batch or new.shape[2:] != cache.shape[2:] or new.shape[1] != k.shape[1]:
+            raise ValueError(f"{name} {tuple(new.shape)} must be (batch={batch}, S_new, Hkv, D) with the heads and "
+                             f"head dim of {name}_cache {tuple(cache.shape)} and one S_new")
+        if new.device != cache.device:
+            raise ValueError(f"{name} is on {new.device}, {name}_cache on {cache.device}")
+    return k.shape[1]
+
+
+def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale, k_descale, v_descale, out_dtype,
+                          softmax_scale, causal, window_size, return_lse, learnable_sink, unsupported: dict):
+    """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous cache -> (out, lse or None)."""
+    from . import kvcache as KV
+
+    needs_grad = F8.entry_checks(q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype, learnable_sink,
+                                 k, v)
+    if needs_grad:
+        compat.refuse("kvcache_grad")
+    batch = getattr(q, "shape", (0,))[0]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            raise ValueError(f"{name} must be a contiguous cache (B_cache, S_cache, Hkv, D) here, got "
+                             f"{tuple(getattr(c, 'shape', ())) or type(c).__name__}")
+        if c.shape[0] < batch:
+            raise ValueError(f"{name} has {c.shape[0]} rows for a batch of {batch}; a cache with one row per batch "
+                             "entry is needed (cache_batch_idx is not supported with FP8 yet)")
+    kc, vc = k_cache[:batch], v_cache[:batch]
+    descales, out_name, out_torch = F8.check_fp8_call(
+        q, kc, vc, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+        needs_grad=False, unsupported=unsupported)
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
+                         "(batch, seqlen) dims")
+    new = _check_new(k, v, k_cache, v_cache, batch)
+    if new and cache_seqlens is None:
+        raise ValueError("cache_seqlens is required when appending k/v (it says where the new keys go)")
+    dev = q.device
+    seqlens = KV.check_cache_seqlens(cache_seqlens, batch, k_cache.shape[1], new, dev)
+    kp, vp = _flatten(kc, "k_cache"), _flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
+    if new:
+        KV.append(k_cache.view(torch.uint8), v_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8),
+                  seqlens, None, None)
+    cu_k = _dense_cu(batch, k_cache.shape[1], dev)
+    used_k = (cu_k[1:] - cu_k[:-1]) if seqlens is None else (seqlens + new if new else seqlens)
+    qp = _flatten_q(q)
+    out, lse = F8.run_fp8_packed(qp, kp, vp, _dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
+                                 descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
+                                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
+    return _unpack(out, lse, batch, q.shape[1], True, return_lse)
