@@ -14,8 +14,8 @@ fi
 .venv/bin/python scripts/build_bundle.py --check
 .venv/bin/python scripts/readme_sections.py --check
 .venv/bin/python scripts/conflicts_log.py --check
-# the compile gate in CI's form (scripts/gate_ci.py, README "Compile gate"): the committed full runs of sm_120a and
-# sm_80 (benchmarks/results/gate_full_<arch>.jsonl) must be fresh, fully passing and complete; then a deterministic
+# the compile gate in CI's form (scripts/gate_ci.py, README "Compile gate"): the committed full run of each target in
+# gate_ci.FULL_ARCHS (sm_120a: benchmarks/results/gate_full_<arch>.jsonl) must be fresh, fully passing and complete; then a deterministic
 # shard of each full worklist, plus what the working tree changed in the kernels since the full run (about 14
 # minutes on two cores).  Its status is returned after the test suite, so a stale full run does not hide the tests.
 gate=0
