@@ -174,8 +174,7 @@ def _debug_check_values(tensors, num_blocks: int, what: str, arg: str) -> None:
     """Opt-in host check (one device->host copy per tensor): counts in [0, width], listed indices in
     [0, num_blocks)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _fail("debug_checks read the sparse tensors on the host, which cannot be done while capturing a CUDA graph",
-              arg)
+        refuse("debug_checks_capture", prefix=f"{arg}: ", what="the sparse tensors", advice="")
     for name, cnt, idx in (("mask", tensors[0], tensors[1]), ("full", tensors[2], tensors[3])):
         width = idx.shape[3]
         bad = (cnt < 0) | (cnt > width)

@@ -190,6 +190,22 @@ CONFLICTS: dict[str, Conflict] = {
         "without dropout",
         "the seed and offset would be read once at capture and replayed as constants: every replay the same mask.",
         (), "dropout.resolve"),
+    "varlen_capture_max_seqlen": Conflict(
+        "varlen (`cu_seqlens`) × CUDA graph capture without `max_seqlen`", ValueError,
+        "max_seqlen_{which} is required when capturing a CUDA graph with varlen inputs",
+        "without it the longest sequence is read from `cu_seqlens` on the host, a device->host copy a capture "
+        "cannot make (and would freeze into the graph).", (), "validate.max_len"),
+    "debug_checks_capture": Conflict(
+        "`debug_checks` × CUDA graph capture", ValueError,
+        "{prefix}debug_checks read {what} on the host, which cannot be done while capturing a CUDA graph{advice}",
+        "the checks copy the metadata (cu_seqlens/seqused, the page table, the block-sparse lists) to the host, "
+        "which a capture cannot do; turn them off for the capture.", (),
+        "validate.debug_check_lengths, validate.debug_check_pages, block_sparse._debug_check_values"),
+    "combine_grad": Conflict(
+        "`flash_attn_combine` × autograd", ValueError,
+        "flash_attn_combine is inference-only (it has no backward) but out_partial/lse_partial require grad; call "
+        "it under torch.no_grad() or pass detached tensors",
+        "the combine kernel has no backward (split-KV is inference-only).", (), "combine.check_combine"),
 }
 
 
