@@ -57,8 +57,13 @@ def _dump(root: Path, names: list[str]) -> dict[str, str]:
 
 
 def _run_dump(root: Path, names: list[str] | None) -> dict[str, str]:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from scripts.sass_compare import _dump; "
-            f"print(json.dumps(_dump(__import__('pathlib').Path({str(root)!r}), {names!r})))")
+    # this file loaded by path and ``root`` first on sys.path: the ``scripts`` package the tree's gate imports
+    # (gate_lists, gate_classes) is ``root``'s own, not this checkout's
+    code = (f"import importlib.util, json, pathlib, sys; sys.path.insert(0, {str(root)!r}); "
+            "spec = importlib.util.spec_from_file_location('fa4_sass_compare_worker', "
+            f"{str(Path(__file__).resolve())!r}); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            f"print(json.dumps(m._dump(pathlib.Path({str(root)!r}), {names!r})))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     if res.returncode:
         raise SystemExit(f"compiling in {root} failed:\n{res.stderr[-3000:]}")
