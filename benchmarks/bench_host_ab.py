@@ -4,6 +4,8 @@
     python benchmarks/bench_host_ab.py --path torch-ext --base-path _hostbase --out benchmarks/results/host_ab.jsonl
     # CPU, launches stubbed (scripts/stub_device.py): the host path alone, no GPU, no driver
     python benchmarks/bench_host_ab.py --cpu --path torch-ext --base-path _hostbase
+    # noise-free: bytecode instructions and calls per call of both sides (CPU, stubbed)
+    python benchmarks/bench_host_ab.py --cpu --count --calls 20
     # where the time goes (CPU, stubbed): cProfile of both packages on one scenario
     python benchmarks/bench_host_ab.py --cpu --path torch-ext --base-path _hostbase --profile dense
 
@@ -144,6 +146,36 @@ def _load(name: str, path: str | None):
     return importlib.import_module(name)
 
 
+def count_work(fn, calls: int) -> dict:
+    """Noise-free work of ``calls`` calls: Python bytecode instructions executed and Python/C function calls made
+    (sys.settrace with opcode events, sys.setprofile for C calls), per call.  The same torch operations cost the
+    same on both sides, so a host-path difference shows up here as instructions or calls, whatever the load of
+    the machine."""
+    counts = {"opcodes": 0, "py_calls": 0, "c_calls": 0}
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts["opcodes"] += 1
+        elif event == "call":
+            counts["py_calls"] += 1
+        return tracer
+
+    def profiler(frame, event, arg):
+        if event == "c_call":
+            counts["c_calls"] += 1
+
+    sys.settrace(tracer)
+    sys.setprofile(profiler)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)
+    return {k: v / calls for k, v in counts.items()}
+
+
 def _profile(fn, calls: int, top: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -169,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls of each side first (compiles)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the block orders")
     ap.add_argument("--profile", default=None, choices=SCENARIOS, help="print cProfile of both sides instead")
+    ap.add_argument("--count", action="store_true", help="count bytecode instructions and calls per call of "
+                    "each side instead of timing (noise-free; use with --cpu)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines: one row per scenario")
     args = ap.parse_args(argv)
     gpu = not args.cpu
@@ -223,7 +257,11 @@ def _run(args, new, old, gpu: bool) -> int:
             for fn in (calls_new[name], calls_old[name]):
                 for _ in range(args.warmup):
                     fn()
-            row.update(ab(calls_new[name], calls_old[name], args.blocks, args.calls, gpu, rng))
+            if args.count:
+                row.update(kind="count", new=count_work(calls_new[name], args.calls),
+                           old=count_work(calls_old[name], args.calls))
+            else:
+                row.update(ab(calls_new[name], calls_old[name], args.blocks, args.calls, gpu, rng))
         except Exception as exc:  # noqa: BLE001 - one failing scenario is recorded, the others still run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
@@ -237,6 +275,11 @@ def _run(args, new, old, gpu: bool) -> int:
 def _print(row: dict) -> None:
     if "error" in row:
         print(f"{row['scenario']:<8} FAILED: {row['error']}", flush=True)
+        return
+    if row["kind"] == "count":
+        n, o = row["new"], row["old"]
+        print(f"{row['scenario']:<8} " + "  ".join(f"{k} new {n[k]:.0f} old {o[k]:.0f} ({n[k] / o[k]:.3f})"
+                                                   for k in n), flush=True)
         return
     r = row["ratio_host"]
     line = (f"{row['scenario']:<8} new {row['new_us']:7.1f} µs  old {row['old_us']:7.1f} µs  new/old "
