@@ -3,6 +3,7 @@
     python benchmarks/bench_host.py --out benchmarks/results/host_h100.jsonl
     # old vs new in one run (a copy of the old package directory renamed flash_attn_4_sm120_base under DIR):
     python benchmarks/bench_host.py --path DIR --baseline-module flash_attn_4_sm120_base
+    # (a quick look; the new/old verdict, blocks alternated at random with per-block ratios: bench_host_ab.py)
 
 Problem: B=1, S=128, Hq=8, Hkv=2, D=128, bf16, causal -- small enough that the GPU work is a few µs and the
 per-call cost is what the host spends (argument checks, kernel lookup, launch, and any device->host sync).

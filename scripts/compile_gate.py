@@ -20,7 +20,9 @@ lightest and heaviest feature set: the hand-made worklists of scripts/gate_lists
 decode, backward, dropout, fused backward, combine, backward preprocess and the library mods), plus, unless
 --no-classes, every class the dispatcher can select at its lightest and heaviest flag set (scripts/gate_classes.py).
 --json writes the rows and a first line that records the run (target, CuTe-DSL version and libs, commit, the
-fingerprint of the sources the gate builds; scripts/gate_ci.py).
+fingerprint of the sources the gate builds; scripts/gate_ci.py).  Each row carries ``sass_sha256``, the digest of its
+normalised SASS (sass_check.sass_digest; rows of older runs lack it): ``scripts/sass_compare.py --rows A B`` compares
+two runs configuration by configuration.
 
 The target without TMA (sm_80, which 8.6 and 8.9 devices load too: device.CAPABILITIES) builds what such a device selects: every TMA tile
 replaced by the cp.async tile of its row, no split-KV forward and no combine kernel (both use griddepcontrol, which
@@ -170,7 +172,7 @@ def _check_one(cfg, arch: str) -> dict:
         row.update(
             compile_s=round(time.time() - t0, 1), regs=rep.registers, frame=rep.frame_bytes, spills=rep.spills,
             hmma=rep.counts["HMMA"], ex2=rep.counts["MUFU.EX2"], smem=kernel.launch_smem_bytes,
-            cubin_arch=rep.arch, forbidden=rep.forbidden,
+            cubin_arch=rep.arch, forbidden=rep.forbidden, sass_sha256=rep.sass_sha256,
         )
         problems = []
         if rep.counts["HMMA"] == 0 and not no_mma:

@@ -31,8 +31,10 @@ def _compat_module():
 
 
 def _message(c) -> str:
-    if c.limit:
+    if c.limit and not c.message:
         return f"raised by `{c.limit}` (the limit lives with its tile table; the message names the tiles)"
+    if c.limit:  # the table's message, raised where the limit is known (once per call, while planning)
+        return "\u201c" + c.message.replace("|", "\\|") + f"\u201d, raised by `{c.limit}` where the limit is known"
     return "\u201c" + c.message.replace("|", "\\|") + "\u201d"
 
 
@@ -42,7 +44,9 @@ def section() -> str:
             "## Refused combinations (generated from `compat.CONFLICTS` by scripts/conflicts_log.py: edit them there)",
             "",
             "Each is checked once per call, before any planning or launch (`compat.check_call` in "
-            "`interface._attention`; `compat.check_kvcache` for `flash_attn_with_kvcache`'s own arguments).",
+            "`interface._attention`; `compat.check_kvcache` for `flash_attn_with_kvcache`'s own arguments), "
+            "except a row that names the function raising it: that one is checked once per call where the limit "
+            "it depends on is known (a tile, the device's record, the batch), before any launch.",
             "",
             "| pair | resolution |", "|---|---|"]
     for c in compat.CONFLICTS.values():

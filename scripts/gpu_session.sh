@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU steps for the H100 proxy (see README "Running the GPU tests").  Run from the repo root on the device after
-# `source /tmp/gpu-site/env.sh` (or `.gpu/p2/env.sh`).  Steps: smoke | test | bench | host | jit | prebuilt-size | sanitize | lies | decode | all.
+# `source /tmp/gpu-site/env.sh` (or `.gpu/p2/env.sh`).  Steps: smoke | test | bench | host | host_ab | jit | prebuilt-size | sanitize | lies | decode | all.
 # jit: bench_jit.py (first call: prebuilt set built for this device's arch, warm disk, cold JIT, SDPA floor);
 # prebuilt-size: the full sm_120a prebuilt set through the publish path's build, its size row (64-core host).
 # decode: the decode tiles' GPU tests (key split, deep K/V pipelines, split, paged) and the A/B of decode tile tables.
@@ -23,6 +23,11 @@ run_step() {
     prebuilt-size) timeout 540 python3 scripts/build_bundle.py --prebuilt --arch sm_120a \
            --jobs "$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))" --out /tmp/fa4-prebuilt-sm120a \
            --report "$out/prebuilt_size.jsonl" 2>&1 | tail -n 20 | tee "$out/prebuilt_size.log" ;;
+    # new/old host cost (issue 32): needs _hostbase/ (aa0de83's package renamed flash_attn_4_sm120_base) carried
+    host_ab) timeout 420 python3 benchmarks/bench_host_ab.py --blocks 1000 --calls 10 --out "$out/host_ab_gpu.jsonl" \
+               2>&1 | tee "$out/host_ab.log"
+             timeout 150 python3 benchmarks/bench_host_ab.py --cpu --blocks 1000 --calls 10 \
+               --out "$out/host_ab_cpu.jsonl" 2>&1 | tee -a "$out/host_ab.log" ;;
     decode) timeout 300 python3 -m pytest -m gpu -q -n "${FA4_TEST_JOBS:-12}" --timeout 300 -p no:cacheprovider \
               tests/test_decode_gpu.py tests/test_split_gpu.py tests/test_paged_gpu.py tests/test_kvcache_gpu.py \
               2>&1 | tail -n 60 \

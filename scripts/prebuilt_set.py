@@ -54,35 +54,16 @@ README_CALLS = (
 )
 
 
-# -- the device stub ----------------------------------------------------------------------------------------------
-def _rebind(pkg: str, original, replacement, undo: list) -> None:
-    """Point every name bound to ``original`` in the package's modules at ``replacement``."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == pkg or name.startswith(pkg + ".")):
-            continue
-        for attr, value in list(vars(mod).items()):
-            if value is original:
-                undo.append((mod, attr, value))
-                setattr(mod, attr, replacement)
-
-
+# -- the device stub (scripts/stub_device.py, shared with tests/plan_grid.py) ------------------------------------
 @contextlib.contextmanager
 def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: int, record: list):
     """Run the package's call path on CPU tensors as on a device of ``arch``: ``record`` gets each config the
     dispatcher launches a kernel of; nothing compiles or runs."""
-    import torch
+    from flash_attn_4_sm120 import jit
 
-    import flash_attn_4_sm120 as fa
-    from flash_attn_4_sm120 import config, device, dispatch_bwd, jit, launch, validate
-
-    class _OnCuda(torch.Tensor):  # a CPU tensor that validate.check_tensor sees as placed on the GPU
-        is_cuda = True
-
-    caps = device.caps_from_properties(name, *capability, None, None, num_sms)
-    real_check = validate.check_tensor
-
-    def check_tensor(tname, t, rank, dev=None):  # every check but the CUDA placement
-        real_check(tname, t.as_subclass(_OnCuda) if isinstance(t, torch.Tensor) else t, rank, None)
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    import stub_device
 
     def compiled(cfg, dev):
         return _Stub((jit.kernel_class(cfg).__name__, cfg))
@@ -91,22 +72,8 @@ def stubbed_device(arch: str, name: str, capability: tuple[int, int], num_sms: i
         rec.pack(values)
         record.append((*fn.key, arch))
 
-    undo: list = []
-    pkg = fa.__name__
-    _rebind(pkg, device.device_caps, lambda dev=None: caps, undo)
-    _rebind(pkg, launch.sm_count, lambda dev: num_sms, undo)
-    _rebind(pkg, launch.compiled_kernel, compiled, undo)
-    _rebind(pkg, launch.launch, launched, undo)
-    _rebind(pkg, real_check, check_tensor, undo)
-    config.clear_caches()
-    dispatch_bwd.clear_caches()
-    try:
+    with stub_device.stubbed_device(name, capability, num_sms, compiled, launched):
         yield
-    finally:
-        for mod, attr, value in reversed(undo):
-            setattr(mod, attr, value)
-        config.clear_caches()
-        dispatch_bwd.clear_caches()
 
 
 class _Stub:

@@ -6,6 +6,7 @@ Used by the sm_120a compile gate.  Only the standard library plus ``nvdisasm`` (
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -94,6 +95,8 @@ class CubinReport:
     maxreg_alloc: list[int] = field(default_factory=list)
     # opcodes of FORBIDDEN_WITHOUT_TMA present (allowed where the target has TMA)
     tma_ops: list[str] = field(default_factory=list)
+    # sha256 of the normalised SASS (sass_digest): equal digests, identical kernels (scripts/sass_compare.py)
+    sass_sha256: str = ""
 
     @property
     def spills(self) -> int:
@@ -141,7 +144,14 @@ def inspect_cubin(cubin: bytes) -> CubinReport:
     dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", sass)]
     alloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.(?:TRY_)?ALLOC\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", sass)]
     tma_ops = sorted({op for op in opcodes for tok in FORBIDDEN_WITHOUT_TMA if op.startswith(tok)})
-    return CubinReport(arch, regs, frame, counts, forbidden, dealloc, alloc, tma_ops)
+    return CubinReport(arch, regs, frame, counts, forbidden, dealloc, alloc, tma_ops, sass_digest(sass))
+
+
+def sass_digest(sass: str) -> str:
+    """sha256 of nvdisasm output with the instruction addresses and the directive lines (section offsets, sizes)
+    left out: two builds of the same kernel give the same digest, any changed instruction a different one."""
+    lines = [re.sub(r"/\*[0-9a-f]{4,}\*/", "", ln) for ln in sass.splitlines() if not ln.strip().startswith(".")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def disassemble(cubin: bytes) -> str:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import stub_device  # noqa: E402
+
 DATA = Path(__file__).resolve().parent / "data" / "plan_grid_main.json"
 PKG = "flash_attn_4_sm120"
 SMS = 188  # the SM count the stubbed device reports (split and decode choices read it)
@@ -27,46 +30,11 @@ SMS = 188  # the SM count the stubbed device reports (split and decode choices r
 @contextlib.contextmanager
 def stubbed(tma: bool, calls: list):
     """CPU tensors accepted, a device with (``tma``) capabilities, compiles returning the config and launches
-    appended to ``calls`` as (config, values)."""
-    import flash_attn_4_sm120 as fa  # noqa: F401 - loads the package
-    from flash_attn_4_sm120 import combine, config, device as DV, dispatch_bwd, launch as L, validate as V
-
-    caps = (DV.caps_from_properties("SM120 (grid)", 12, 0, None, None, SMS) if tma
-            else DV.caps_from_properties("SM86 (grid)", 8, 6, None, None, SMS))
-    real_check = V.check_tensor
-
-    def check_tensor(name, t, rank, device=None):
-        if isinstance(t, torch.Tensor) and not t.is_cuda and t.dim() == rank and t.stride(-1) == 1 \
-                and t.dtype in (torch.float16, torch.bfloat16):
-            return
-        real_check(name, t, rank, device)
-
-    repl = {
-        id(L.compiled_kernel): lambda cfg, dev: cfg,
-        id(L.launch): lambda fn, record, dev, values: calls.append((fn, values)),
-        id(L.sm_count): lambda dev: SMS,
-        id(DV.device_caps): lambda dev: caps,
-        id(real_check): check_tensor,
-    }
-    saved = []
-    for name, mod in list(sys.modules.items()):
-        if name != PKG and not name.startswith(PKG + ".") or name.startswith(PKG + ".kernels"):
-            continue
-        for attr, val in list(vars(mod).items()):
-            if id(val) in repl and callable(val):
-                saved.append((mod, attr, val))
-                setattr(mod, attr, repl[id(val)])
-    for cache in (combine._KERNELS, combine._CONFIGS):
-        cache.clear()
-    config.clear_caches()
-    dispatch_bwd.clear_caches()
-    try:
+    appended to ``calls`` as (config, values) (the shared stub: scripts/stub_device.py)."""
+    name, capability = ("SM120 (grid)", (12, 0)) if tma else ("SM86 (grid)", (8, 6))
+    with stub_device.stubbed_device(name, capability, SMS, lambda cfg, dev: cfg,
+                                    lambda fn, record, dev, values: calls.append((fn, values)), pkg=PKG):
         yield
-    finally:
-        for mod, attr, val in reversed(saved):
-            setattr(mod, attr, val)
-        config.clear_caches()
-        dispatch_bwd.clear_caches()
 
 
 _GEOMETRY = ("pack", "num_m_blocks", "num_head_groups", "num_batch", "num_n_blocks", "num_rows", "num_heads",

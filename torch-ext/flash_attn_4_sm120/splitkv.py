@@ -22,6 +22,7 @@ import functools
 import torch
 
 from .combine import launch_combine
+from .compat import refuse
 from .config_combine import COMBINE_MAX_SPLITS, combine_head_dim_problem
 from .device import split_problem
 from .launch import sm_count
@@ -136,16 +137,14 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
         return 1
     if num_splits > 1:
         if no_split:
-            raise ValueError(f"num_splits={num_splits}: {no_split}; use num_splits=1 (or 0: automatic, which "
-                             "does not split there)")
+            refuse("split_pdl", n=num_splits, problem=no_split)
         if num_splits > COMBINE_MAX_SPLITS:
-            raise ValueError(f"num_splits={num_splits} exceeds the supported maximum {COMBINE_MAX_SPLITS}")
+            refuse("split_max", n=num_splits, limit=COMBINE_MAX_SPLITS)
         if batch * num_splits > MAX_GRID_Z:
-            raise ValueError(f"batch * num_splits = {batch} * {num_splits} = {batch * num_splits} exceeds the "
-                             f"grid limit {MAX_GRID_Z}; use fewer splits")
+            refuse("split_grid", batch=batch, n=num_splits, product=batch * num_splits, limit=MAX_GRID_Z)
         problem = combine_head_dim_problem(dv)
         if problem:
-            raise ValueError(f"num_splits={num_splits}: the split-KV combine cannot take head_dim_v: {problem}")
+            refuse("split_head_dim_v", n=num_splits, problem=problem)
         return num_splits
     return auto_num_splits(ctas, n_blocks, sm_count(device), min(COMBINE_MAX_SPLITS, MAX_GRID_Z // max(batch, 1)),
                            2 if paged else 1)
