@@ -94,7 +94,7 @@ def test_paged(cpasync, page_size, causal):
 def test_split(cpasync, num_splits, monkeypatch):
     """Forced, automatic and default split counts on a decode-shaped call (B=1, one query row, 8K keys), which the
     automatic choice splits on any GPU of more than a few SMs.  The default is tried with the automatic default
-    switched on (it ships off: splitkv.DEFAULT_SPLITS_AUTO)."""
+    switched on (as shipped: splitkv.DEFAULT_SPLITS_AUTO)."""
     if num_splits is None:
         from flash_attn_4_sm120 import splitkv
         monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)

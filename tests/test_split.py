@@ -154,10 +154,10 @@ def auto_default(monkeypatch):
     monkeypatch.setattr(SK, "DEFAULT_SPLITS_AUTO", True)
 
 
-def test_default_is_no_split_as_shipped():
-    """Off until it measures faster end to end (splitkv.DEFAULT_SPLITS_AUTO: results/generate_h100.jsonl)."""
-    assert SK.DEFAULT_SPLITS_AUTO is False
-    assert SK.default_num_splits(**_INFER) == 1
+def test_default_is_automatic_as_shipped():
+    """On since it measured faster end to end (splitkv.DEFAULT_SPLITS_AUTO: results/generate_h100.jsonl)."""
+    assert SK.DEFAULT_SPLITS_AUTO is True
+    assert SK.default_num_splits(**_INFER) == 0
 
 
 def test_default_is_automatic_for_an_inference_call(auto_default):

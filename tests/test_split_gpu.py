@@ -179,7 +179,7 @@ def split_plans(monkeypatch):
     """Whether each forward plan the calls of a test make is a split one."""
     from flash_attn_4_sm120 import plan as P, splitkv
 
-    monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)  # the automatic default (shipped off: splitkv.py)
+    monkeypatch.setattr(splitkv, "DEFAULT_SPLITS_AUTO", True)  # the automatic default (as shipped: splitkv.py)
     seen = []
     real = P.get_plan
 

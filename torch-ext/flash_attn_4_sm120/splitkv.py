@@ -33,10 +33,12 @@ AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (benchm
 
 
 # Whether the default (num_splits=None) splits inference calls automatically (True) or means 1, no split (False).
-# Off: through transformers' greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the automatic default gave fewer
-# tokens/s than no split (benchmarks/results/generate_h100.jsonl); the decode kernel's gain is smaller than the
-# split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
-DEFAULT_SPLITS_AUTO = False
+# On since the split path's host work was cut and the default got its AUTO_MIN_KEYS rule: through transformers'
+# greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the default then matched no split at 4K (it does not split
+# there) and gave more tokens/s at 16K, with no host sync and no compile per step (the H100 rows of
+# benchmarks/results/generate_h100.jsonl with the ``ours_default`` impl, session 32, and
+# benchmarks/experiments/results/split_generate_probe_h100_s32.jsonl).  Before that cut it lost (the earlier rows).
+DEFAULT_SPLITS_AUTO = True
 
 # The default splits only a call whose KV walk per CTA is at least this many keys: below it the split path's fixed
 # cost (a second launch, the fp32 workspace, the combine) exceeds the kernel time it saves.  Derived from
@@ -83,7 +85,7 @@ def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, c
     CUDA-graph capture when the KV extent is a caller-given ``max_seqlen_k`` rather than a tensor shape (the count
     would be frozen for a length the caller may change between replays), and when the keys a CTA walks
     (``kv_walk``, ``default_kv_walk``; from shapes, never device values) are fewer than ``AUTO_MIN_KEYS``.
-    ``DEFAULT_SPLITS_AUTO = False``: always 1."""
+    With ``DEFAULT_SPLITS_AUTO = False``: always 1."""
     if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
         return 1
     if capturing and not kv_extent_static:
