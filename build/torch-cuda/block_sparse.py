@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from .compat import refuse
 from .config import select_sparse_tile, sparse_tiles
 from .config_bwd import select_bwd_config, select_dq_config
 
@@ -81,10 +82,9 @@ def block_size_ratios(block_size, head_dim: int, head_dim_v: int, windowed: bool
     q_block, kv_block = block_size
     tile = select_sparse_tile(head_dim, head_dim_v, windowed, block_size=(q_block, kv_block), tma=tma)
     if q_block % tile.tile_m or kv_block % tile.tile_n:
-        _fail(f"block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile.tile_m}, "
-              f"{tile.tile_n}) used for head_dim={head_dim}, head_dim_v={head_dim_v}"
-              f"{', causal/window' if windowed else ''}: use q_block in {tile.tile_m}, {2 * tile.tile_m}, ... and "
-              f"kv_block in {tile.tile_n}, {2 * tile.tile_n}, ...")
+        refuse("sparse_block_tile", arg="block_sparse_tensors", q_block=q_block, kv_block=kv_block,
+               tile_m=tile.tile_m, tile_n=tile.tile_n, tile_m2=2 * tile.tile_m, tile_n2=2 * tile.tile_n, d=head_dim,
+               dv=head_dim_v, windowed=", causal/window" if windowed else "")
     return q_block // tile.tile_m, kv_block // tile.tile_n
 
 
@@ -174,8 +174,7 @@ def _debug_check_values(tensors, num_blocks: int, what: str, arg: str) -> None:
     """Opt-in host check (one device->host copy per tensor): counts in [0, width], listed indices in
     [0, num_blocks)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _fail("debug_checks read the sparse tensors on the host, which cannot be done while capturing a CUDA graph",
-              arg)
+        refuse("debug_checks_capture", prefix=f"{arg}: ", what="the sparse tensors", advice="")
     for name, cnt, idx in (("mask", tensors[0], tensors[1]), ("full", tensors[2], tensors[3])):
         width = idx.shape[3]
         bad = (cnt < 0) | (cnt > width)
@@ -220,9 +219,8 @@ def _multiple_ratios(block_size, mult: tuple[int, int], tile: tuple[int, int], a
                      head_dim: int, head_dim_v: int) -> tuple[int, int]:
     q_block, kv_block = block_size
     if q_block % mult[0] or kv_block % mult[1]:
-        _fail(f"block_size=({q_block}, {kv_block}) cannot be used with gradients for head_dim={head_dim}, "
-              f"head_dim_v={head_dim_v}: q_block must be a multiple of {mult[0]} and kv_block a multiple of "
-              f"{mult[1]} ({why}; (128, 128) always works)", arg)
+        refuse("sparse_grad_block", arg=arg, q_block=q_block, kv_block=kv_block, d=head_dim, dv=head_dim_v,
+               mult_q=mult[0], mult_kv=mult[1], why=why)
     return q_block // tile[0], kv_block // tile[1]
 
 

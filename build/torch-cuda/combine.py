@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .arguments import COMBINE_ARGS
+from .compat import refuse
 from .config_combine import (COMBINE_MAX_SPLITS, COMBINE_VEC, CombineKernelConfig, combine_head_dim_problem,
                      combine_split_groups)
 from .launch import compiled_kernel as _kernel, launch as _launch, sm_count  # shared with the attention kernels
@@ -89,8 +90,7 @@ def check_combine(out_partial, lse_partial, out, out_dtype, return_lse) -> torch
     if not isinstance(return_lse, bool):
         _fail(f"return_lse must be True or False, got {return_lse!r}")
     if torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
-        _fail("flash_attn_combine is inference-only (it has no backward) but out_partial/lse_partial require grad; "
-              "call it under torch.no_grad() or pass detached tensors")
+        refuse("combine_grad")
     if not out_partial.is_cuda:  # last, so the checks above run (and are tested) on CPU tensors too
         _fail(f"out_partial is on {out_partial.device}; flash-attn-4-sm120 needs CUDA tensors")
     if out is not None:

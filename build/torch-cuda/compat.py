@@ -6,8 +6,10 @@ in CI).  ``check_call`` runs once per attention call, in ``interface._attention`
 normalised and before any planning: the forward path (dispatch.run_forward, the torch.library op, autograd) runs
 only calls that passed it.  ``check_kvcache`` is the same for the arguments only ``flash_attn_with_kvcache`` takes.
 
-A refusal that depends on a limit held by a tile table names the function that holds it (``limit``): the check
-calls it, and the message is that function's, since it names the tiles.
+A refusal that depends on a limit known only while planning (a tile table, the device's record, the batch) names
+the function that checks it (``limit``), which runs once per call: without a ``message`` the message is that
+function's own (it names the tiles); with one, the function raises this row through ``refuse`` (the message lives
+here, the values come from the plan).
 
 Host only: no CuTe-DSL import, no side effects.
 """
@@ -23,7 +25,7 @@ class Conflict(NamedTuple):
     message: str  # format string of the call's values ("" when ``limit`` raises it)
     why: str  # CONFLICTS_LOG.md's resolution prose after the error
     tests: tuple = ()
-    limit: str = ""  # the function that holds the limit and raises (a feature x limit refusal)
+    limit: str = ""  # the function that checks the limit and raises (a feature x limit refusal)
 
 
 CONFLICTS: dict[str, Conflict] = {
@@ -141,6 +143,69 @@ CONFLICTS: dict[str, Conflict] = {
         "or write the cache first",
         "the append writes S_new rows per entry of a dense q's batch. Varlen q without an append is supported "
         "(chunked prefill over the cache).", ("test_kvcache_rejects",)),
+    "split_pdl": Conflict(
+        "split-KV × devices without programmatic dependent launch", ValueError,
+        "num_splits={n}: {problem}; use num_splits=1 (or 0: automatic, which does not split there)",
+        "the split forward and the combine kernel order themselves with griddepcontrol (capability 9.0 or later); "
+        "a forced N > 1 is refused there, automatic means 1.", (), "splitkv.resolve_num_splits"),
+    "split_max": Conflict(
+        "split-KV × number of splits", ValueError,
+        "num_splits={n} exceeds the supported maximum {limit}",
+        "the combine kernel holds one LSE per split of a row in shared memory (`config_combine.COMBINE_MAX_SPLITS`).",
+        ("test_forced_splits_above_the_combine_limit_raise",), "splitkv.resolve_num_splits"),
+    "split_grid": Conflict(
+        "split-KV × batch (grid limit)", ValueError,
+        "batch * num_splits = {batch} * {n} = {product} exceeds the grid limit {limit}; use fewer splits",
+        "the split forward puts batch × splits on the grid's z extent (65535).",
+        ("test_batch_times_splits_beyond_grid_z_raises",), "splitkv.resolve_num_splits"),
+    "split_head_dim_v": Conflict(
+        "split-KV × head_dim_v of the combine", ValueError,
+        "num_splits={n}: the split-KV combine cannot take head_dim_v: {problem}",
+        "the combine kernel reads rows in vectors whose width must divide head_dim_v "
+        "(`splitkv.combine_head_dim_problem`); automatic means 1 there.", (), "splitkv.resolve_num_splits"),
+    "sparse_block_tile": Conflict(
+        "`block_sparse_tensors` × block size not a multiple of the forward tile", ValueError,
+        "{arg}: block_size=({q_block}, {kv_block}) is not a multiple of the kernel tile ({tile_m}, {tile_n}) used "
+        "for head_dim={d}, head_dim_v={dv}{windowed}: use q_block in {tile_m}, {tile_m2}, ... and kv_block in "
+        "{tile_n}, {tile_n2}, ...",
+        "each listed block is walked as whole kernel tiles; the finest tile of the head dims sets the multiples.",
+        (), "block_sparse.block_size_ratios"),
+    "sparse_grad_block": Conflict(
+        "`block_sparse_tensors` × autograd × block size", ValueError,
+        "{arg}: block_size=({q_block}, {kv_block}) cannot be used with gradients for head_dim={d}, "
+        "head_dim_v={dv}: q_block must be a multiple of {mult_q} and kv_block a multiple of {mult_kv} ({why}; "
+        "(128, 128) always works)",
+        "the backward's dQ and dK/dV kernels walk the same lists with their own tiles: the block size must be a "
+        "multiple of each (`block_sparse.grad_block_multiples`).", (), "block_sparse._multiple_ratios"),
+    "score_mod_grad_no_bwd": Conflict(
+        "`score_mod` × autograd without `score_mod_bwd`", ValueError,
+        "score_mod={mod} needs score_mod_bwd for the backward (the gradient of the modded score w.r.t. the score "
+        "it was given); pass score_mod_bwd= or call under torch.no_grad()",
+        "the backward needs the derivative of the modded score, which a forward-only callable cannot give.",
+        (), "modspec.check_mods"),
+    "dropout_capture_no_seed": Conflict(
+        "`dropout_p` × CUDA graph capture without `dropout_seed`", ValueError,
+        "dropout without dropout_seed reads torch's CUDA generator on the host, which would freeze one mask into a "
+        "captured CUDA graph; pass dropout_seed as a CUDA int64 tensor (and change it between replays), or capture "
+        "without dropout",
+        "the seed and offset would be read once at capture and replayed as constants: every replay the same mask.",
+        (), "dropout.resolve"),
+    "varlen_capture_max_seqlen": Conflict(
+        "varlen (`cu_seqlens`) × CUDA graph capture without `max_seqlen`", ValueError,
+        "max_seqlen_{which} is required when capturing a CUDA graph with varlen inputs",
+        "without it the longest sequence is read from `cu_seqlens` on the host, a device->host copy a capture "
+        "cannot make (and would freeze into the graph).", (), "validate.max_len"),
+    "debug_checks_capture": Conflict(
+        "`debug_checks` × CUDA graph capture", ValueError,
+        "{prefix}debug_checks read {what} on the host, which cannot be done while capturing a CUDA graph{advice}",
+        "the checks copy the metadata (cu_seqlens/seqused, the page table, the block-sparse lists) to the host, "
+        "which a capture cannot do; turn them off for the capture.", (),
+        "validate.debug_check_lengths, validate.debug_check_pages, block_sparse._debug_check_values"),
+    "combine_grad": Conflict(
+        "`flash_attn_combine` × autograd", ValueError,
+        "flash_attn_combine is inference-only (it has no backward) but out_partial/lse_partial require grad; call "
+        "it under torch.no_grad() or pass detached tensors",
+        "the combine kernel has no backward (split-KV is inference-only).", (), "combine.check_combine"),
 }
 
 

@@ -24,8 +24,16 @@ _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 LOG2_E = math.log2(math.e)
 
 
+_FP8_ANY = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
+
+
 def is_fp8(*tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors)
+    # every dense call asks this: a loop, not a generator (the generator was 74 bytecodes a call, the loop ~50;
+    # benchmarks/results/host_ab_count_cpu.jsonl, from benchmarks/bench_host_ab.py --cpu --count)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dtype in _FP8_ANY:
+            return True
+    return False
 
 
 def _check_descale(name, d, b, hkv, device):

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import refuse
+
 PHILOX_ROUNDS = 7
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
@@ -161,10 +163,7 @@ def resolve(p: float, seed, offset, device: torch.device, capturing: bool | None
         if capturing is None:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing:
-            raise ValueError(
-                "dropout without dropout_seed reads torch's CUDA generator on the host, which would freeze one mask "
-                "into a captured CUDA graph; pass dropout_seed as a CUDA int64 tensor (and change it between "
-                "replays), or capture without dropout")
+            refuse("dropout_capture_no_seed")
         gen = torch.cuda.default_generators[device.index if device.index is not None else
                                             torch.cuda.current_device()]
         seed = gen.initial_seed() & _U64

@@ -62,7 +62,7 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
-        if not SK.DEFAULT_SPLITS_AUTO:  # shipped off: no split, and none of the per-call queries below
+        if not SK.DEFAULT_SPLITS_AUTO:  # switched off: no split, and none of the per-call queries below
             kw["num_splits"] = 1
         else:
             dropout = bool(kw.get("dropout_p"))
@@ -174,7 +174,7 @@ def flash_attn_func(
     ``num_splits``: None (default) splits an inference call automatically when its grid would leave SMs idle
     and each CTA would walk at least ``splitkv.AUTO_MIN_KEYS`` keys (as FlashAttention-2 does; never a call that
     needs grad, has dropout or block sparsity, runs under torch.compile, or is captured in a CUDA graph with a
-    caller-given max_seqlen_k: splitkv.default_num_splits; shipped off for now, splitkv.DEFAULT_SPLITS_AUTO);
+    caller-given max_seqlen_k: splitkv.default_num_splits; switch: splitkv.DEFAULT_SPLITS_AUTO);
     1 no split; N > 1 splits the keys into N ranges whose fp32 partials are combined (inference only); <= 0 picks
     N from the problem size and the SM count (1 for a call that needs grad or under torch.compile).  ``block_sparse_tensors`` (``BlockSparseTensors``, e.g. from
     ``block_sparse_from_mask`` / ``block_sparse_from_flex``): visit only the listed blocks, forward and backward;

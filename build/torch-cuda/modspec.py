@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compat import refuse
+
 _AUX_DTYPES = {torch.float32: "fp32", torch.int32: "i32", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.int64: "i64"}
 MAX_AUX_TENSORS = 8
@@ -223,9 +225,7 @@ def check_mods(*, score_mod, score_mod_bwd, mask_mod, aux_tensors, device, needs
             raise ValueError("aux_tensors were given without score_mod or mask_mod (nothing would read them)")
         return None, ()
     if score_mod is not None and score_mod_bwd is None and needs_grad:
-        raise ValueError(f"score_mod={_name(score_mod)} needs score_mod_bwd for the backward (the gradient of the "
-                         "modded score w.r.t. the score it was given); pass score_mod_bwd= or call under "
-                         "torch.no_grad()")
+        refuse("score_mod_grad_no_bwd", mod=_name(score_mod))
     aux = check_aux_tensors(aux_tensors, device)
     spec = make_mod_spec(score_mod, score_mod_bwd if needs_grad else None, mask_mod, aux_signature(aux))
     recipes = {getattr(f, "__fa4_recipe__", None) for f in (score_mod, score_mod_bwd, mask_mod) if f is not None}

@@ -80,7 +80,8 @@ class Plan:
         self.shapes = {}
 
 
-_PLANS: dict[PlanKey, Plan] = {}
+# PlanKey -> Plan, and (PlanKey, variant tag, argument) -> (variant key, its plan) (``_variant``)
+_PLANS: dict = {}
 _PLANS_VERSION = [-1]  # the tile-table version the memo was built under
 
 
@@ -94,6 +95,19 @@ def get_plan(key: PlanKey) -> Plan:
     if plan is None:
         plan = _PLANS[key] = Plan(*kernel_configs(key))
     return plan
+
+
+def _variant(key: PlanKey, tag: str, arg, make) -> tuple[PlanKey, Plan]:
+    """(``make(key)``, its plan), memoised beside the plans and cleared with them: ``make`` is a ``_replace`` of the
+    many-field key, which costs more on the hot path of a decode, split or packed-dropout call than this lookup
+    (benchmarks/results/host_ab_count_cpu.jsonl)."""
+    memo = (key, tag, arg)
+    hit = _PLANS.get(memo) if _PLANS_VERSION[0] == table_version() else None
+    if hit is None:
+        variant = make(key)
+        plan = get_plan(variant)  # (clears a stale memo first)
+        hit = _PLANS[memo] = (variant, plan)
+    return hit
 
 
 def clear() -> None:
@@ -191,9 +205,12 @@ def packed_dropout(key: PlanKey, plan: Plan, pack: int) -> tuple[PlanKey, Plan, 
     """(key, plan, pack) of a call with in-kernel dropout: packed rows make the keep bits row by row
     (FwdKernelConfig.dropout_packed), on every tile."""
     if pack > 1:
-        key = key._replace(dropout_packed=True)
-        return key, get_plan(key), pack
+        key, plan = _variant(key, "packed_dropout", None, _packed)
     return key, plan, pack
+
+
+def _packed(key: PlanKey) -> PlanKey:
+    return key._replace(dropout_packed=True)
 
 
 def decode_key(key: PlanKey, rows: int, grid: int, device):
@@ -201,16 +218,24 @@ def decode_key(key: PlanKey, rows: int, grid: int, device):
     the call is not a decode call.  A key split runs unless the grid (``grid`` 64-row tiles) fills the device's
     SMs without it (config_decode.decode_rows).  Never with block sparsity, in-kernel dropout (their tiles are gated on
     the prefill tiles) or mods (the d256 decode tile is not gated with mods)."""
+    bucket = _decode_bucket(key, rows, grid, device)
+    return None if bucket is None else _decode_variant(key, bucket)
+
+
+def _decode_bucket(key: PlanKey, rows: int, grid: int, device) -> int | None:
+    """The row bucket (the decode tile's tile_m) of a decode call, or None (``decode_key``)."""
     if key.sparse[0] or key.dropout or key.mods is not None or rows > DECODE_MAX_ROWS:
         return None
     d, dv = key.head_dim, key.head_dim_v
     dtile = decode_tile(d, dv, rows)
     if dtile is not None and dtile.kv_groups > 1:
         dtile = decode_tile(d, dv, decode_rows(rows, grid, sm_count(device)))
-    if dtile is None:
-        return None
+    return None if dtile is None else dtile.tile_m
+
+
+def _decode_variant(key: PlanKey, bucket: int) -> PlanKey:
     # the key carries the row bucket (the tile's tile_m), not the row count
-    return key._replace(decode=dtile.tile_m, sparse=_NO_SPARSE, sparse_bwd=_NO_SPARSE_BWD, paged_tma=False)
+    return key._replace(decode=bucket, sparse=_NO_SPARSE, sparse_bwd=_NO_SPARSE_BWD, paged_tma=False)
 
 
 def split_key(key: PlanKey) -> PlanKey:
@@ -240,9 +265,9 @@ def _shape_plan(key: PlanKey, plan: Plan, pack_gqa, ratio: int, heads: int, batc
     pack = 1 if key.sparse[0] else choose_pack(pack_gqa, ratio, max_q, plan.fwd_cfg.tile.tile_m)
     if key.dropout:
         key, plan, pack = packed_dropout(key, plan, pack)
-    dkey = decode_key(key, max_q * pack, batch * (heads // pack) * max(num_splits, 1), device)
-    if dkey is not None:
-        key, plan = dkey, get_plan(dkey)
+    bucket = _decode_bucket(key, max_q * pack, batch * (heads // pack) * max(num_splits, 1), device)
+    if bucket is not None:
+        key, plan = _variant(key, "decode", bucket, lambda k: _decode_variant(k, bucket))
     num_m_blocks = -(-max_q * pack // plan.fwd_cfg.tile.tile_m)
     return _ShapePlan(key, plan, pack, num_m_blocks, num_m_blocks * (heads // pack) * batch, plan.fwd_cfg.tile.tile_n)
 

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from .combine import launch_combine
+from .compat import refuse
 from .config_combine import COMBINE_MAX_SPLITS, combine_head_dim_problem
 from .device import split_problem
 from .launch import sm_count
@@ -32,10 +33,12 @@ AUTO_MAX_SPLITS = 64  # more splits cost the combine more than they save (benchm
 
 
 # Whether the default (num_splits=None) splits inference calls automatically (True) or means 1, no split (False).
-# Off: through transformers' greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the automatic default gave fewer
-# tokens/s than no split (benchmarks/results/generate_h100.jsonl); the decode kernel's gain is smaller than the
-# split path's added per-call cost there.  benchmarks/bench_generate.py flips it.
-DEFAULT_SPLITS_AUTO = False
+# On since the split path's host work was cut and the default got its AUTO_MIN_KEYS rule: through transformers'
+# greedy generate (Llama-3-8B-shaped, 2 layers, B=1) the default then matched no split at 4K (it does not split
+# there) and gave more tokens/s at 16K, with no host sync and no compile per step (the H100 rows of
+# benchmarks/results/generate_h100.jsonl with the ``ours_default`` impl, session 32, and
+# benchmarks/experiments/results/split_generate_probe_h100_s32.jsonl).  Before that cut it lost (the earlier rows).
+DEFAULT_SPLITS_AUTO = True
 
 # The default splits only a call whose KV walk per CTA is at least this many keys: below it the split path's fixed
 # cost (a second launch, the fp32 workspace, the combine) exceeds the kernel time it saves.  Derived from
@@ -82,7 +85,7 @@ def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, c
     CUDA-graph capture when the KV extent is a caller-given ``max_seqlen_k`` rather than a tensor shape (the count
     would be frozen for a length the caller may change between replays), and when the keys a CTA walks
     (``kv_walk``, ``default_kv_walk``; from shapes, never device values) are fewer than ``AUTO_MIN_KEYS``.
-    ``DEFAULT_SPLITS_AUTO = False``: always 1."""
+    With ``DEFAULT_SPLITS_AUTO = False``: always 1."""
     if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
         return 1
     if capturing and not kv_extent_static:
@@ -136,16 +139,14 @@ def resolve_num_splits(num_splits: int, *, needs_grad: bool, batch: int, ctas: i
         return 1
     if num_splits > 1:
         if no_split:
-            raise ValueError(f"num_splits={num_splits}: {no_split}; use num_splits=1 (or 0: automatic, which "
-                             "does not split there)")
+            refuse("split_pdl", n=num_splits, problem=no_split)
         if num_splits > COMBINE_MAX_SPLITS:
-            raise ValueError(f"num_splits={num_splits} exceeds the supported maximum {COMBINE_MAX_SPLITS}")
+            refuse("split_max", n=num_splits, limit=COMBINE_MAX_SPLITS)
         if batch * num_splits > MAX_GRID_Z:
-            raise ValueError(f"batch * num_splits = {batch} * {num_splits} = {batch * num_splits} exceeds the "
-                             f"grid limit {MAX_GRID_Z}; use fewer splits")
+            refuse("split_grid", batch=batch, n=num_splits, product=batch * num_splits, limit=MAX_GRID_Z)
         problem = combine_head_dim_problem(dv)
         if problem:
-            raise ValueError(f"num_splits={num_splits}: the split-KV combine cannot take head_dim_v: {problem}")
+            refuse("split_head_dim_v", n=num_splits, problem=problem)
         return num_splits
     return auto_num_splits(ctas, n_blocks, sm_count(device), min(COMBINE_MAX_SPLITS, MAX_GRID_Z // max(batch, 1)),
                            2 if paged else 1)

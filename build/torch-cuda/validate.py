@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from .compat import refuse
 from .config import HEAD_DIMS, MAX_GRID_YZ, MAX_SEQLEN, WINDOW_UNBOUNDED, supported_head_dim_pairs, table_version
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -240,7 +241,7 @@ def max_len(cu_seqlens, seqused, rows: int, name: str, max_seqlen) -> int:
     if cu_seqlens is None:
         return rows
     if capturing():
-        raise ValueError(f"max_seqlen_{name} is required when capturing a CUDA graph with varlen inputs")
+        refuse("varlen_capture_max_seqlen", which=name)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=0)
     if seqused is not None:
         lens = torch.minimum(lens, seqused.clamp(min=0))
@@ -252,8 +253,7 @@ def debug_check_lengths(cu_seqlens, seqused, batch: int, static_len: int, total:
     if cu_seqlens is None and seqused is None:
         return
     if capturing():
-        raise ValueError("debug_checks read cu_seqlens/seqused on the host, which cannot be done while capturing a "
-                         "CUDA graph; turn them off for the capture")
+        refuse("debug_checks_capture", prefix="", what="cu_seqlens/seqused", advice="; turn them off for the capture")
     vals = torch.cat([t for t in (cu_seqlens, seqused) if t is not None]).tolist()
     if cu_seqlens is not None:
         cu, vals = vals[: batch + 1], vals[batch + 1:]
@@ -280,8 +280,7 @@ def debug_check_pages(page_table, seqused_k, page_size: int, num_pages: int) -> 
     """Opt-in host check of a page table (one device->host copy): every page a sequence uses (the first
     ceil(seqused_k / page_size) entries of its row; the rest may be padding such as -1) is in [0, num_pages)."""
     if capturing():
-        raise ValueError("debug_checks read page_table on the host, which cannot be done while capturing a CUDA "
-                         "graph; turn them off for the capture")
+        refuse("debug_checks_capture", prefix="", what="page_table", advice="; turn them off for the capture")
     batch, max_pages = page_table.shape
     if batch == 0 or max_pages == 0:
         return
