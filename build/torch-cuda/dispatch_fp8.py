@@ -24,14 +24,14 @@ _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 LOG2_E = math.log2(math.e)
 
 
-_FP8_ANY = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
+FP8_ANY = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))  # any float8 input routes to the FP8 entry
 
 
 def is_fp8(*tensors) -> bool:
     # every dense call asks this: a loop, not a generator (the generator was 74 bytecodes a call, the loop ~50;
     # benchmarks/results/host_ab_count_cpu.jsonl, from benchmarks/bench_host_ab.py --cpu --count)
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dtype in _FP8_ANY:
+        if isinstance(t, torch.Tensor) and t.dtype in FP8_ANY:
             return True
     return False
 

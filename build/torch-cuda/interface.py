@@ -15,7 +15,7 @@ from . import ops
 from .autograd import FlashAttnFunction
 from . import validate as V
 from .combine import run_combine
-from .dispatch_fp8 import fp8_attention, fp8_unsupported, is_fp8
+from .dispatch_fp8 import FP8_ANY, fp8_attention, fp8_unsupported, is_fp8
 from .dispatch import run_forward
 from .dropout import check_p
 from .modspec import check_mods
@@ -61,20 +61,9 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     needs_grad = _needs_grad(q, k, v, learnable_sink)
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
-    if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_num_splits)
-        if not SK.DEFAULT_SPLITS_AUTO:  # switched off: no split, and none of the per-call queries below
-            kw["num_splits"] = 1
-        else:
-            dropout = bool(kw.get("dropout_p"))
-            kw["num_splits"] = SK.default_num_splits(
-                needs_grad=needs_grad, dropout=dropout, block_sparse=sparse, compiling=compiling,
-                # asked only where it matters (a host query per call otherwise)
-                capturing=not (needs_grad or dropout or sparse or compiling) and torch.cuda.is_available()
-                and torch.cuda.is_current_stream_capturing(),
-                kv_extent_static=kw.get("cu_seqlens_k") is None and kw.get("max_seqlen_k") is None,
-                kv_walk=SK.default_kv_walk(q, k, page_table=kw.get("page_table"),
-                                           cu_seqlens_k=kw.get("cu_seqlens_k"), max_seqlen_k=kw.get("max_seqlen_k"),
-                                           causal=kw["causal"], window_size=kw["window_size"]))
+    if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_for_call)
+        kw["num_splits"] = SK.default_for_call(q, k, kw, needs_grad=needs_grad, block_sparse=sparse,
+                                               compiling=compiling)
     mod_args = kw.pop("mod_args", None) or {}
     score_mod, mask_mod = mod_args.get("score_mod"), mod_args.get("mask_mod")
     compat.check_call(  # every refused combination, once per call
@@ -187,7 +176,8 @@ def flash_attn_func(
     makes the inputs).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or is_fp8(q, k, v)):
+            or getattr(q, "dtype", None) in FP8_ANY or getattr(k, "dtype", None) in FP8_ANY
+            or getattr(v, "dtype", None) in FP8_ANY):  # inline: every dense call asks (is_fp8 is a call more)
         return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                              out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, return_lse=return_lse,
@@ -277,7 +267,8 @@ def flash_attn_varlen_func(
     cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or is_fp8(q, k, v)):
+            or getattr(q, "dtype", None) in FP8_ANY or getattr(k, "dtype", None) in FP8_ANY
+            or getattr(v, "dtype", None) in FP8_ANY):
         from .dispatch_fp8_varlen import fp8_varlen_attention
 
         return fp8_varlen_attention(

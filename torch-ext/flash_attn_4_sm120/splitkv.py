@@ -77,6 +77,24 @@ def default_kv_walk(q, k, *, page_table=None, cu_seqlens_k=None, max_seqlen_k=No
         return None
 
 
+def default_for_call(q, k, kw: dict, *, needs_grad: bool, block_sparse: bool, compiling: bool) -> int:
+    """``default_num_splits`` for one attention call's arguments (``kw``: the entry point's keyword dict), asking
+    in the cheap order: the flags, then the KV walk from shapes, and only for a call long enough to split whether the
+    stream is capturing (a host query every call otherwise)."""
+    dropout = bool(kw.get("dropout_p"))
+    if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
+        return 1
+    cu_k, max_k = kw.get("cu_seqlens_k"), kw.get("max_seqlen_k")
+    walk = default_kv_walk(q, k, page_table=kw.get("page_table"), cu_seqlens_k=cu_k, max_seqlen_k=max_k,
+                           causal=kw["causal"], window_size=kw["window_size"])
+    if walk is not None and walk < AUTO_MIN_KEYS:
+        return 1
+    return default_num_splits(
+        needs_grad=False, dropout=False, block_sparse=False, compiling=False,
+        capturing=torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
+        kv_extent_static=cu_k is None and max_k is None, kv_walk=walk)
+
+
 def default_num_splits(*, needs_grad: bool, dropout: bool, block_sparse: bool, compiling: bool, capturing: bool,
                        kv_extent_static: bool, kv_walk: int | None = None) -> int:
     """What ``num_splits=None`` means for one call: 0 (automatic: ``auto_num_splits`` splits only a grid that
