@@ -146,6 +146,69 @@ def _run_names(root: Path) -> list[str]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+# ---- source identity: what can change the SASS at all ------------------------------------------------------------
+# A kernel's SASS is a function of its kernel module, the config record it is built from, the route from config to
+# kernel class and the fake compile arguments.  Comparing their syntax trees (docstrings dropped: comments never
+# reach the tree) between two revisions tells which configurations can differ before anything is compiled.
+_COMPILE_PATH = {"jit.py": ("target_arch", "fake_args", "compile_kernel", "kernel_class", "kernel_route")}
+_CONFIG_FILES = ("config.py", "config_bwd.py", "config_combine.py", "config_decode.py", "device.py", "arguments.py")
+
+
+def _tree(src: str):
+    import ast
+
+    tree = ast.parse(src)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _top_level(src: str) -> dict:
+    import ast
+
+    return {n.name: ast.dump(n) for n in _tree(src).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+
+
+def source_identity(base: str) -> int:
+    """Print, per kernel module, whether its syntax tree equals ``base``'s, and for the config modules and the
+    compile path which top-level classes/functions differ.  Returns the number of kernel modules that differ."""
+    import ast
+
+    pkg = "torch-ext/flash_attn_4_sm120"
+
+    def old(rel):
+        res = subprocess.run(["git", "show", f"{base}:{pkg}/{rel}"], cwd=ROOT, capture_output=True, text=True)
+        return None if res.returncode else res.stdout
+
+    differ = 0
+    for path in sorted((ROOT / pkg / "kernels").glob("*.py")):
+        rel = f"kernels/{path.name}"
+        before = old(rel)
+        if before is None:
+            print(f"  new          {rel}")
+        elif ast.dump(_tree(before)) == ast.dump(_tree(path.read_text())):
+            print(f"  same tree    {rel}")
+        else:
+            differ += 1
+            print(f"  DIFFERS      {rel}")
+    for rel in _CONFIG_FILES + tuple(_COMPILE_PATH):
+        before = old(rel)
+        if before is None:
+            print(f"  new          {rel}")
+            continue
+        a, b = _top_level(before), _top_level((ROOT / pkg / rel).read_text())
+        names = _COMPILE_PATH.get(rel)
+        changed = sorted(k for k in set(a) & set(b) if a[k] != b[k] and (names is None or k in names))
+        gone = sorted(k for k in set(a) - set(b) if names is None or k in names)
+        print(f"  {rel}: changed {changed or 'none'}; only in {base}: {gone or 'none'}")
+    print(f"sass_compare --source-identity: {differ} kernel module(s) differ from {base}")
+    return differ
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs=2, type=Path, default=None, metavar=("A", "B"),
@@ -157,12 +220,17 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="--hash-tree: worker processes")
     ap.add_argument("--json", type=Path, default=None, help="--hash-tree: write the rows here")
     ap.add_argument("--base", default="HEAD", help="git revision to compare against")
+    ap.add_argument("--source-identity", action="store_true",
+                    help="compare the syntax trees of the kernel modules, config modules and compile path with "
+                         "--base (no compiling): which configurations can have different SASS at all")
     ap.add_argument("--filter", nargs="*", default=None,
                     help="substrings of the configuration names (a configuration matching any is taken)")
     ap.add_argument("--limit", type=int, default=16, help="configurations per filter")
     args = ap.parse_args(argv)
     if args.rows:
         return _rows_main(*args.rows, args.show)
+    if args.source_identity:
+        return 1 if source_identity(args.base) else 0
     if args.hash_tree:
         if args.filter and len(args.filter) > 1:
             print("sass_compare --hash-tree: one --filter substring at most", file=sys.stderr)

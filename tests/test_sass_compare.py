@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from scripts import sass_compare  # noqa: E402
@@ -37,3 +39,23 @@ def test_identical_runs_pass(tmp_path):
     rows = [{"config": f"c{i}", "sass_sha256": f"{i:064x}"} for i in range(3)]
     a, b = _run(tmp_path / "a.jsonl", rows), _run(tmp_path / "b.jsonl", rows[::-1])
     assert sass_compare.main(["--rows", str(a), str(b)]) == 0
+
+
+def test_source_identity_ignores_docstrings_and_comments_only():
+    """--source-identity: a docstring or comment change leaves the tree equal; a changed expression does not."""
+    before = 'def f(x):\n    """doc"""\n    return x + 1  # one\n'
+    assert sass_compare._top_level(before) == sass_compare._top_level(
+        'def f(x):\n    """other words"""\n    # a comment\n    return x + 1\n')
+    assert sass_compare._top_level(before) != sass_compare._top_level('def f(x):\n    return x + 2\n')
+
+
+def test_source_identity_against_head_is_clean(capsys):
+    """Every kernel module equals itself at HEAD (a fresh clone has the history CI fetches)."""
+    import subprocess
+
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "torch-ext/flash_attn_4_sm120/kernels"],
+                      cwd=ROOT).returncode:
+        pytest.skip("the working tree edits kernels/ (compared with HEAD they differ by design)")
+    assert sass_compare.source_identity("HEAD") == 0
+    out = capsys.readouterr().out
+    assert "DIFFERS" not in out and "same tree    kernels/fwd_base.py" in out
