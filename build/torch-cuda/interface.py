@@ -62,8 +62,7 @@ def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_for_call)
-        kw["num_splits"] = SK.default_for_call(q, k, kw, needs_grad=needs_grad, block_sparse=sparse,
-                                               compiling=compiling)
+        kw["num_splits"] = SK.default_for_call(q, k, kw, p, needs_grad, sparse, compiling)
     mod_args = kw.pop("mod_args", None) or {}
     score_mod, mask_mod = mod_args.get("score_mod"), mod_args.get("mask_mod")
     compat.check_call(  # every refused combination, once per call

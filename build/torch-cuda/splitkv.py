@@ -77,12 +77,12 @@ def default_kv_walk(q, k, *, page_table=None, cu_seqlens_k=None, max_seqlen_k=No
         return None
 
 
-def default_for_call(q, k, kw: dict, *, needs_grad: bool, block_sparse: bool, compiling: bool) -> int:
-    """``default_num_splits`` for one attention call's arguments (``kw``: the entry point's keyword dict), asking
-    in the cheap order: the flags, then the KV walk from shapes, and only for a call long enough to split whether the
-    stream is capturing (a host query every call otherwise)."""
-    dropout = bool(kw.get("dropout_p"))
-    if not DEFAULT_SPLITS_AUTO or needs_grad or dropout or block_sparse or compiling:
+def default_for_call(q, k, kw: dict, p: float, needs_grad: bool, block_sparse: bool, compiling: bool) -> int:
+    """``default_num_splits`` for one attention call's arguments (``kw``: the entry point's keyword dict; ``p``: its
+    checked dropout probability), asking in the cheap order: the flags, then the KV walk from shapes, and only for a
+    call long enough to split whether the stream is capturing (a host query every call otherwise).  Positional:
+    every call of an entry point without ``num_splits`` comes here."""
+    if not DEFAULT_SPLITS_AUTO or needs_grad or p > 0.0 or block_sparse or compiling:
         return 1
     cu_k, max_k = kw.get("cu_seqlens_k"), kw.get("max_seqlen_k")
     walk = default_kv_walk(q, k, page_table=kw.get("page_table"), cu_seqlens_k=cu_k, max_seqlen_k=max_k,
