@@ -42,6 +42,23 @@ def _blocks_document(ids, n, bs):
     return (visited & ~full)[None, None], full[None, None]
 
 
+def document_case(n, h, d, bs, g):
+    """The document-mask cell: n tokens cut into 8 documents at seeded points; q/k/v (grad) and gout drawn from
+    ``g`` in that order.  Returns (offsets, lengths, q, k, v, gout, ids, block-sparse tensors of the documents)."""
+    import flash_attn_4_sm120 as fa
+    from flash_attn_4_sm120 import mods
+
+    cuts = torch.sort(torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[:7] + 1).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32).cuda()
+    lens = (offsets[1:] - offsets[:-1]).tolist()
+    q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    gout = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = mods.document_ids(offsets, n)
+    mask_b, full_b = _blocks_document(ids, n, bs)
+    return offsets, lens, q, k, v, gout, ids, fa.block_sparse_from_mask(mask_b, (bs, bs), full_mask=full_b)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -90,15 +107,7 @@ def main(argv=None):
         record("causal", s, base, ours, dict(batch=b))
 
     n = args.tokens
-    cuts = torch.sort(torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[:7] + 1).values
-    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32).cuda()
-    lens = (offsets[1:] - offsets[:-1]).tolist()
-    q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
-    gout = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    ids = mods.document_ids(offsets, n)
-    mask_b, full_b = _blocks_document(ids, n, bs)
-    bst = fa.block_sparse_from_mask(mask_b, (bs, bs), full_mask=full_b)
+    offsets, lens, q, k, v, gout, ids, bst = document_case(n, h, d, bs, g)
     doc_mod = mods.document()
     mx = max(lens)
     base = timed(lambda q_, k_, v_: fa.flash_attn_varlen_func(q_[0], k_[0], v_[0], cu_seqlens_q=offsets,

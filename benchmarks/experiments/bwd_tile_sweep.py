@@ -11,7 +11,6 @@ CUDA-event time of the whole backward.  Tiles that do not fit SM120 (config_bwd.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import statistics
@@ -23,6 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import flops, time_fn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling experiments
+from tile_sweep import warm_all  # noqa: E402
 
 import flash_attn_4_sm120 as fa  # noqa: E402
 from flash_attn_4_sm120 import config, config_bwd  # noqa: E402
@@ -119,14 +121,7 @@ def main(argv=None):
                 if c.name() not in seen:
                     seen.add(c.name())
                     work.append(c)
-    t0 = time.time()
-    failed = set()
-    with cf.ProcessPoolExecutor(args.jobs) as pool:
-        for name, secs, err in pool.map(_warm, work):
-            print(f"compiled {name} in {secs} s" + (f"  ERROR {err}" if err else ""), flush=True)
-            if err:
-                failed.add(name)
-    print(f"warm-up compile of {len(work)} kernels: {time.time() - t0:.1f} s", flush=True)
+    failed = warm_all(work, args.jobs, _warm)
     rows = []
     for d in args.dims:
         saved_kv, saved_q = config_bwd._BWD_TILES[d], config_bwd._DQ_TILES[d]

@@ -68,7 +68,7 @@ def probe_decode(args, rows):
 
 def probe_mods(args, rows):
     import flash_attn_4_sm120 as fa
-    from bench_mods import _blocks_causal, _blocks_document
+    from bench_mods import _blocks_causal, document_case
     from flash_attn_4_sm120 import mods
 
     h, d, bs, n = 16, 128, 128, 16384
@@ -94,15 +94,8 @@ def probe_mods(args, rows):
                                                                          **mods.causal()), q, k, v, gout)
     both("causal_blocks+causal", lambda q_, k_, v_: fa.flash_attn_func(q_, k_, v_, block_sparse_tensors=bst,
                                                                        causal=True), q, k, v, gout)
-    cuts = torch.sort(torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[:7] + 1).values
-    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32).cuda()
-    mx = int((offsets[1:] - offsets[:-1]).max())
-    q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
-    gout = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    ids = mods.document_ids(offsets, n)
-    mask_b, full_b = _blocks_document(ids, n, bs)
-    bst = fa.block_sparse_from_mask(mask_b, (bs, bs), full_mask=full_b)
+    offsets, lens, q, k, v, gout, ids, bst = document_case(n, h, d, bs, g)
+    mx = max(lens)
     both("documents_varlen", lambda q_, k_, v_: fa.flash_attn_varlen_func(
         q_[0], k_[0], v_[0], cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=mx, max_seqlen_k=mx),
         q, k, v, gout[0])

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
-from bench_decode import copy_gbps, gpu_tag, make_cache  # noqa: E402
+from bench_decode import copy_gbps, gpu_tag, make_cache, time_graph  # noqa: E402
 from bench_fwd import time_fn  # noqa: E402
 
 CASES = (  # name, batch, kv_len, hq, hkv, d, page_size
@@ -29,20 +29,6 @@ CASES = (  # name, batch, kv_len, hq, hkv, d, page_size
     ("d128", 8, 8192, 32, 8, 128, 0),
     ("d256", 1, 32768, 32, 8, 256, 0),
 )
-
-
-def time_graph(fn, iters=30):
-    """Median ms of a CUDA graph replay of one call (captured after a warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_fn(g.replay, warmup=5, iters=iters)
 
 
 def kernel_times(fn):

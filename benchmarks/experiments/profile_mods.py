@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
-from bench_mods import _blocks_causal, _blocks_document  # noqa: E402
+from bench_mods import _blocks_causal, document_case  # noqa: E402
 
 
 def _kernel_times(fn, iters):
@@ -66,15 +66,8 @@ def main(argv=None):
                  "mods": lambda: fa.flash_attn_func(q, k, v, causal=causal, dropout_p=0.1, dropout_seed=1,
                                                     return_lse=True)}
     else:
-        cuts = torch.sort(torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[:7] + 1).values
-        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32).cuda()
-        mx = int((offsets[1:] - offsets[:-1]).max())
-        q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-                   for _ in range(3))
-        gout = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        ids = mods.document_ids(offsets, n)
-        mask_b, full_b = _blocks_document(ids, n, bs)
-        bst = fa.block_sparse_from_mask(mask_b, (bs, bs), full_mask=full_b)
+        offsets, lens, q, k, v, gout, ids, bst = document_case(n, h, d, bs, g)
+        mx = max(lens)
         calls = {"base": lambda: fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=offsets,
                                                            cu_seqlens_k=offsets, max_seqlen_q=mx, max_seqlen_k=mx),
                  "mods": lambda: fa.flash_attn_func(q, k, v, block_sparse_tensors=bst, aux_tensors=[ids],

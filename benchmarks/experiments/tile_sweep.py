@@ -58,6 +58,20 @@ def _warm(cfg):
         return cfg.name(), round(time.time() - t0, 1), f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
+def warm_all(work, jobs, warm) -> set:
+    """Compile ``work`` in ``jobs`` processes (``warm(cfg)`` -> (name, seconds, error)), printing each; returns
+    the names that failed."""
+    t0 = time.time()
+    failed = set()
+    with cf.ProcessPoolExecutor(jobs) as pool:
+        for name, secs, err in pool.map(warm, work):
+            print(f"compiled {name} in {secs} s" + (f"  ERROR {err}" if err else ""), flush=True)
+            if err:
+                failed.add(name)
+    print(f"warm-up compile of {len(work)} kernels: {time.time() - t0:.1f} s", flush=True)
+    return failed
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -69,14 +83,7 @@ def main(argv=None):
                if config.fwd_tile_problems(d, d, t)]
     for s in skipped:
         print("skip (does not fit SM120):", s, flush=True)
-    t0 = time.time()
-    failed = set()
-    with cf.ProcessPoolExecutor(args.jobs) as pool:
-        for name, secs, err in pool.map(_warm, work):
-            print(f"compiled {name} in {secs} s" + (f"  ERROR {err}" if err else ""), flush=True)
-            if err:
-                failed.add(name)
-    print(f"warm-up compile of {len(work)} kernels: {time.time() - t0:.1f} s", flush=True)
+    failed = warm_all(work, args.jobs, _warm)
     rows = []
     for d in args.dims:
         saved = config._TILE_PREFERENCE[d]
