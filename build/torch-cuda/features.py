@@ -63,8 +63,8 @@ FEATURES: dict[str, Feature] = {
                 "flash-attn-4's split-KV combine: fp32/bf16/fp16 partials, up to 256 splits, head_dim up to 512; "
                 "empty splits (LSE -inf) contribute 0, NaN propagates; cu_seqlens/seqused/varlen_batch_idx "
                 "raise NotImplementedError"),
-        Feature("split_kv", SUPPORTED, "num_splits=None (default: 1 for now), N > 1, 0 (automatic) "
-                "or 1 (none)",
+        Feature("split_kv", SUPPORTED, "num_splits=None (default: automatic for an inference call whose CTAs "
+                "walk >= 8192 keys, else 1), N > 1, 0 (automatic) or 1 (none)",
                 "fp32 partials + the combine kernel; paged or contiguous, every forward feature (sink in split 0); "
                 "automatic count from the SM count (no host sync, CUDA-graph capturable); inference only (the "
                 "default never splits a call that needs grad, has dropout or block sparsity); "
