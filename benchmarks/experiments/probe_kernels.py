@@ -24,12 +24,19 @@ from bench_fwd import time_fn  # noqa: E402
 
 
 def kernel_times(fn):
-    """us per call of every CUDA kernel ``fn`` launches (profile_decode.kernel_times), names without the package
-    prefix."""
-    from profile_decode import kernel_times as times
+    """us per call of every CUDA kernel ``fn`` launches (torch profiler, 5 calls after one warm-up), names without
+    the package prefix."""
+    from torch.profiler import ProfilerActivity, profile
 
-    return {name.replace("kernel_cutlass_kernel_flash_attn_4_sm120kernels", "")[:48]: us
-            for name, us in times(fn).items()}
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key.replace("kernel_cutlass_kernel_flash_attn_4_sm120kernels", "")[:48]:
+            round(e.device_time_total / e.count, 2)
+            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count}
 
 
 def _emit(rows, row):
@@ -39,8 +46,7 @@ def _emit(rows, row):
 
 def probe_decode(args, rows):
     import flash_attn_4_sm120 as fa
-    from bench_decode import copy_gbps, make_cache
-    from profile_decode import time_graph
+    from bench_decode import copy_gbps, make_cache, time_graph
 
     copy_bw = copy_gbps()
     cases = (("mqa", 1, 32768, 32, 1, 128, 0), ("mqa", 8, 8192, 32, 1, 128, 0), ("mqa", 64, 2048, 32, 1, 128, 0),
@@ -54,7 +60,7 @@ def probe_decode(args, rows):
             kv_bytes = b * kv * hkv * d * 4
             ref = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, num_splits=1)
             for n in args.splits:
-                def fn(n=n):
+                def fn(n=n, kc=kc, vc=vc, table=table):
                     return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table,
                                                       num_splits=n)
                 err = (fn().float() - ref.float()).abs().max().item()
