@@ -49,7 +49,11 @@ def _dump(root: Path, names: list[str]) -> dict[str, str]:
     for name in names if names is not None else list(work):
         if name not in work:
             continue
-        cubin = jit.compile_kernel(work[name]).__cubin__
+        try:
+            cubin = jit.compile_kernel(work[name]).__cubin__
+        except Exception as exc:  # a configuration the tree itself cannot build: recorded, the chunk goes on
+            out[name] = "error: " + " ".join(str(exc).split())[:300]
+            continue
         if isinstance(cubin, str):
             cubin = Path(cubin).read_bytes()
         out[name] = sass_check.sass_digest(sass_check.disassemble(cubin))
@@ -123,14 +127,16 @@ def _hash_tree(root: Path, pattern: str | None, jobs: int, out: Path | None) -> 
         for part in pool.map(lambda c: _run_dump(root, c), chunks):
             digests.update(part)
     rows = [{"meta": {"tree": str(root), "hashed_by": "scripts/sass_compare.py --hash-tree", "count": len(names)}}]
-    rows += [{"config": n, "sass_sha256": digests.get(n)} for n in names]
+    rows += [{"config": n, "sass_sha256": digests.get(n)} if not str(digests.get(n, "")).startswith("error: ")
+             else {"config": n, "sass_sha256": None, "error": digests[n][7:]} for n in names]
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if out:
         out.write_text(text)
     else:
         sys.stdout.write(text)
-    missing = [n for n in names if n not in digests]
-    print(f"sass_compare --hash-tree {root}: {len(digests)}/{len(names)} configurations hashed", file=sys.stderr)
+    missing = [n for n in names if n not in digests or digests[n].startswith("error: ")]
+    print(f"sass_compare --hash-tree {root}: {len(names) - len(missing)}/{len(names)} configurations hashed",
+          file=sys.stderr)
     return 1 if missing else 0
 
 
