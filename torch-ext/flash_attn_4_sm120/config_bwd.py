@@ -185,6 +185,15 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
 
 
+# Causal / windowed backward walks launch their longest key tiles first across every (KV head, batch), not only
+# inside one, on grids of BWD_LPT_MIN_COLUMNS to BWD_LPT_MAX_COLUMNS key tiles (kernels/bwd_dkdv.py ``cta_coords``),
+# as the forward does (config.FWD_LPT_ORDER).  ``False`` restores the plain order (an A/B switch for
+# benchmarks/experiments/probe_lpt_bwd.py; not part of the compile key).
+BWD_LPT_ORDER = True
+BWD_LPT_MIN_COLUMNS = 1
+BWD_LPT_MAX_COLUMNS = 1 << 30
+
+
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
 # "plain" (no window) or "windowed"),
 # first that fits wins: the dK/dV kernel's P/dS tile (kernels/bwd_dkdv.py, not the key-row one, whose P^T/dS^T
