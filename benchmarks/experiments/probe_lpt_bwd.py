@@ -67,6 +67,7 @@ def main(argv=None):
         q, k, v = mk(s, hq), mk(sk, hkv), mk(sk, hkv)
         gout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
         out = fa.flash_attn_func(q, k, v, causal=True)
+        out = out[0] if isinstance(out, tuple) else out  # (out, lse), as flash-attn-4 returns
         call = lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)  # noqa: E731
         grads, times = {}, {True: [], False: []}
         for on in (True, False):
