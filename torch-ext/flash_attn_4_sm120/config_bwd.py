@@ -186,12 +186,14 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Bw
 
 
 # Causal / windowed backward walks launch their longest key tiles first across every (KV head, batch), not only
-# inside one, on grids of BWD_LPT_MIN_COLUMNS to BWD_LPT_MAX_COLUMNS key tiles (kernels/bwd_dkdv.py ``cta_coords``),
-# as the forward does (config.FWD_LPT_ORDER).  ``False`` restores the plain order (an A/B switch for
-# benchmarks/experiments/probe_lpt_bwd.py; not part of the compile key).
+# inside one, on grids of at least BWD_LPT_MIN_COLUMNS key tiles and at most BWD_LPT_MAX_PAIRS (KV head, batch)
+# pairs (kernels/bwd_dkdv.py ``cta_coords``), as the forward does (config.FWD_LPT_ORDER).  On grids of many pairs
+# the order measured much slower (0.69-0.93x with 128-256 pairs), on grids of at most 64 pairs as fast or faster
+# (up to 1.10x): benchmarks/experiments/results/lpt_bwd_h100_s33.jsonl.  ``False`` restores the plain order (an A/B
+# switch for benchmarks/experiments/probe_lpt_bwd.py; not part of the compile key).
 BWD_LPT_ORDER = True
-BWD_LPT_MIN_COLUMNS = 1
-BWD_LPT_MAX_COLUMNS = 1 << 30
+BWD_LPT_MIN_COLUMNS = 16
+BWD_LPT_MAX_PAIRS = 64
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",

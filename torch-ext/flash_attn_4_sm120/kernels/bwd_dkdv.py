@@ -192,16 +192,16 @@ class FlashBwdDkdv(KernelStateMixin):
     @cute.jit
     def cta_coords(self):
         """(key tile, KV head, batch) of this CTA.  The grid is (key tiles, KV heads, batch) and CTAs launch with x
-        varying fastest.  With ``lpt_order``, on grids of config_bwd.BWD_LPT_MIN_COLUMNS to BWD_LPT_MAX_COLUMNS key
-        tiles, the CTA that launches k-th takes key tile k // (KV heads x batch): a causal walk's first key tile
-        sees every query tile and its last the fewest, so every (KV head, batch)'s longest walk launches before any
-        second-longest and the shortest fill the tail of the last wave (longest-processing-time order).  Other
-        grids keep a head's key tiles together (its Q and dO stay in L2).  Warp-uniform."""
+        varying fastest.  With ``lpt_order``, on grids of at least config_bwd.BWD_LPT_MIN_COLUMNS key
+        tiles and at most BWD_LPT_MAX_PAIRS (KV head, batch) pairs, the CTA that launches k-th takes key tile
+        k // (KV heads x batch): a causal walk's first key tile sees every query tile and its last the fewest, so
+        every pair's longest walk launches before any second-longest and the shortest fill the tail of the last
+        wave (longest-processing-time order).  Other grids keep a head's key tiles together.  Warp-uniform."""
         bx, by, bz = cute.arch.block_idx()
         n_block, kv_head, batch = bx, by, bz
         if const_expr(self.lpt_order):
             gx, gy, gz = cute.arch.grid_dim()
-            if gx >= _config_bwd.BWD_LPT_MIN_COLUMNS and gx <= _config_bwd.BWD_LPT_MAX_COLUMNS:
+            if gx >= _config_bwd.BWD_LPT_MIN_COLUMNS and gy * gz <= _config_bwd.BWD_LPT_MAX_PAIRS:
                 lin = bx + gx * (by + gy * bz)
                 per = gy * gz
                 n_block = cute.arch.make_warp_uniform(lin // per)
