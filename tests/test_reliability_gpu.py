@@ -111,7 +111,12 @@ def test_out_of_sequence_rows_get_zero_gradients(layout):
 # ---- garbage in rows no sequence uses reaches neither the output nor the gradients ----------------------------
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_nan_in_unused_kv_rows_changes_no_gradient(d, causal):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_nan_in_unused_kv_rows_changes_no_gradient(d, causal, deterministic):
+    """Bitwise for every output but the default's dQ: the fused backward adds each query tile's dQ from several key
+    tiles in fp32 in an order that varies from run to run (kernels/bwd_dkdv.py), so two clean runs may already
+    differ in the last bits there; that dQ must be finite and within fp32 rounding of the clean one.
+    deterministic=True is bitwise everywhere."""
     g = torch.Generator(device="cuda").manual_seed(33)
     q, k, v = _rand(2, 70, 4, d, gen=g), _rand(2, 300, 2, d, gen=g), _rand(2, 300, 2, d, gen=g)
     used_k = torch.tensor([77, 200], dtype=torch.int32, device="cuda")
@@ -122,12 +127,18 @@ def test_nan_in_unused_kv_rows_changes_no_gradient(d, causal):
     grads = []
     for kk, vv in ((k, v), (k_nan, v_nan)):
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, kk, vv))
-        out, _ = fa.flash_attn_varlen_func(qq, kk, vv, seqused_k=used_k, max_seqlen_k=300, causal=causal)
+        out, _ = fa.flash_attn_varlen_func(qq, kk, vv, seqused_k=used_k, max_seqlen_k=300, causal=causal,
+                                           deterministic=deterministic)
         out.backward(dout)
         grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
     clean, dirty = grads
     assert torch.equal(clean[0], dirty[0]), "the output does not depend on unused K/V rows"
-    assert torch.equal(clean[1], dirty[1]), "dq does not depend on unused K/V rows"
+    assert torch.isfinite(dirty[1]).all(), "no NaN of an unused K/V row reaches dq"
+    if deterministic:
+        assert torch.equal(clean[1], dirty[1]), "dq does not depend on unused K/V rows"
+    else:  # one bf16 ulp of the largest entry: the fp32 sums of two add orders, rounded to bf16
+        bar = clean[1].float().abs().max().item() * 2.0 ** -7
+        assert (clean[1].float() - dirty[1].float()).abs().max().item() <= bar
     for b, n in enumerate(used_k.tolist()):
         for i in (2, 3):
             assert torch.equal(clean[i][b, :n], dirty[i][b, :n])
