@@ -355,9 +355,11 @@ def flash_attn_with_kvcache(
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
     (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad and qv raise NotImplementedError.
 
-    FP8: float8_e4m3fn q and a float8_e4m3fn contiguous cache with (B, Hkv) fp32 descales (FlashAttention-3's);
-    appended k/v are e4m3 under the cache's descales; bf16 output.  No paged cache, cache_batch_idx or varlen q
-    with FP8 yet, and a bf16/fp16 q over an e4m3 cache raises (dispatch_fp8_varlen.py).
+    FP8: a float8_e4m3fn contiguous cache with (B, Hkv) fp32 k_descale/v_descale (FlashAttention-3's), and
+    either a float8_e4m3fn q with its q_descale (bf16 output) or a bf16/fp16 q (an FP8 KV cache: q is quantized
+    on the device per (batch, KV head) from its amax, output in q's dtype; a q_descale then raises).  Appended
+    k/v are e4m3 under the cache's descales, or bf16/fp16, quantized on the way in with them (saturated to
+    +-448).  No paged cache, cache_batch_idx or varlen q with FP8 yet (dispatch_fp8_varlen.py).
     """
     from . import kvcache as KV
 
