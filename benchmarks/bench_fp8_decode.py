@@ -107,8 +107,6 @@ def run_case(fa, Q, b, kv, copy_bw):
     for label in ("fp8", "fp8_e4m3q", "sdpa"):
         if f"{label}_ms" in row and "bf16_ms" in row:
             row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
-    del kt, vt
-    torch.cuda.empty_cache()
     return row
 
 
@@ -128,6 +126,7 @@ def main(argv=None):
     with torch.no_grad():
         for b, kv in SHAPES:
             row = run_case(fa, Q, b, kv, copy_bw)
+            torch.cuda.empty_cache()  # the case's caches and SDPA copies are gone with run_case's frame
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     out = args.out or HERE / "results" / f"fp8_decode_{gpu_tag()}.jsonl"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
-from flash_attn_4_sm120.fp8_quant import quantize_query, quantize_with_descale
+from flash_attn_4_sm120.fp8_quant import quantize_query, quantize_query_packed, quantize_with_descale
 from tests.test_fp8_varlen_host import launches  # noqa: F401  (the stubbed launch, a fixture)
 
 E4 = torch.float8_e4m3fn
@@ -141,10 +141,45 @@ def test_mixed_caches_other_query_dtypes_grad_and_other_entry_points_raise(launc
     with pytest.raises(ValueError, match="bf16/fp16 query"):  # dense: quantize with fp8_quant.quantize_qkv
         fa.flash_attn_func(q, kc, vc)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    with pytest.raises(ValueError, match="bf16/fp16 query"):  # varlen: not served (no per-sequence amax yet)
+    with pytest.raises(ValueError, match="q_descale given with"):
         fa.flash_attn_varlen_func(q[:, 0], kc.flatten(0, 1), vc.flatten(0, 1), cu_seqlens_q=cu,
-                                  cu_seqlens_k=cu * 16)
+                                  cu_seqlens_k=cu * 16, q_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="packed \\(total, heads, head_dim\\) rows"):
+        fa.flash_attn_varlen_func(q, kc.flatten(0, 1), vc.flatten(0, 1), cu_seqlens_q=cu, cu_seqlens_k=cu * 16)
     assert not launches
+
+
+def test_packed_query_scales_are_per_sequence():
+    lens = [7, 0, 4, 1]
+    q = _randn(4, 7, 8, 64, seed=9) * torch.tensor([1.0, 5.0, 0.01, 300.0]).view(4, 1, 1, 1).bfloat16()
+    cu = torch.tensor([0, 7, 7, 11, 12], dtype=torch.int32)
+    tail = _randn(3, 8, 64, seed=10) * 1000  # rows past cu_seqlens_q[-1]: their own scale, never the last sequence's
+    packed = torch.cat([q[i, :n] for i, n in enumerate(lens)] + [tail])
+    q8, qd = quantize_query_packed(packed, 2, cu)
+    assert q8.shape == packed.shape and qd.shape == (4, 2) and torch.equal(qd[1], torch.ones(2))  # empty: 1.0
+    for i, n in enumerate(lens):
+        if n:
+            one8, one_d = quantize_query(q[i:i + 1, :n], 2)  # the dense rule, sequence by sequence
+            assert torch.equal(qd[i], one_d[0])
+            assert torch.equal(q8[cu[i]:cu[i] + n].view(torch.uint8), one8[0].view(torch.uint8))
+    packed[8, 6, 1] = float("nan")  # sequence 2, KV head 1 (heads 4..7)
+    _, qd = quantize_query_packed(packed, 2, cu)
+    assert torch.isnan(qd[2, 1]) and torch.isfinite(qd[[0, 2, 3], [0, 0, 0]]).all() and torch.isfinite(qd[3]).all()
+
+
+@pytest.mark.parametrize("varlen_q", [False, True])
+def test_varlen_with_a_bf16_query(launches, varlen_q):
+    cu_k = torch.tensor([0, 5, 21], dtype=torch.int32)
+    k, v = (torch.randn(21, 2, 64).to(E4) for _ in range(2))
+    q = _randn(2, 3, 8, 64, seed=11, dtype=torch.float16)
+    kw = dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3) if varlen_q else {}
+    out, _ = fa.flash_attn_varlen_func(q.flatten(0, 1) if varlen_q else q, k, v, cu_seqlens_k=cu_k, causal=True,
+                                       v_descale=torch.full((2, 2), 0.5), **kw)
+    (c,) = launches
+    q8_ref, qd_ref = quantize_query(q, 2)
+    assert c["q"].dtype == E4 and torch.equal(c["q"].view(torch.uint8).flatten(), q8_ref.view(torch.uint8).flatten())
+    assert torch.equal(c["descales"][0], qd_ref) and torch.equal(c["descales"][2], torch.full((2, 2), 0.5))
+    assert out.dtype == torch.float16 and out.shape == ((6,) if varlen_q else (2, 3)) + (8, 64)
 
 
 def test_without_the_stub_a_bf16_query_reaches_the_device_check():

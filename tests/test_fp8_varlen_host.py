@@ -100,8 +100,8 @@ def test_varlen_grad_e5m2_and_a_bf16_query_raise():
         fa.flash_attn_varlen_func(q.clone().requires_grad_(), k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(NotImplementedError, match="e5m2"):
         fa.flash_attn_varlen_func(q, k.float().to(torch.float8_e5m2), v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    with pytest.raises(ValueError, match="bf16/fp16 query"):
-        fa.flash_attn_varlen_func(q.float().bfloat16(), k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match="e4m3 q over a bf16/fp16 cache"):
+        fa.flash_attn_varlen_func(q, k.float().bfloat16(), v.float().bfloat16(), cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match="CUDA tensors"):  # everything else right: the CPU device
         fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
 

@@ -68,20 +68,21 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
                                       "with fp8_quant.quantize_qkv")
         if t.dtype != torch.float8_e4m3fn and not (name == "q" and hp_q):
             raise ValueError(
-                f"{name} is {t.dtype}: FP8 attention takes float8_e4m3fn k, v (and q, but for a bf16/fp16 query "
-                "over an e4m3 KV cache in flash_attn_with_kvcache, which quantizes it; flash_attn_func and "
-                "flash_attn_varlen_func take e4m3 q: fp8_quant.quantize_qkv). An e4m3 q over a bf16/fp16 cache is "
-                "not served: quantize the cache or give a bf16/fp16 q")
+                f"{name} is {t.dtype}: FP8 attention takes float8_e4m3fn k, v and q, or a bf16/fp16 query over "
+                "e4m3 K/V in flash_attn_with_kvcache and flash_attn_varlen_func, which quantize it (flash_attn_func "
+                "takes an e4m3 q: fp8_quant.quantize_qkv). An e4m3 q over a bf16/fp16 cache is not served: "
+                "quantize the cache or give a bf16/fp16 q")
     if hp_q and q_descale is not None:
         raise ValueError(f"q_descale given with a {q.dtype} q: a bf16/fp16 query over an e4m3 cache is quantized "
                          "here, with its own per-(batch, KV head) scale, so a q_descale has no meaning; drop it (or "
                          "pass an e4m3 q with its q_descale)")
     compat.check_fp8(compiling=False, needs_grad=False, unsupported=unsupported)
     for name, t, packed in (("q", q, varlen_q), ("k", k, varlen_k), ("v", v, varlen_k)):
-        if name == "q" and hp_q:
-            if t.dim() != 4:
-                raise ValueError(f"q has shape {tuple(t.shape)}: a bf16/fp16 query over an e4m3 cache is (batch, "
-                                 "seqlen, heads, head_dim)")
+        if name == "q" and hp_q:  # quantized into a fresh contiguous tensor: only its rank matters here
+            if t.dim() != (3 if packed else 4):
+                raise ValueError(f"q has shape {tuple(t.shape)}: a bf16/fp16 query over e4m3 K/V is "
+                                 + ("packed (total, heads, head_dim) rows with cu_seqlens_q" if packed else
+                                    "(batch, seqlen, heads, head_dim)"))
             continue
         if t.dim() != (3 if packed else 4):
             raise NotImplementedError(

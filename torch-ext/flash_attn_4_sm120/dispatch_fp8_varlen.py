@@ -14,8 +14,9 @@ int32 cu_seqlens_q / cu_seqlens_k / seqused_k — and ``dispatch_fp8.run_fp8_pac
 
 Refused before launch (NotImplementedError naming the argument): paged K/V (page_table / block_table),
 cache_batch_idx, varlen q in the cache call, seqused_q, and the features ``flash_attn_func``'s FP8 path refuses;
-ValueError for a q_descale with a bf16/fp16 q, and for a bf16/fp16 q in ``flash_attn_varlen_func`` (packed rows
-would need a per-sequence amax over cu_seqlens_q: not done yet).
+ValueError for a q_descale with a bf16/fp16 q.  ``flash_attn_varlen_func`` takes a bf16/fp16 q over e4m3 k/v too:
+a dense q as the cache call quantizes it, packed rows per (sequence, KV head) (``fp8_quant.quantize_query_packed``:
+each row finds its sequence in cu_seqlens_q on the device).
 Descales are (B, Hkv) per sequence.  No host read of a device value, but a varlen call's missing max_seqlen_q
 (``validate.max_len``: read once, as the bf16 path).
 """
@@ -87,11 +88,16 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         batch = getattr(q, "shape", (0,))[0]
     descales, out_name, out_torch = F8.check_fp8_call(
         q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-        needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch)
+        needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch,
+        query_quantized_here=True)
     dev = q.device
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
     _check_lengths("seqused_k", seqused_k, batch, dev)
+    if q.dtype != _E4:  # a bf16/fp16 query over e4m3 K/V (check_fp8_call let only those through)
+        hkv = k.shape[-2]
+        q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
+        descales = (qd,) + tuple(descales[1:])
     qp = q.unsqueeze(0) if varlen_q else _flatten_q(q)
     kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
     vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")

@@ -163,3 +163,30 @@ def quantize_with_descale(x: torch.Tensor, descale: torch.Tensor) -> torch.Tenso
     x != 0 and turns x == 0 into NaN (0 / 0), so it is visible.  Torch ops only (capturable)."""
     b, _, h, _ = x.shape
     return (x.float() / descale.view(b, 1, h, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
+
+
+def quantize_query_packed(q: torch.Tensor, hkv: int, cu_seqlens_q: torch.Tensor):
+    """``quantize_query`` for packed rows: bf16/fp16 q (total_q, Hq, D) of the sequences ``cu_seqlens_q`` (int32
+    (B + 1,)) -> ``(q8 (total_q, Hq, D) contiguous, q_descale (B, Hkv))``, one scale per (sequence, KV head) from
+    the amax of that sequence's rows, with the same rules (descale = amax / 448, clamp, 1.0 for an all-zero or
+    empty sequence, NaN propagates to its own group).  Each row finds its sequence on the device (a binary search
+    of cu_seqlens_q) and the amax is a scatter: no host read of cu_seqlens_q, capturable.  Rows past
+    cu_seqlens_q[-1] get a scale of their own (the kernel never reads them)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be a bf16/fp16 (total, heads, head_dim) tensor, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    if not isinstance(hkv, int) or isinstance(hkv, bool) or hkv < 1 or q.shape[1] % hkv:
+        raise ValueError(f"hkv={hkv!r} must be a positive int dividing q's {q.shape[1]} heads")
+    total, hq, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    g = q.float().view(total, hkv, hq // hkv, d)
+    row_amax = g.abs().amax(dim=(2, 3)) if total else g.new_zeros(0, hkv)  # (total, Hkv)
+    rows = torch.arange(total, device=q.device, dtype=cu_seqlens_q.dtype)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), rows, right=True).clamp_(max=batch).long()  # B: the rest
+    index = seq[:, None].expand(total, hkv)
+    amax = torch.zeros(batch + 1, hkv, device=q.device).scatter_reduce_(0, index, row_amax, "amax")
+    # NaN through a scatter's max is backend-defined: count NaN rows per group and put NaN back explicitly
+    nans = torch.zeros(batch + 1, hkv, device=q.device).scatter_add_(0, index, row_amax.isnan().float())
+    descale_all = _descale_from_amax(amax.masked_fill(nans > 0, float("nan")))  # (B + 1, Hkv)
+    q8 = (g / descale_all[seq].view(total, hkv, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q8.view(total, hq, d), descale_all[:batch].contiguous()

@@ -263,7 +263,9 @@ def flash_attn_varlen_func(
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
 
     FP8: float8_e4m3fn q/k/v with (B, Hkv) fp32 descales, as ``flash_attn_func``'s (packed or dense q and k/v,
-    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py).
+    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py), or a
+    bf16/fp16 q over e4m3 k/v, quantized on the device per (sequence, KV head) (a q_descale then raises; the
+    output in q's dtype unless out_dtype says otherwise).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
             or getattr(q, "dtype", None) in FP8_ANY or getattr(k, "dtype", None) in FP8_ANY
