@@ -1,4 +1,5 @@
-"""An FP8 (e4m3) KV cache with a bf16/fp16 query on a GPU (flash_attn_with_kvcache; dispatch_fp8_varlen.py).
+"""An FP8 (e4m3) KV cache with a bf16/fp16 query on a GPU (flash_attn_with_kvcache, and flash_attn_varlen_func's
+packed rows; dispatch_fp8_varlen.py).
 
 Inputs: FlashAttention-3's outlier distribution (tests/fp8_emulation.fa3_outlier_inputs) in the query's dtype; the
 cache holds K/V quantized per (batch, KV head) (fp8_quant.quantize_qkv's descales), the appended keys come in as
@@ -13,7 +14,7 @@ and a bf16 query gives bitwise the result of the e4m3 path on ``fp8_quant.quanti
 import pytest
 import torch
 
-from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query
+from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query, quantize_query_packed
 from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms
 from tests.reference import attention_ref
 
@@ -138,3 +139,30 @@ def test_decode_step_under_cuda_graph_replay():
     assert torch.equal(vc.view(torch.uint8), vc_eager.view(torch.uint8))
     assert torch.equal(kc[0, 101].view(torch.uint8), expect[0].view(torch.uint8))  # the replay's append
     assert torch.equal(kc[1, 601].view(torch.uint8), expect[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_packed_bf16_query_over_e4m3_rows(causal):
+    lens_q, lens_k = [1, 300, 0, 57], [640, 300, 10, 1200]
+    b, hq, hkv = 4, 16, 4
+    q, k, v = fa3_outlier_inputs(b, max(lens_q), max(lens_k), hq, hkv, 128, seed=21, device="cuda",
+                                 dtype=torch.bfloat16)
+    _, k8, v8, _, kd, vd = quantize_qkv(q, k, v)
+    pack = lambda x, lens: torch.cat([x[i, :n] for i, n in enumerate(lens)])  # noqa: E731
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    qp = pack(q, lens_q)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), k_descale=kd, v_descale=vd,
+                causal=causal)
+    out, _ = fa.flash_attn_varlen_func(qp, pack(k8, lens_k), pack(v8, lens_k), **args)
+    assert out.dtype == torch.bfloat16 and out.shape == qp.shape
+    q8, qd = quantize_query_packed(qp, hkv, cu_q)
+    out8, _ = fa.flash_attn_varlen_func(q8, pack(k8, lens_k), pack(v8, lens_k), q_descale=qd, **args)
+    torch.testing.assert_close(out, out8, rtol=0, atol=0)  # the e4m3 path on the packed quantization, bitwise
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if lq == 0:
+            continue
+        rows = out[int(cu_q[i]):int(cu_q[i]) + lq][None]
+        _check(rows, q[i:i + 1, :lq], k[i:i + 1, :lk], v[i:i + 1, :lk], k8[i:i + 1, :lk], v8[i:i + 1, :lk],
+               kd[i:i + 1], vd[i:i + 1], [lk], causal=causal)
