@@ -100,8 +100,8 @@ def test_varlen_grad_e5m2_and_a_bf16_query_raise():
         fa.flash_attn_varlen_func(q.clone().requires_grad_(), k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(NotImplementedError, match="e5m2"):
         fa.flash_attn_varlen_func(q, k.float().to(torch.float8_e5m2), v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    with pytest.raises(ValueError, match="bf16/fp16 query"):
-        fa.flash_attn_varlen_func(q.float().bfloat16(), k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match="e4m3 q over a bf16/fp16 cache"):
+        fa.flash_attn_varlen_func(q, k.float().bfloat16(), v.float().bfloat16(), cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match="CUDA tensors"):  # everything else right: the CPU device
         fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
@@ -139,8 +139,8 @@ def test_kvcache_without_cache_seqlens_reads_the_whole_cache(launches):
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
     (dict(softcap=2.0), NotImplementedError, "softcap"),
     (dict(num_splits=3), NotImplementedError, "num_splits"),
-    (dict(k=_rand(2, 1, 2, 64).float().bfloat16(), v=_rand(2, 1, 2, 64).float().bfloat16(),
-          cache_seqlens=1), ValueError, "appending into a float8_e4m3fn cache"),
+    (dict(k=_rand(2, 1, 2, 64).float(), v=_rand(2, 1, 2, 64).float(),
+          cache_seqlens=1), ValueError, "appending into a float8_e4m3fn cache"),  # fp32: bf16/fp16 are quantized
     (dict(k=_rand(2, 1, 2, 64), v=_rand(2, 1, 2, 64)), ValueError, "cache_seqlens is required"),
     (dict(cache_seqlens=40), ValueError, "does not fit"),
     (dict(v_descale=torch.ones(2, 4)), ValueError, r"\(2, 2\)"),
@@ -152,10 +152,10 @@ def test_kvcache_refusals_name_the_argument(launches, kw, exc, match):
     assert not launches
 
 
-def test_kvcache_bf16_query_small_cache_and_grad_raise(launches):
+def test_kvcache_e4m3_query_over_a_bf16_cache_small_cache_and_grad_raise(launches):
     q, kc, vc = _rand(2, 1, 4, 64), _rand(2, 16, 2, 64), _rand(2, 16, 2, 64)
-    with pytest.raises(ValueError, match="bf16/fp16 query"):
-        fa.flash_attn_with_kvcache(q.float().bfloat16(), kc, vc)
+    with pytest.raises(ValueError, match="e4m3 q over a bf16/fp16 cache is not served"):
+        fa.flash_attn_with_kvcache(q, kc.float().bfloat16(), vc.float().bfloat16())
     with pytest.raises(ValueError, match="1 rows for a batch of 2"):
         fa.flash_attn_with_kvcache(q, kc[:1], vc[:1])
     with pytest.raises(ValueError, match="inference-only"):

@@ -1,0 +1,170 @@
+"""An FP8 (e4m3) KV cache with a bf16/fp16 query on a GPU (flash_attn_with_kvcache, and flash_attn_varlen_func's
+packed rows; dispatch_fp8_varlen.py).
+
+Inputs: FlashAttention-3's outlier distribution (tests/fp8_emulation.fa3_outlier_inputs) in the query's dtype; the
+cache holds K/V quantized per (batch, KV head) (fp8_quant.quantize_qkv's descales), the appended keys come in as
+bf16/fp16 and are quantized on the way in.  Bars, as tests/test_fp8_gpu.py derives them (measured:
+benchmarks/results/fp8_accuracy_cpu.jsonl): the RMS error against the fp32 reference of the UNquantized q/k/v is at
+most 1.1x that of the step-by-step emulation (tests/fp8_emulation.py) of the same quantized inputs, and the kernel
+differs from the emulation by at most a fifth of that error (the emulation's own error on decode shapes, 1.8-2.3e-2,
+is in benchmarks/results/fp8_kvcache_accuracy_cpu.jsonl, from benchmarks/experiments/fp8_kvcache_accuracy.py).
+Each batch entry (its own cache length) is checked on its own.  Beside the bars, exact identities: the appended
+cache rows are the bytes of x / descale rounded to e4m3, and a bf16 query gives bitwise the result of the e4m3
+path on ``fp8_quant.quantize_query``'s q8 and q_descale.
+"""
+
+import pytest
+import torch
+
+from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query, quantize_query_packed
+from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms
+from tests.reference import attention_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+fa = pytest.importorskip("flash_attn_4_sm120")
+
+E4 = torch.float8_e4m3fn
+
+
+def _setup(b, cap, hq, hkv, sq, d=128, seed=0, dtype=torch.bfloat16):
+    """q (B, Sq, Hq, D), full-length k/v (B, cap, Hkv, D) in ``dtype`` and their e4m3 cache (B + 1 rows: a spare
+    that must stay untouched) with (B, Hkv) descales over the whole of k/v (so appends never saturate)."""
+    q, k, v = fa3_outlier_inputs(b, sq, cap, hq, hkv, d, seed=seed, device="cuda", dtype=dtype)
+    _, k8, v8, _, kd, vd = quantize_qkv(q, k, v)
+    spare = torch.randn(1, cap, hkv, d, device="cuda").to(E4)
+    return q, k, v, torch.cat([k8, spare]), torch.cat([v8, spare.clone()]), kd, vd
+
+
+def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None), sink=None):
+    qs8, qd = quantize_query(q, k.shape[2])
+    for i, n in enumerate(lens):
+        sl = slice(i, i + 1)
+        ref, _ = attention_ref(q[sl], k[sl, :n], v[sl, :n], causal=causal, window=window, sink=sink)
+        emu = emulate_fp8_attention(qs8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl], causal=causal,
+                                    window=window, sink=sink, out_dtype=q.dtype)
+        err, err_emu = rms(out[sl], ref), rms(emu, ref)
+        assert not torch.isnan(out[sl]).any()
+        assert err <= 1.1 * err_emu, (i, err, err_emu)
+        assert rms(out[sl], emu) <= 0.2 * err_emu, (i, rms(out[sl], emu), err_emu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 1), (4, 4)])
+@pytest.mark.parametrize("sq", [1, 6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_append_then_attend_against_the_unquantized_reference(dtype, hq, hkv, sq, causal):
+    b, cap = 3, 1100
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, sq, seed=hq + sq, dtype=dtype)
+    spare = kc[b].view(torch.uint8).clone()
+    seqlens = torch.tensor([0, 517, cap - sq], dtype=torch.int32, device="cuda")
+    k_new = torch.stack([k[i, n:n + sq] for i, n in enumerate(seqlens.tolist())])
+    v_new = torch.stack([v[i, n:n + sq] for i, n in enumerate(seqlens.tolist())])
+    _, k8_all, v8_all, _, _, _ = quantize_qkv(q, k, v)  # what the append must store, byte for byte
+    for i, n in enumerate(seqlens.tolist()):  # garbage where the append goes: a skipped write cannot pass
+        kc[i, n:n + sq], vc[i, n:n + sq] = kc[b, :sq], vc[b, :sq]
+    out = fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                     causal=causal)
+    assert out.dtype == dtype and out.shape == (b, sq, hq, 128)
+    assert torch.equal(kc[b].view(torch.uint8), spare)
+    for i, n in enumerate(seqlens.tolist()):
+        assert torch.equal(kc[i, n:n + sq].view(torch.uint8), k8_all[i, n:n + sq].view(torch.uint8))
+        assert torch.equal(vc[i, n:n + sq].view(torch.uint8), v8_all[i, n:n + sq].view(torch.uint8))
+    lens = [n + sq for n in seqlens.tolist()]
+    # the rows below each sequence's cache_seqlens are the setup's quantized k/v: the cache now holds k8/v8 of the
+    # first n + sq positions of k/v, whose unquantized values are the reference's
+    _check(out, q, k, v, kc, vc, kd, vd, lens, causal=causal)
+
+
+@pytest.mark.parametrize("causal, window", [(True, (255, None)), (False, (64, 16)), (True, (0, None))])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("sq", [1, 9])
+def test_window_and_sink(causal, window, with_sink, sq):
+    b, cap, hq, hkv = 2, 900, 16, 4
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, sq, seed=7 + sq)
+    sink = torch.linspace(-2, 3, hq, device="cuda") if with_sink else None
+    seqlens = torch.tensor([333, cap], dtype=torch.int32, device="cuda")
+    out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd, causal=causal,
+                                     window_size=window, learnable_sink=sink)
+    _check(out, q, k, v, kc, vc, kd, vd, seqlens.tolist(), causal=causal, window=window, sink=sink)
+
+
+def test_a_bf16_query_is_the_e4m3_path_on_its_quantized_query():
+    q, k, v, kc, vc, kd, vd = _setup(2, 700, 32, 8, 1, seed=3)
+    seqlens = torch.tensor([700, 211], dtype=torch.int32, device="cuda")
+    out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                         return_softmax_lse=True)
+    q8, qd = quantize_query(q, 8)
+    out8, lse8 = fa.flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=seqlens, q_descale=qd, k_descale=kd,
+                                           v_descale=vd, return_softmax_lse=True)
+    torch.testing.assert_close(out, out8, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse8, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="q_descale given with"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, q_descale=qd)
+
+
+def test_nan_in_the_query_stays_in_its_group():
+    q, k, v, kc, vc, kd, vd = _setup(2, 300, 8, 2, 1, seed=4)
+    q[1, 0, 5, 3] = float("nan")  # batch 1, query head 5: KV head 1 (heads 4..7)
+    out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=300, k_descale=kd, v_descale=vd)
+    assert torch.isnan(out[1, :, 4:]).all()
+    assert not torch.isnan(out[0]).any() and not torch.isnan(out[1, :, :4]).any()
+
+
+def test_decode_step_under_cuda_graph_replay():
+    b, cap, hq, hkv = 2, 1024, 32, 8
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, 1, seed=5)
+    static_q, static_k, static_v = q.clone(), k[:, :1].clone(), v[:, :1].clone()
+    seqlens = torch.tensor([100, 600], dtype=torch.int32, device="cuda")
+
+    def step(kcache, vcache):
+        return fa.flash_attn_with_kvcache(static_q, kcache, vcache, static_k, static_v, cache_seqlens=seqlens,
+                                          k_descale=kd, v_descale=vd)
+
+    step(kc.clone(), vc.clone())  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(kc, vc)
+    # a new step: new query and keys, positions moved on
+    static_q.copy_(torch.flip(q, dims=(0,)))
+    static_k.copy_(k[:, 700:701])
+    static_v.copy_(v[:, 700:701])
+    seqlens.copy_(torch.tensor([101, 601]))
+    kc_eager, vc_eager = kc.clone(), vc.clone()
+    expect = kc[:b, 700].clone()  # k[:, 700] quantized with kd: the setup stored it there
+    graph.replay()
+    eager = step(kc_eager, vc_eager)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert torch.equal(kc.view(torch.uint8), kc_eager.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_eager.view(torch.uint8))
+    assert torch.equal(kc[0, 101].view(torch.uint8), expect[0].view(torch.uint8))  # the replay's append
+    assert torch.equal(kc[1, 601].view(torch.uint8), expect[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_packed_bf16_query_over_e4m3_rows(causal):
+    lens_q, lens_k = [1, 300, 0, 57], [640, 300, 10, 1200]
+    b, hq, hkv = 4, 16, 4
+    q, k, v = fa3_outlier_inputs(b, max(lens_q), max(lens_k), hq, hkv, 128, seed=21, device="cuda",
+                                 dtype=torch.bfloat16)
+    _, k8, v8, _, kd, vd = quantize_qkv(q, k, v)
+    pack = lambda x, lens: torch.cat([x[i, :n] for i, n in enumerate(lens)])  # noqa: E731
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    qp = pack(q, lens_q)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), k_descale=kd, v_descale=vd,
+                causal=causal)
+    out, _ = fa.flash_attn_varlen_func(qp, pack(k8, lens_k), pack(v8, lens_k), **args)
+    assert out.dtype == torch.bfloat16 and out.shape == qp.shape
+    q8, qd = quantize_query_packed(qp, hkv, cu_q)
+    out8, _ = fa.flash_attn_varlen_func(q8, pack(k8, lens_k), pack(v8, lens_k), q_descale=qd, **args)
+    torch.testing.assert_close(out, out8, rtol=0, atol=0)  # the e4m3 path on the packed quantization, bitwise
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if lq == 0:
+            continue
+        rows = out[int(cu_q[i]):int(cu_q[i]) + lq][None]
+        _check(rows, q[i:i + 1, :lq], k[i:i + 1, :lk], v[i:i + 1, :lk], k8[i:i + 1, :lk], v8[i:i + 1, :lk],
+               kd[i:i + 1], vd[i:i + 1], [lk], causal=causal)
