@@ -43,7 +43,8 @@ def ran_tiles(monkeypatch):
         return real(cfg, dev)
 
     monkeypatch.setattr(dispatch, "_kernel", spy)
-    for plan in P._PLANS.values():  # plans keep their compiled function: make every call fetch it again
+    for entry in P._PLANS.values():  # plans keep their compiled function: make every call fetch it again
+        plan = entry[1] if isinstance(entry, tuple) else entry  # a memoised (variant key, plan) pair
         monkeypatch.setattr(plan, "fwd_fn", None)
     return seen
 
