@@ -5,12 +5,16 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
     python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
-    python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
-                                                   # not in CI (README "SM121"); sm_120f, the family target, builds too
+    python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device
+                                                   # (sm_120f, the family target, builds too)
     python scripts/compile_gate.py --arch sm_80    # the target without TMA (8.0, 8.6 and 8.9 devices): cp.async
-    python scripts/compile_gate.py --ci            # CI: the committed full runs' checks and one shard (gate_ci.py)
-    # a full run to commit (outside a git checkout, FA4_GATE_COMMIT=<sha> names the commit in its record):
+    python scripts/compile_gate.py --ci            # CI: every committed full run's checks and one shard of each
+                                                   # target (sm_120a, sm_80, sm_121a: gate_ci.py)
+    # the full runs to commit, one per target of gate_ci.FULL_ARCHS (outside a git checkout, FA4_GATE_COMMIT=<sha>
+    # names the commit in its record):
     python scripts/compile_gate.py --arch sm_120a --jobs 16 --json benchmarks/results/gate_full_sm_120a.jsonl
+    python scripts/compile_gate.py --arch sm_80 --jobs 16 --json benchmarks/results/gate_full_sm_80.jsonl
+    python scripts/compile_gate.py --arch sm_121a --jobs 16 --json benchmarks/results/gate_full_sm_121a.jsonl
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
