@@ -64,7 +64,33 @@ def sm80_s33() -> list:
     return out
 
 
-SETS = {"sm80_s33": sm80_s33}
+def sm80_s33_subsets() -> list:
+    """Issue 31: the reroutes of ``sm80_s33`` over every subset of the flags their kernels take (the gate builds each
+    class at its lightest and heaviest set only): dQ 64x32 at d192/dv96 with dropout (seed tensor, sink gradient;
+    window, softcap, varlen q/k, seqused q/k), and the forward's 64x16 two-stage tile at d192 with the relative-bias
+    mod and dropout with packed rows (window, sink, varlen q/k, seqused q/k)."""
+    import itertools
+
+    from scripts.compile_gate import _package
+
+    _package()
+    from flash_attn_4_sm120 import config_bwd as CB, modspec
+    from flash_attn_4_sm120.config import FwdKernelConfig, FwdTile
+
+    rel_fwd = modspec.recipe_placeholder("relative_bias", (64,), (("fp32", 2),), False)
+    out = []
+    for bits in itertools.product((False, True), repeat=6):
+        flags = dict(zip(("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k"), bits))
+        out.append(CB.select_dq_config("bf16", 192, 96, False, has_dropout=True, dropout_seed_tensor=True,
+                                       sink_grad=True, **flags))
+    for bits in itertools.product((False, True), repeat=6):
+        flags = dict(zip(("windowed", "has_sink", "varlen_q", "varlen_k", "seqused_q", "seqused_k"), bits))
+        out.append(FwdKernelConfig("bf16", 192, 192, FwdTile(64, 16, 4, 2), mods=rel_fwd, has_dropout=True,
+                                   dropout_seed_tensor=True, dropout_packed=True, **flags))
+    return out
+
+
+SETS = {"sm80_s33": sm80_s33, "sm80_s33_subsets": sm80_s33_subsets}
 
 
 def main(argv=None) -> int:
