@@ -5,12 +5,16 @@ sm_120a on a CPU (fake tensors, no GPU) and check its SASS.
     python scripts/compile_gate.py --limit 1       # first configuration only (smoke)
     python scripts/compile_gate.py --filter d128   # configurations whose name contains "d128"
     python scripts/compile_gate.py --arch sm_90a   # same check for another target
-    python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device;
-                                                   # not in CI (README "SM121"); sm_120f, the family target, builds too
+    python scripts/compile_gate.py --arch sm_121a  # SM121 (DGX Spark): what jit.target_arch compiles on a 12.1 device
+                                                   # (sm_120f, the family target, builds too)
     python scripts/compile_gate.py --arch sm_80    # the target without TMA (8.0, 8.6 and 8.9 devices): cp.async
-    python scripts/compile_gate.py --ci            # CI: the committed full runs' checks and one shard (gate_ci.py)
-    # a full run to commit (outside a git checkout, FA4_GATE_COMMIT=<sha> names the commit in its record):
+    python scripts/compile_gate.py --ci            # CI: every committed full run's checks and one shard of each
+                                                   # target (sm_120a, sm_80, sm_121a: gate_ci.py)
+    # the full runs to commit, one per target of gate_ci.FULL_ARCHS (outside a git checkout, FA4_GATE_COMMIT=<sha>
+    # names the commit in its record):
     python scripts/compile_gate.py --arch sm_120a --jobs 16 --json benchmarks/results/gate_full_sm_120a.jsonl
+    python scripts/compile_gate.py --arch sm_80 --jobs 16 --json benchmarks/results/gate_full_sm_80.jsonl
+    python scripts/compile_gate.py --arch sm_121a --jobs 16 --json benchmarks/results/gate_full_sm_121a.jsonl
 
 A configuration passes when its cubin has HMMA (mma.sync) instructions (the attention kernels; the split-KV
 combine and the backward preprocess kernels have no matmul and must have none), none of the instructions SM120 lacks
@@ -60,18 +64,54 @@ def _package():
     return mod
 
 
+_BWD_FLAGS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k", "has_dropout",
+              "dropout_seed_tensor", "sparse_q_ratio", "sparse_kv_ratio", "mods")
+
+
+def _bwd_without_tma(cfg):
+    """A dK/dV or dQ configuration the TMA selection gives for its flags -> the one a device without TMA selects
+    for them (config_bwd's sm_80 spill sets), or None where such a device refuses the call; any other (a tile the
+    hand-made lists build on purpose) as it is."""
+    from flash_attn_4_sm120 import config_bwd
+
+    if cfg.fused_dq:
+        return cfg
+    flags = {f: getattr(cfg, f) for f in _BWD_FLAGS}
+    if isinstance(cfg, config_bwd.DqKernelConfig):
+        select, flags = config_bwd.select_dq_config, dict(flags, sink_grad=cfg.sink_grad)
+    else:
+        select = config_bwd.select_bwd_config
+    try:
+        if select(cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) != cfg:
+            return cfg
+        return select(cfg.dtype, cfg.head_dim, cfg.head_dim_v, False, **flags)
+    except ValueError:
+        return None
+
+
 def _without_tma(cfg):
-    """The configuration a device without TMA runs where ``cfg`` (built for a TMA target) has a TMA tile: the
+    """The configuration a device without TMA runs where ``cfg`` was selected for a TMA target: for a TMA tile the
     cp.async tile the same selection gives without TMA (the same row of the tile table; for block sparsity the
-    tile of the same block size, with its ratios), or None where such a device refuses the call (score/mask mods
-    with dropout at d <= 128).  Other configurations are returned as they are."""
+    tile of the same block size, with its ratios); for the tiles that spill on sm_80 with some feature set, the
+    one config.py / config_bwd.py select there instead; None where such a device refuses the call (score/mask mods
+    with dropout at d <= 128, the block-sparse backward feature sets of compat "sparse_grad_without_tma").  Other
+    configurations are returned as they are."""
     from dataclasses import replace
 
-    from flash_attn_4_sm120 import config
+    from flash_attn_4_sm120 import config, config_bwd
 
+    if isinstance(cfg, config_bwd.BwdKernelConfig):
+        return _bwd_without_tma(cfg)
     if not isinstance(cfg, config.FwdKernelConfig):
         return cfg
     d, dv, tile = cfg.head_dim, cfg.head_dim_v, cfg.tile
+    if cfg.mods is not None and cfg.has_dropout and not tile.tma:
+        try:
+            if tile == config.mods_dropout_fwd_tile(d, dv):
+                return replace(cfg, tile=config.mods_dropout_fwd_tile(d, dv, tma=False))
+        except ValueError:
+            pass
+        return cfg
     plain = not (cfg.split_kv or cfg.block_sparse or tile.kv_groups > 1 or cfg.mods is not None)
     if not tile.tma and plain and cfg.paged:  # a paged prefill tile: the one such a device picks for paged K/V
         rows = [w for w in (False, True) if tile == config.select_fwd_tile(d, dv, w, paged=True)]

@@ -590,19 +590,36 @@ def plots_section(check: bool = False) -> str:
             + "\n".join(f"![{alt}]({rel}/{name}.png)" for name, (_, _, alt) in PLOTS.items()) + "\n")
 
 
+def _devices_of(arch: str) -> str:
+    """The capabilities whose devices load ``arch``'s cubins (device.CAPABILITIES), e.g. "8.0, 8.6, 8.9"."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from scripts.compile_gate import _package
+
+    if "flash_attn_4_sm120" not in sys.modules:
+        _package()
+    from flash_attn_4_sm120 import device
+
+    return ", ".join(f"{ma}.{mi}" for (ma, mi), f in device.CAPABILITIES.items() if f.arch == arch)
+
+
 def gate_section() -> str:
-    """The compile gate's coverage, from the committed full runs (benchmarks/results/gate_full_<arch>.jsonl) and
-    the CI shard counts of scripts/gate_ci.py (its largest shard counted over the full run's configurations)."""
+    """The compile gate's coverage per shipped target, from the committed full runs
+    (benchmarks/results/gate_full_<arch>.jsonl, one per scripts/gate_ci.FULL_ARCHS), the devices that load each
+    target's cubins (device.CAPABILITIES) and the CI shard counts of scripts/gate_ci.py (its largest shard counted
+    over the full run's configurations)."""
     spec = importlib.util.spec_from_file_location("_gate_ci", ROOT / "scripts" / "gate_ci.py")
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
-    lines = ["| target | full run (committed) | passing | built with | spill only with the run's libs (rebuilt with CI's: "
-             "pass) | CI builds per commit |", "|---|---|---|---|---|---|"]
+    lines = ["| target | devices (capability) | full run (committed) | passing | built with | spill only with the run's "
+             "libs (rebuilt with CI's: pass) | CI builds per commit |", "|---|---|---|---|---|---|---|"]
     for arch in gc.FULL_ARCHS:
         count = gc.CI_SHARDS.get(arch)
         path = gc.full_run_path(arch)
+        devices = _devices_of(arch)
         if not path.exists():
-            lines.append(f"| `{arch}` | not committed yet | - | - | - | 1 shard of {count} |")
+            lines.append(f"| `{arch}` | {devices} | not committed yet (`{path.relative_to(ROOT)}`): CI fails until "
+                         f"it is | - | - | - | 1 shard of {count} |")
             continue
         meta, rows = gc.read_run(path)
         names = sorted(rows)
@@ -614,8 +631,8 @@ def gate_section() -> str:
                  f"{str(meta.get('commit'))[:10]}") if meta else "no record"
         if meta and meta.get("recheck_libs"):
             built += f"; failing rows rebuilt with {meta['recheck_libs']}"
-        lines.append(f"| `{arch}` | {len(rows):,} configurations (`{path.relative_to(ROOT)}`) | {ok:,} | {built} | "
-                     f"{other_txt} | 1 shard of {count} (at most {largest} configurations) |")
+        lines.append(f"| `{arch}` | {devices} | {len(rows):,} configurations (`{path.relative_to(ROOT)}`) | {ok:,} | "
+                     f"{built} | {other_txt} | 1 shard of {count} (at most {largest} configurations) |")
     return "\n".join(lines) + "\n"
 
 

@@ -130,9 +130,24 @@ _BWD_SPILLING = {
     ((64, 128, 8, 16, False), 64): {"aux_mods"},
     ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
 }
+# Added on a device without TMA (8.0 / 8.6 / 8.9: they load sm_80 cubins, whose register allocation differs from
+# sm_120a's on these 255-register tiles; the sm_80 full run of 7c4925a, benchmarks/results/
+# gate_spill_probes_sm80_s33.jsonl holds the spills and the tiles that replaced them):
+# * 32x128 key-row tile (d128): an aux-reading mod on a dense call (the document mask mod spilled with varlen q and
+#   k, with and without seqused k); the 32x128 P/dS tile of the same shape compiles without.  Block-sparse calls
+#   with it compiled without spills and keep the tile.
+# * 64x128 key-row tile (d96): fp16 block sparsity (1x1 blocks spilled); the next tile, 64x64, has another shape
+#   than the one block_sparse checks the block sizes against, so such a call is refused (``_sparse_shape``).
+_BWD_SPILLING_WITHOUT_TMA = {
+    ((32, 128, 8, 16, True), 128): {"dense_aux_mods"},
+    ((64, 128, 8, 16, True), 96): {"sparse_fp16"},
+}
+_WITHOUT_TMA = "a device without TMA (compute capability 8.0 / 8.6 / 8.9: A100, RTX 30xx, RTX 40xx)"
 
 
-def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
+def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
+    """Reasons ``cfg`` cannot run (empty: it can); ``tma``: the device has TMA (device.DeviceCaps.tma), else the
+    feature sets that spill on sm_80 (``_BWD_SPILLING_WITHOUT_TMA``) count too."""
     problems = []
     tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows, cfg.kv_rows)
     if cfg.kv_rows:
@@ -141,8 +156,11 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
             problems.append(f"key-row tile needs tile_n = 16 x num_warps and 16 key rows per warp, got tile_n="
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
+    if not tma:
+        spilling = spilling | _BWD_SPILLING_WITHOUT_TMA.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     mask_mod = cfg.mods is not None and cfg.mods.has_mask_mod
     for feature, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
+                        ("dense_aux_mods", cfg.has_aux and not cfg.block_sparse),
                         ("sparse_mask_mod", cfg.block_sparse and mask_mod),
                         ("sparse_fp16", cfg.block_sparse and cfg.dtype == "fp16"),
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
@@ -151,7 +169,7 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
                         ("partial_varlen", (cfg.has_dropout or cfg.has_aux) and not cfg.varlen_q
                          and (cfg.varlen_k or cfg.seqused_q or cfg.seqused_k))):
         if on and feature in spilling:
-            problems.append(f"backward tile spills registers with {feature} on sm_120a")
+            problems.append(f"backward tile spills registers with {feature} on {'sm_120a' if tma else 'sm_80'}")
     smem = bwd_smem_bytes(cfg)
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
@@ -171,18 +189,38 @@ def bwd_problems(cfg: BwdKernelConfig) -> list[str]:
     return problems
 
 
-def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig:
+def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, tma: bool = True, **flags) -> BwdKernelConfig:
     """The backward kernel configuration; raises ValueError when no tile fits (checked at forward time when
-    gradients are required, so a training step never fails half-way)."""
+    gradients are required, so a training step never fails half-way).  ``tma``: the device has TMA
+    (device.DeviceCaps.tma; without it the sm_80 spill sets count, ``bwd_problems``)."""
     reasons = []
+    shape = None if tma or not flags.get("sparse_q_ratio") else _sparse_shape(head_dim, head_dim_v, flags.get("mods"))
     for tm, tn, nw, *rest in _BWD_TILES[max(head_dim, head_dim_v)]:
         rows, kv_rows = (list(rest) + [16, False][len(rest):])[:2]
         cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows, kv_rows=kv_rows, **flags)
-        problems = bwd_problems(cfg)
+        problems = bwd_problems(cfg, tma)
+        if shape is not None and (tm, tn) != shape:
+            problems.append(f"block-sparse lists are checked against the {shape[0]}x{shape[1]} tile")
         if not problems:
             return cfg
         reasons.append(f"{tm}x{tn}w{nw}: " + "; ".join(problems))
+    if shape is not None:
+        from .compat import refuse
+
+        named = ", ".join(n for n in ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+                          if flags.get(n))
+        refuse("sparse_grad_without_tma", dtype=dtype, d=head_dim, dv=head_dim_v, device=_WITHOUT_TMA,
+               flags=f" with {named}" if named else "", mods=" and a score/mask mod" if flags.get("mods") else "",
+               tile=f"{shape[0]}x{shape[1]}", reasons=" | ".join(reasons))
     raise ValueError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: no backward tile fits SM120: " + " | ".join(reasons))
+
+
+def _sparse_shape(head_dim: int, head_dim_v: int, mods) -> tuple[int, int]:
+    """(tile_m, tile_n) of the dK/dV tile a block-sparse call's block sizes are checked against and its KV-major
+    ratios computed for: block_sparse._bwd_tiles selects it with the TMA table, in bf16 with no other flag.  A
+    device without TMA must run a tile of that shape, or the kernel would read the lists with other block sizes."""
+    cfg = select_bwd_config("bf16", head_dim, head_dim_v, sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
+    return cfg.tile_m, cfg.tile_n
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
@@ -313,8 +351,19 @@ def dq_problems(cfg: BwdKernelConfig) -> list[str]:
     return problems
 
 
-def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> DqKernelConfig:
+# On a device without TMA (sm_80 cubins) the d192 64x64 tile spilled with dropout (softcap and every flag at
+# dv96, the relative-bias score mod at dv192: the sm_80 full run of 7c4925a); 64x32 with the split K/V wait, the
+# d256 tile's shape, compiles without (benchmarks/results/gate_spill_probes_sm80_s33.jsonl).  Dropout calls never
+# carry block-sparse lists (compat "dropout_sparse"), so the tile's shape constrains no block size.
+_DQ_DROPOUT_TILES_WITHOUT_TMA = {192: (64, 32, 4, 1, True)}
+
+
+def select_dq_config(dtype: str, head_dim: int, head_dim_v: int, tma: bool = True, **flags) -> DqKernelConfig:
+    """The dQ kernel configuration (``tma``: the device has TMA, as select_bwd_config); ValueError when it does
+    not fit."""
     tm, tn, nw, stages, *kw = _DQ_TILES[max(head_dim, head_dim_v)]
+    if not tma and flags.get("has_dropout"):
+        tm, tn, nw, stages, *kw = _DQ_DROPOUT_TILES_WITHOUT_TMA.get(max(head_dim, head_dim_v), (tm, tn, nw, stages, *kw))
     # not with dropout and a mod together: the d128 tile spilled with it (compile gate, sm_120a); dropout alone
     # compiles without spills at d128 and d256, every flag included
     drop_mods = flags.get("has_dropout") and flags.get("mods") is not None

@@ -72,9 +72,9 @@ def kernel_configs(key):
                  seqused_q=key.seqused_q, seqused_k=key.seqused_k, has_dropout=key.dropout,
                  dropout_seed_tensor=key.seed_tensor, mods=mods)
     sb = key.sparse_bwd
-    bwd = select_bwd_config(key.dtype, key.head_dim, key.head_dim_v, **flags, sparse_q_ratio=sb[2],
+    bwd = select_bwd_config(key.dtype, key.head_dim, key.head_dim_v, key.tma, **flags, sparse_q_ratio=sb[2],
                             sparse_kv_ratio=sb[3])
-    dq = select_dq_config(key.dtype, key.head_dim, key.head_dim_v, **flags, sparse_q_ratio=sb[0],
+    dq = select_dq_config(key.dtype, key.head_dim, key.head_dim_v, key.tma, **flags, sparse_q_ratio=sb[0],
                           sparse_kv_ratio=sb[1], sink_grad=key.sink)
     return fwd, bwd, dq
 

@@ -108,9 +108,13 @@ FEATURES: dict[str, Feature] = {
         Feature("devices", SUPPORTED, "(automatic: device.py's capability table)",
                 "compute capability 12.0 / 12.1 (sm_120a / sm_121a) and 9.0 (sm_90a) on every kernel; 8.0 / 8.6 / "
                 "8.9 (sm_80 cubins: A100, RTX 30xx, RTX 40xx) on the cp.async kernels and the backward's kernel pair, "
-                "without split-KV "
-                "and without score/mask mods together with dropout at head dim <= 128; any other device, or a "
-                "CUTE_DSL_ARCH its cubins cannot run on, raises ValueError naming it before any compile"),
+                "on the tiles that compile without spills for sm_80, without split-KV, without score/mask mods "
+                "together with dropout at head dim <= 128 and without the block-sparse backward where no tile of "
+                "its block sizes' shape compiles without spills there (fp16 at head dim 96; CONFLICTS_LOG). The "
+                "compile gate builds what each of sm_120a, sm_80 and sm_121a selects (its full runs and their "
+                "counts: README \"The SM120 compile gate\"); the 8.x selection is tested on the 9.0 proxy "
+                "(FA4_SM120_FORCE_CPASYNC=1). Any other device, "
+                "or a CUTE_DSL_ARCH its cubins cannot run on, raises ValueError naming it before any compile"),
     )
 }
 

@@ -239,6 +239,28 @@ CONFLICTS.update({
 })
 
 
+# ---- devices without TMA (8.0 / 8.6 / 8.9, sm_80 cubins): combinations whose every tile spills there, or whose
+# tile that does not spill breaks another contract (config_bwd / config raise these while planning) ----
+CONFLICTS.update({
+    "sparse_grad_without_tma": Conflict(
+        "`block_sparse_tensors` × autograd × devices without TMA (feature sets whose dK/dV tile of the block "
+        "sizes' shape spills)", ValueError,
+        "block_sparse_tensors with gradients in {dtype} at head_dim={d}, head_dim_v={dv}{flags}{mods} cannot run "
+        "on {device}: the dK/dV tile whose shape ({tile}) the block sizes are checked against spills registers "
+        "there with this feature set, and the tiles that do not spill have another shape ({reasons}). Call it "
+        "without gradients (torch.no_grad()), without block_sparse_tensors, or on a device with TMA (9.0, 12.x)",
+        "on a device without TMA the kernels are sm_80 cubins, whose register allocation spills where sm_120a's "
+        "does not (benchmarks/results/gate_spill_probes_sm80_s33.jsonl). `block_sparse.grad_block_multiples` "
+        "checks the block sizes against the dK/dV tile of the TMA table for bf16 without other flags, so the "
+        "backward may only run a tile of that shape (`config_bwd._sparse_shape`); where every such tile spills the "
+        "call is refused at the forward: fp16 at head dim 96 (the key-row tile spills with block sparsity on "
+        "sm_80), and at 128 a call with an aux-reading mask mod and a window or varlen k / seqused without varlen "
+        "q (those feature sets spill both 32x128 tiles, `config_bwd._BWD_SPILLING`).",
+        ("test_sparse_grad_without_tma_is_refused_where_no_tile_of_its_shape_fits",),
+        "config_bwd.select_bwd_config"),
+})
+
+
 def check_fp8(*, compiling: bool, needs_grad: bool, unsupported: dict) -> None:
     """The FP8 forward's conflicts, in the order they win: torch.compile, grad, then each unserved feature
     (``unsupported``: its name as the message shows it -> whether the call uses it)."""

@@ -507,12 +507,17 @@ MODS_DROPOUT_TILES: dict[int, tuple[FwdTile, ...]] = {
     192: (FwdTile(64, 16, 4, 1, False), FwdTile(128, 64, 8, 1, False, True)),
 }
 MODS_DROPOUT_MAX_HEAD_DIM = max(MODS_DROPOUT_TILES)
+# Without TMA (sm_80 cubins) the d192 64x16 one-stage tile spilled with packed GQA rows (relative bias, every flag:
+# the sm_80 full run of 7c4925a); with two K/V stages it compiles without spills, packed or not, and in fewer
+# registers (benchmarks/results/gate_spill_probes_sm80_s33.jsonl).  Same shape: the same calls fit it.
+_MODS_DROPOUT_TILES_WITHOUT_TMA: dict[int, tuple[FwdTile, ...]] = {192: (FwdTile(64, 16, 4, 2, False),)}
 
 
 def mods_dropout_fwd_tile(head_dim: int, head_dim_v: int, tma: bool = True) -> FwdTile:
     """The forward tile of a call with score/mask mods and in-kernel dropout; ValueError where none exists
     (``tma``: the device has TMA; the table's d <= 128 tiles are TMA tiles only)."""
-    for tile in MODS_DROPOUT_TILES.get(max(head_dim, head_dim_v), ()):
+    key = max(head_dim, head_dim_v)
+    for tile in (() if tma else _MODS_DROPOUT_TILES_WITHOUT_TMA.get(key, ())) + MODS_DROPOUT_TILES.get(key, ()):
         if (tma or not tile.tma) and not fwd_tile_problems(head_dim, head_dim_v, tile):
             return tile
     if not tma and max(head_dim, head_dim_v) <= MODS_DROPOUT_MAX_HEAD_DIM:
