@@ -489,3 +489,42 @@ def test_fp16_sparse_backward_at_d256_raises():
     with pytest.raises(ValueError, match="sparse_fp16"):
         P.get_plan(P.PlanKey(*args, True, 0, sparse=(1, 1, 64, 32), sparse_bwd=(1, 1, 2, 1)))
     assert P.get_plan(P.PlanKey(*args, False, 0, sparse=(1, 1, 64, 32))).bwd_cfg is None
+
+
+_CALL_FLAGS = ("has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
+def test_lists_are_prepared_for_the_tiles_the_plan_runs(d, tma):
+    """prepare_backward's ratios times the tiles the plan selects give the block size back, for every flag subset,
+    dtype and mask mod: the KV-major and query-major lists are read with the block size they were made for.  (A d128
+    call with an aux-reading mask mod and a window or seqused runs the 64x64 dK/dV tile; the lists were once
+    prepared for the key-row 32x128 one.)"""
+    import itertools
+
+    from flash_attn_4_sm120 import modspec
+    from flash_attn_4_sm120.config_plan import kernel_configs
+
+    doc = modspec.recipe_placeholder("document", (True,), (("i32", 1),), False)
+    checked = 0
+    for mods, dtype, windowed in itertools.product((None, doc), ("bf16", "fp16"), (False, True)):
+        for bits in itertools.product((False, True), repeat=len(_CALL_FLAGS)):
+            flags = dict(zip(_CALL_FLAGS, bits))
+            call = dict(dtype=dtype, tma=tma, **flags)
+            args = dict(batch=2, heads=4, max_q=3 * 128, max_k=5 * 128, head_dim=d, head_dim_v=d, windowed=windowed,
+                        device=torch.device("cpu"))
+            try:
+                ratios, fwd = BS.check_block_sparse(_fwd(), **args, tma=tma)
+                sg = BS.prepare_backward(_fwd(), None, fwd, **args, mods=mods, call=call)
+                key = P.PlanKey(dtype, d, d, windowed, flags["has_softcap"], False, flags["varlen_q"],
+                                flags["varlen_k"], flags["seqused_q"], flags["seqused_k"], True, 0,
+                                sparse=(*ratios, 128, 128), sparse_bwd=(*sg.dq_ratios, *sg.dkdv_ratios), mods=mods,
+                                tma=tma)
+                _, bwd, dq = kernel_configs(key)
+            except ValueError:  # a combination the call refuses (it raises before any launch)
+                continue
+            assert (sg.dkdv_ratios[0] * bwd.tile_m, sg.dkdv_ratios[1] * bwd.tile_n) == (128, 128), (call, mods)
+            assert (sg.dq_ratios[0] * dq.tile_m, sg.dq_ratios[1] * dq.tile_n) == (128, 128), (call, mods)
+            checked += 1
+    assert checked >= 32

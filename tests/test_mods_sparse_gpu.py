@@ -115,6 +115,27 @@ def test_document_mask_as_block_mask_matches_varlen(d):
     torch.testing.assert_close(lse[0], lse_v, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_document_mask_grads(d):
+    """causal=True over a document block mask with the document mask_mod, gradients included: at d128 this call
+    runs the 64x64 dK/dV tile (an aux-reading mask_mod with a window), so its lists must be prepared for that tile,
+    not for the key-row 32x128 one (block_sparse._bwd_tiles; tests/test_block_sparse_bwd.py checks every flag
+    subset on the CPU)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = [300, 1, 0, 517, 128, 200]
+    n = sum(lens)
+    offsets = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = (_rand(1, n, 4, d, gen=gen, grad=True) for _ in range(3))
+    mask_b, full_b, ids = _doc_blocks(offsets, n)
+    nb = mask_b.shape[-1]
+    below = torch.arange(nb, device="cuda")[None, :] <= torch.arange(nb, device="cuda")[:, None]
+    bst = fa.block_sparse_from_mask((mask_b | full_b) & below, (128, 128))  # every visited block a mask block
+    i = torch.arange(n, device="cuda")[:, None]
+    j = torch.arange(n, device="cuda")[None, :]
+    keep = ((ids[:, None] == ids[None, :]) & (j <= i))[None, None]
+    _check(q, k, v, {**_mods().document(), "causal": True}, [ids], keep, None, bst)
+
+
 def test_full_blocks_skip_the_mask_mod():
     """A mask_mod that masks a whole key range: on blocks listed as "full" it does not run (they stay visible), on
     blocks listed as "mask" it does."""

@@ -250,10 +250,10 @@ CONFLICTS.update({
         "there with this feature set, and the tiles that do not spill have another shape ({reasons}). Call it "
         "without gradients (torch.no_grad()), without block_sparse_tensors, or on a device with TMA (9.0, 12.x)",
         "on a device without TMA the kernels are sm_80 cubins, whose register allocation spills where sm_120a's "
-        "does not (benchmarks/results/gate_spill_probes_sm80_s33.jsonl). `block_sparse.grad_block_multiples` "
-        "checks the block sizes against the dK/dV tile of the TMA table for bf16 without other flags, so the "
-        "backward may only run a tile of that shape (`config_bwd._sparse_shape`); where every such tile spills the "
-        "call is refused at the forward: fp16 at head dim 96 (the key-row tile spills with block sparsity on "
+        "does not (benchmarks/results/gate_spill_probes_sm80_s33.jsonl). A device without TMA runs only a dK/dV "
+        "tile of the shape the TMA table picks for bf16 without other flags (`config_bwd._sparse_shape`; the lists "
+        "are prepared for the tile the call runs, `block_sparse._bwd_tiles`, so this is a restriction kept until "
+        "the other shapes are gated for sm_80); where every such tile spills the call is refused at the forward: fp16 at head dim 96 (the key-row tile spills with block sparsity on "
         "sm_80), and at 128 a call with an aux-reading mask mod and a window or varlen k / seqused without varlen "
         "q (those feature sets spill both 32x128 tiles, `config_bwd._BWD_SPILLING`).",
         ("test_sparse_grad_without_tma_is_refused_where_no_tile_of_its_shape_fits",),

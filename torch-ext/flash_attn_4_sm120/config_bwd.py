@@ -216,9 +216,9 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, tma: bool = Tr
 
 
 def _sparse_shape(head_dim: int, head_dim_v: int, mods) -> tuple[int, int]:
-    """(tile_m, tile_n) of the dK/dV tile a block-sparse call's block sizes are checked against and its KV-major
-    ratios computed for: block_sparse._bwd_tiles selects it with the TMA table, in bf16 with no other flag.  A
-    device without TMA must run a tile of that shape, or the kernel would read the lists with other block sizes."""
+    """(tile_m, tile_n) of the dK/dV tile the TMA table picks for a block-sparse call in bf16 with no other flag:
+    the only shape a device without TMA runs (the sm_80 gate builds those; block_sparse._bwd_tiles prepares the
+    lists for whatever tile the call selects, so this restricts the choice, it does not keep the lists right)."""
     cfg = select_bwd_config("bf16", head_dim, head_dim_v, sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
     return cfg.tile_m, cfg.tile_n
 
