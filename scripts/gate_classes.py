@@ -84,7 +84,7 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
     device has vector reductions).  Yields FwdKernelConfig / BwdKernelConfig / DqKernelConfig."""
     from dataclasses import replace
 
-    from flash_attn_4_sm120 import block_sparse as BS, config, config_bwd, config_decode, plan as P
+    from flash_attn_4_sm120 import block_sparse as BS, compat, config, config_bwd, config_decode, plan as P
 
     for dtype in config.DTYPES:
         for d, dv in config.supported_head_dim_pairs():
@@ -116,9 +116,12 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
                         kw = dict(mode)
                         if needs_grad and "sparse" in kw:
                             kw["sparse_bwd"] = (kw["sparse"][0],) * 4
+                        key = P.PlanKey(*args, needs_grad, 0, tma=tma, **kw)
+                        if compat.plan_key_conflicts(key):  # a pair the call refuses first (compat.check_call)
+                            continue
                         try:
-                            plan = P.get_plan(P.PlanKey(*args, needs_grad, 0, tma=tma, **kw))
-                        except ValueError:  # a combination the dispatcher refuses (it raises for the call too)
+                            plan = P.get_plan(key)
+                        except ValueError:  # a feature x limit the planner refuses (it raises for the call too)
                             continue
                         cfg = plan.fwd_cfg
                         if cfg.has_dropout:

@@ -124,16 +124,22 @@ def test_the_walk_builds_no_paged_call_with_cu_seqlens_k():
         assert any(c.windowed and c.has_softcap and c.has_sink and c.varlen_q and c.seqused_k for c in paged)
 
 
-@pytest.mark.parametrize("kw", [dict(vk=True), dict(needs_grad=True), dict(dropout=True),
-                                dict(sparse=(1, 1, 128, 128))])
-def test_the_plan_refuses_what_paged_calls_cannot_run(kw):
+@pytest.mark.parametrize("kw,name", [(dict(vk=True), "paged_cu_seqlens_k"), (dict(needs_grad=True), "paged_grad"),
+                                     (dict(dropout=True), "dropout_paged"),
+                                     (dict(sparse=(1, 1, 128, 128)), "sparse_paged")])
+def test_the_class_sweep_skips_what_paged_calls_cannot_run(kw, name):
+    """The sweep skips plan keys that carry a pair the call refuses (compat.plan_key_conflicts, the table's own
+    names); the planner itself raises no refusal (one raise site per refusal: compat.check_call)."""
+    from flash_attn_4_sm120 import compat
+
     flags = dict(windowed=False, softcap=False, sink=False, vq=False, vk=False, uq=False, uk=True, needs_grad=False)
     flags.update({k: kw[k] for k in flags.keys() & kw.keys()})
     extra = {k: v for k, v in kw.items() if k not in flags}
     args = ("bf16", 128, 128, *flags.values(), 0)
-    P.get_plan(P.PlanKey(*args, **extra))  # contiguous K/V: planned
-    with pytest.raises(ValueError, match="paged K/V"):
-        P.get_plan(P.PlanKey(*args, paged=True, **extra))
+    assert compat.plan_key_conflicts(P.PlanKey(*args, **extra)) == ()  # contiguous K/V: nothing refused
+    assert compat.plan_key_conflicts(P.PlanKey(*args, paged=True, **extra)) == (name,)
+    assert name in compat.CONFLICTS
+    assert "compat.plan_key_conflicts(key)" in Path(C.__file__).read_text()  # the sweep asks the table
 
 
 # ---- sharding --------------------------------------------------------------------------------------------------

@@ -272,6 +272,17 @@ def check_fp8(*, compiling: bool, needs_grad: bool, unsupported: dict) -> None:
         if on:
             refuse("fp8_unserved", feature=name)
 
+def plan_key_conflicts(key) -> tuple[str, ...]:
+    """The names of the table's pair refusals a plan key (plan.PlanKey) carries: what ``check_call`` refuses for a
+    call, read from the key, for walks over plan keys (the compile gate's class sweep) that must meet only what a
+    call can run.  Calls never reach the planner with one of these (``check_call`` raised first)."""
+    out = []
+    if key.paged:
+        out += [n for n, on in (("paged_grad", key.needs_grad), ("dropout_paged", key.dropout),
+                                ("paged_cu_seqlens_k", key.varlen_k), ("sparse_paged", key.sparse[0])) if on]
+    return tuple(out)
+
+
 def refuse(name: str, **values):
     """Raise the table's exception of conflict ``name`` with its message filled from ``values``."""
     c = CONFLICTS[name]
