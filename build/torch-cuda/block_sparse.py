@@ -195,21 +195,27 @@ def _lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
 
-def _bwd_tiles(head_dim: int, head_dim_v: int, mods=None):
-    """(dK/dV config, dQ config) a block-sparse backward runs: the tiles depend on the head dims and on whether a
-    mask_mod is present (config_bwd._BWD_SPILLING), not on the other flags."""
-    extra = dict(sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
-    return select_bwd_config("bf16", head_dim, head_dim_v, **extra), select_dq_config("bf16", head_dim, head_dim_v,
-                                                                                       **extra)
+def _bwd_tiles(head_dim: int, head_dim_v: int, mods=None, call: dict | None = None):
+    """(dK/dV config, dQ config) a block-sparse backward runs, selected as config_plan selects them for the call:
+    ``call`` holds its dtype, ``tma`` and flags (windowed, has_softcap, varlen_q, varlen_k, seqused_q, seqused_k),
+    which move the tile (a d128 call with an aux-reading mask_mod and a window or a seqused runs 64x64, not the
+    key-row 32x128: config_bwd._BWD_SPILLING).  Without ``call``: a bf16 call with no other flag on a device with
+    TMA (the shape config_bwd._sparse_shape keeps on devices without it)."""
+    call = dict(call or {})
+    dtype = call.pop("dtype", "bf16")
+    extra = dict(sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods, **call)
+    return (select_bwd_config(dtype, head_dim, head_dim_v, **extra),
+            select_dq_config(dtype, head_dim, head_dim_v, **extra))
 
 
-def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool, mods=None) -> dict[str, tuple[int, int]]:
+def grad_block_multiples(head_dim: int, head_dim_v: int, windowed: bool, mods=None,
+                         call: dict | None = None) -> dict[str, tuple[int, int]]:
     """The (q_block, kv_block) multiples a call that needs grad accepts: "forward" for ``block_sparse_tensors``
     (the forward tile and the dQ kernel's tile, which walks these lists; and the dK/dV kernel's tile when the
     transposed lists are built from them), "backward" for ``block_sparse_tensors_bwd`` (the dK/dV kernel's tile),
-    "auto" for the forward's lists when ``block_sparse_tensors_bwd`` is not given."""
+    "auto" for the forward's lists when ``block_sparse_tensors_bwd`` is not given.  ``call``: as ``_bwd_tiles``."""
     fwd = sparse_tiles(head_dim, head_dim_v, windowed)[-1]  # the finest: its multiples are the valid block sizes
-    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods)
+    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods, call)
     f = (_lcm(fwd.tile_m, dq.tile_m), _lcm(fwd.tile_n, dq.tile_n))
     return {"forward": f, "backward": (dkdv.tile_m, dkdv.tile_n),
             "auto": (_lcm(f[0], dkdv.tile_m), _lcm(f[1], dkdv.tile_n))}
@@ -273,12 +279,15 @@ def _transposed_memo(tensors, num_kv_blocks: int) -> tuple:
 
 
 def prepare_backward(bst, bst_bwd, fwd_tensors, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int,
-                     head_dim_v: int, windowed: bool, device, debug: bool = False, mods=None) -> SparseGrad:
+                     head_dim_v: int, windowed: bool, device, debug: bool = False, mods=None,
+                     call: dict | None = None) -> SparseGrad:
     """Check the block sizes (and ``bst_bwd`` when given) of a block-sparse call that needs grad, before any
     launch.  ``fwd_tensors``: the forward's checked tensors (``check_block_sparse``); ``mods``: the call's
-    modspec.ModSpec (a mask_mod may change the backward tiles)."""
-    mult = grad_block_multiples(head_dim, head_dim_v, windowed, mods)
-    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods)
+    modspec.ModSpec and ``call`` its dtype, ``tma`` and flags (``_bwd_tiles``): the ratios are computed for the
+    tiles the backward will run."""
+    call = {**(call or {}), "windowed": windowed}
+    mult = grad_block_multiples(head_dim, head_dim_v, windowed, mods, call)
+    dkdv, dq = _bwd_tiles(head_dim, head_dim_v, mods, call)
     block_size = tuple(getattr(bst, "block_size", None) or DEFAULT_BLOCK_SIZE)
     num_kv_blocks = -(-max_k // block_size[1])
     if bst_bwd is None:

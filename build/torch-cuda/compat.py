@@ -250,10 +250,10 @@ CONFLICTS.update({
         "there with this feature set, and the tiles that do not spill have another shape ({reasons}). Call it "
         "without gradients (torch.no_grad()), without block_sparse_tensors, or on a device with TMA (9.0, 12.x)",
         "on a device without TMA the kernels are sm_80 cubins, whose register allocation spills where sm_120a's "
-        "does not (benchmarks/results/gate_spill_probes_sm80_s33.jsonl). `block_sparse.grad_block_multiples` "
-        "checks the block sizes against the dK/dV tile of the TMA table for bf16 without other flags, so the "
-        "backward may only run a tile of that shape (`config_bwd._sparse_shape`); where every such tile spills the "
-        "call is refused at the forward: fp16 at head dim 96 (the key-row tile spills with block sparsity on "
+        "does not (benchmarks/results/gate_spill_probes_sm80_s33.jsonl). A device without TMA runs only a dK/dV "
+        "tile of the shape the TMA table picks for bf16 without other flags (`config_bwd._sparse_shape`; the lists "
+        "are prepared for the tile the call runs, `block_sparse._bwd_tiles`, so this is a restriction kept until "
+        "the other shapes are gated for sm_80); where every such tile spills the call is refused at the forward: fp16 at head dim 96 (the key-row tile spills with block sparsity on "
         "sm_80), and at 128 a call with an aux-reading mask mod and a window or varlen k / seqused without varlen "
         "q (those feature sets spill both 32x128 tiles, `config_bwd._BWD_SPILLING`).",
         ("test_sparse_grad_without_tma_is_refused_where_no_tile_of_its_shape_fits",),
@@ -271,6 +271,17 @@ def check_fp8(*, compiling: bool, needs_grad: bool, unsupported: dict) -> None:
     for name, on in unsupported.items():
         if on:
             refuse("fp8_unserved", feature=name)
+
+def plan_key_conflicts(key) -> tuple[str, ...]:
+    """The names of the table's pair refusals a plan key (plan.PlanKey) carries: what ``check_call`` refuses for a
+    call, read from the key, for walks over plan keys (the compile gate's class sweep) that must meet only what a
+    call can run.  Calls never reach the planner with one of these (``check_call`` raised first)."""
+    out = []
+    if key.paged:
+        out += [n for n, on in (("paged_grad", key.needs_grad), ("dropout_paged", key.dropout),
+                                ("paged_cu_seqlens_k", key.varlen_k), ("sparse_paged", key.sparse[0])) if on]
+    return tuple(out)
+
 
 def refuse(name: str, **values):
     """Raise the table's exception of conflict ``name`` with its message filled from ``values``."""

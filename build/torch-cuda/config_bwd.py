@@ -216,11 +216,22 @@ def select_bwd_config(dtype: str, head_dim: int, head_dim_v: int, tma: bool = Tr
 
 
 def _sparse_shape(head_dim: int, head_dim_v: int, mods) -> tuple[int, int]:
-    """(tile_m, tile_n) of the dK/dV tile a block-sparse call's block sizes are checked against and its KV-major
-    ratios computed for: block_sparse._bwd_tiles selects it with the TMA table, in bf16 with no other flag.  A
-    device without TMA must run a tile of that shape, or the kernel would read the lists with other block sizes."""
+    """(tile_m, tile_n) of the dK/dV tile the TMA table picks for a block-sparse call in bf16 with no other flag:
+    the only shape a device without TMA runs (the sm_80 gate builds those; block_sparse._bwd_tiles prepares the
+    lists for whatever tile the call selects, so this restricts the choice, it does not keep the lists right)."""
     cfg = select_bwd_config("bf16", head_dim, head_dim_v, sparse_q_ratio=1, sparse_kv_ratio=1, mods=mods)
     return cfg.tile_m, cfg.tile_n
+
+
+# Causal / windowed backward walks launch their longest key tiles first across every (KV head, batch), not only
+# inside one, on grids of at least BWD_LPT_MIN_COLUMNS key tiles and at most BWD_LPT_MAX_PAIRS (KV head, batch)
+# pairs (kernels/bwd_dkdv.py ``cta_coords``), as the forward does (config.FWD_LPT_ORDER).  On grids of many pairs
+# the order measured much slower (0.69-0.93x with 128-256 pairs), on grids of at most 64 pairs as fast or faster
+# (up to 1.10x): benchmarks/experiments/results/lpt_bwd_h100_s33.jsonl.  ``False`` restores the plain order (an A/B
+# switch for benchmarks/experiments/probe_lpt_bwd.py; not part of the compile key).
+BWD_LPT_ORDER = True
+BWD_LPT_MIN_COLUMNS = 16
+BWD_LPT_MAX_PAIRS = 64
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",

@@ -52,13 +52,6 @@ def kernel_configs(key):
     """(forward config, dK/dV config or None, dQ config or None) of a plan key; the backward's two only when
     ``key.needs_grad`` (ValueError now where no backward tile serves the call)."""
     mods = key.mods
-    if key.paged and (key.varlen_k or key.needs_grad or key.dropout or key.sparse[0]):
-        # the call refuses these first (compat.check_call); the plan refuses them too, so a walk over plan keys
-        # (the compile gate's class sweep) meets only what a call can run
-        what = [n for n, on in (("cu_seqlens_k", key.varlen_k), ("a backward", key.needs_grad),
-                                ("dropout", key.dropout), ("block sparsity", key.sparse[0])) if on]
-        raise ValueError(f"paged K/V (page_table) cannot be combined with {', '.join(what)} (inference-only, "
-                         "lengths from seqused_k)")
     fwd = FwdKernelConfig(dtype=key.dtype, head_dim=key.head_dim, head_dim_v=key.head_dim_v, tile=fwd_tile(key),
                           windowed=key.windowed, has_softcap=key.softcap, has_sink=key.sink, varlen_q=key.varlen_q,
                           varlen_k=key.varlen_k, seqused_q=key.seqused_q, seqused_k=key.seqused_k, paged=key.paged,

@@ -81,7 +81,10 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
             sparse_grad = BS.prepare_backward(
                 block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=batch, heads=hq, max_q=max_q,
                 max_k=max_k, head_dim=d, head_dim_v=dv, windowed=windowed, device=dev,
-                debug=V.debug_checks_enabled(debug_checks), mods=mods)
+                debug=V.debug_checks_enabled(debug_checks), mods=mods,
+                call=dict(dtype=V.DTYPE_NAMES[q.dtype], tma=caps.tma, has_softcap=softcap_v > 0, varlen_q=varlen_q,
+                          varlen_k=cu_seqlens_k is not None, seqused_q=seqused_q is not None,
+                          seqused_k=seqused_k is not None))
     meta = P.FwdMeta(*values, sparse=sparse_grad, dropout=drop, mods=mods, deterministic=deterministic)
     key = P.PlanKey(V.DTYPE_NAMES[q.dtype], d, dv, windowed, softcap_v > 0, sink is not None, varlen_q,
                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,

@@ -5,8 +5,9 @@ fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inferen
 raises before anything launches, and so does every feature the FP8 kernel does not serve yet (paged K/V,
 softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served, dense
 (``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous KV
-cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 appends); dispatch_fp8_varlen.py maps the last two onto the
-kernel's packed-rows form.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
+cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 or quantized bf16/fp16 appends); the last two also take a
+bf16/fp16 q over e4m3 K/V (an FP8 KV cache), quantized on the device (``check_fp8_call(query_quantized_here=True)``
+lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
 the bf16 path does).
 """
 
@@ -52,22 +53,38 @@ def _check_descale(name, d, b, hkv, device):
 
 
 def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict,
-                   varlen_q=False, varlen_k=False, batch=None):
+                   varlen_q=False, varlen_k=False, batch=None, query_quantized_here=False):
     """ValueError / NotImplementedError for anything the FP8 forward does not serve; returns (descales, out_dtype
     name).  ``unsupported``: name -> True for each non-default feature argument of the call.  ``varlen_q/k``: q or
-    k/v are packed rows (total, H, D) of ``batch`` sequences (else (B, S, H, D))."""
+    k/v are packed rows (total, H, D) of ``batch`` sequences (else (B, S, H, D)).  ``query_quantized_here``: q may
+    be bf16/fp16 (an e4m3 KV cache's query, which the caller quantizes into a fresh contiguous tensor: its layout is
+    not checked, a given q_descale is refused, and out_dtype defaults to q's dtype)."""
     compat.check_fp8(compiling=False, needs_grad=needs_grad, unsupported={})  # before the dtypes, as before
+    hp_q = query_quantized_here and isinstance(q, torch.Tensor) and q.dtype in _OUT
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype == torch.float8_e5m2:
             raise NotImplementedError(f"{name} is float8_e5m2: the FP8 forward serves float8_e4m3fn only; convert "
                                       "with fp8_quant.quantize_qkv")
-        if t.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"q, k, v must all be float8_e4m3fn when one is (FP8 attention); {name} is {t.dtype}. "
-                             "An FP8 KV cache with a bf16/fp16 query is not implemented yet")
+        if t.dtype != torch.float8_e4m3fn and not (name == "q" and hp_q):
+            raise ValueError(
+                f"{name} is {t.dtype}: FP8 attention takes float8_e4m3fn k, v and q, or a bf16/fp16 query over "
+                "e4m3 K/V in flash_attn_with_kvcache and flash_attn_varlen_func, which quantize it (flash_attn_func "
+                "takes an e4m3 q: fp8_quant.quantize_qkv). An e4m3 q over a bf16/fp16 cache is not served: "
+                "quantize the cache or give a bf16/fp16 q")
+    if hp_q and q_descale is not None:
+        raise ValueError(f"q_descale given with a {q.dtype} q: a bf16/fp16 query over an e4m3 cache is quantized "
+                         "here, with its own per-(batch, KV head) scale, so a q_descale has no meaning; drop it (or "
+                         "pass an e4m3 q with its q_descale)")
     compat.check_fp8(compiling=False, needs_grad=False, unsupported=unsupported)
     for name, t, packed in (("q", q, varlen_q), ("k", k, varlen_k), ("v", v, varlen_k)):
+        if name == "q" and hp_q:  # quantized into a fresh contiguous tensor: only its rank matters here
+            if t.dim() != (3 if packed else 4):
+                raise ValueError(f"q has shape {tuple(t.shape)}: a bf16/fp16 query over e4m3 K/V is "
+                                 + ("packed (total, heads, head_dim) rows with cu_seqlens_q" if packed else
+                                    "(batch, seqlen, heads, head_dim)"))
+            continue
         if t.dim() != (3 if packed else 4):
             raise NotImplementedError(
                 f"{name} has shape {tuple(t.shape)}: the FP8 forward takes "
@@ -94,7 +111,7 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
     if d not in FP8_HEAD_DIMS or dv != d:
         raise ValueError(f"head dims (d={d}, dv={dv}) are not served by the FP8 forward (served: d = dv in "
                          f"{FP8_HEAD_DIMS})")
-    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    out_dtype = (q.dtype if hp_q else torch.bfloat16) if out_dtype is None else out_dtype
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     descales = tuple(_check_descale(n, x, b, hkv, q.device)

@@ -5,12 +5,18 @@ int32 cu_seqlens_q / cu_seqlens_k / seqused_k — and ``dispatch_fp8.run_fp8_pac
 * varlen: packed q and/or k/v with cu_seqlens_q / cu_seqlens_k, seqused_k capping each sequence's keys; a dense
   side is flattened (a view) with its cu_seqlens made on the device (``arange(B + 1) * S``).
 * kvcache: a contiguous cache (B_cache >= B, S_cache, Hkv, D), rows b < B read as dense K/V with
-  seqused_k = cache_seqlens (+ the appended keys); new e4m3 k/v are written into the cache first (the same indexed
-  writes as the bf16 path, on uint8 views: torch has no index_put for float8).  They are the caller's e4m3 values,
-  under the cache's k_descale / v_descale.
+  seqused_k = cache_seqlens (+ the appended keys); new k/v are written into the cache first (the same indexed
+  writes as the bf16 path, on uint8 views: torch has no index_put for float8).  e4m3 k/v are the caller's values
+  under the cache's k_descale / v_descale; bf16/fp16 k/v are quantized on the way in with those descales
+  (``fp8_quant.quantize_with_descale``: x / descale saturated to +-448).  The query is e4m3 with its q_descale, or
+  bf16/fp16 (an FP8 KV cache under a high-precision model): quantized here per (batch, KV head) from its amax
+  (``fp8_quant.quantize_query``, whose docstring gives the reasoning), the output then in q's dtype.
 
 Refused before launch (NotImplementedError naming the argument): paged K/V (page_table / block_table),
-cache_batch_idx, varlen q in the cache call, seqused_q, and the features ``flash_attn_func``'s FP8 path refuses.
+cache_batch_idx, varlen q in the cache call, seqused_q, and the features ``flash_attn_func``'s FP8 path refuses;
+ValueError for a q_descale with a bf16/fp16 q.  ``flash_attn_varlen_func`` takes a bf16/fp16 q over e4m3 k/v too:
+a dense q as the cache call quantizes it, packed rows per (sequence, KV head) (``fp8_quant.quantize_query_packed``:
+each row finds its sequence in cu_seqlens_q on the device).
 Descales are (B, Hkv) per sequence.  No host read of a device value, but a varlen call's missing max_seqlen_q
 (``validate.max_len``: read once, as the bf16 path).
 """
@@ -21,9 +27,11 @@ import torch
 
 from . import compat
 from . import dispatch_fp8 as F8
+from . import fp8_quant as Q
 from . import validate as V
 
 _E4 = torch.float8_e4m3fn
+_APPEND = (_E4, torch.bfloat16, torch.float16)  # what may be appended into an e4m3 cache
 
 
 def _check_lengths(name, t, length, device):
@@ -80,11 +88,16 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         batch = getattr(q, "shape", (0,))[0]
     descales, out_name, out_torch = F8.check_fp8_call(
         q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-        needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch)
+        needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch,
+        query_quantized_here=True)
     dev = q.device
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
     _check_lengths("seqused_k", seqused_k, batch, dev)
+    if q.dtype != _E4:  # a bf16/fp16 query over e4m3 K/V (check_fp8_call let only those through)
+        hkv = k.shape[-2]
+        q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
+        descales = (qd,) + tuple(descales[1:])
     qp = q.unsqueeze(0) if varlen_q else _flatten_q(q)
     kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
     vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")
@@ -106,10 +119,10 @@ def _check_new(k, v, k_cache, v_cache, batch):
     for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if not isinstance(new, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
-        if new.dtype != _E4:
+        if new.dtype not in _APPEND:
             raise (NotImplementedError if new.dtype == torch.float8_e5m2 else ValueError)(
                 f"{name} has dtype {new.dtype}; appending into a float8_e4m3fn cache takes float8_e4m3fn {name} "
-                "(already scaled by the cache's descale: quantizing bf16/fp16 appends is not implemented yet)")
+                "(already scaled by the cache's descale) or bfloat16/float16 (quantized here with it)")
         if new.dim() != 4 or new.shape[0] != batch or new.shape[2:] != cache.shape[2:] or new.shape[1] != k.shape[1]:
             raise ValueError(f"{name} {tuple(new.shape)} must be (batch={batch}, S_new, Hkv, D) with the heads and "
                              f"head dim of {name}_cache {tuple(cache.shape)} and one S_new")
@@ -138,7 +151,7 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     kc, vc = k_cache[:batch], v_cache[:batch]
     descales, out_name, out_torch = F8.check_fp8_call(
         q, kc, vc, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-        needs_grad=False, unsupported=unsupported)
+        needs_grad=False, unsupported=unsupported, query_quantized_here=True)
     if k_cache.shape[:2] != v_cache.shape[:2]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
                          "(batch, seqlen) dims")
@@ -149,10 +162,15 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     seqlens = KV.check_cache_seqlens(cache_seqlens, batch, k_cache.shape[1], new, dev)
     kp, vp = _flatten(kc, "k_cache"), _flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
     if new:
-        KV.append(k_cache.view(torch.uint8), v_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8),
+        k8, v8 = (x if x.dtype == _E4 else Q.quantize_with_descale(x, d) for x, d in ((k, descales[1]),
+                                                                                        (v, descales[2])))
+        KV.append(k_cache.view(torch.uint8), v_cache.view(torch.uint8), k8.view(torch.uint8), v8.view(torch.uint8),
                   seqlens, None, None)
     cu_k = _dense_cu(batch, k_cache.shape[1], dev)
     used_k = (cu_k[1:] - cu_k[:-1]) if seqlens is None else (seqlens + new if new else seqlens)
+    if q.dtype != _E4:  # a bf16/fp16 query over the e4m3 cache (check_fp8_call let only those through)
+        q, qd = Q.quantize_query(q, k_cache.shape[2])
+        descales = (qd,) + tuple(descales[1:])
     qp = _flatten_q(q)
     out, lse = F8.run_fp8_packed(qp, kp, vp, _dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,

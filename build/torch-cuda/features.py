@@ -95,12 +95,15 @@ FEATURES: dict[str, Feature] = {
                 "block sparsity, paged KV or mods at head dim 256 (ValueError)"),
         Feature("fp8", SUPPORTED, "float8_e4m3fn q/k/v with q_descale/k_descale/v_descale (B, Hkv) fp32, out_dtype",
                 "FlashAttention-3's API through flash_attn_func, flash_attn_varlen_func (cu_seqlens_q/k, seqused_k) "
-                "and flash_attn_with_kvcache (contiguous e4m3 cache, cache_seqlens, e4m3 appends); mma.sync e4m3 "
+                "and flash_attn_with_kvcache (contiguous e4m3 cache, cache_seqlens, e4m3 appends or bf16/fp16 "
+                "appends quantized with the cache's descales); an FP8 KV cache with a bf16/fp16 q in "
+                "flash_attn_with_kvcache and flash_attn_varlen_func (q quantized on the device per (sequence, KV "
+                "head) from its amax, output in q's dtype); mma.sync e4m3 "
                 "for both GEMMs, P scaled by 16 before its e4m3 rounding; head dims 64/128, causal, sliding "
                 "window, learnable sink, GQA; bf16/fp16 output; inference only; fp8_quant.quantize_qkv (Hadamard "
-                "rotation, per-tensor/head/block scales) makes the inputs. Not yet: e5m2, a bf16/fp16 q over an "
-                "e4m3 cache, paged K/V, softcap, split-KV, torch.compile (each refused before launch); not on "
-                "8.0/8.6/8.9 devices (sm_80 cubins cannot hold the e4m3 mma)"),
+                "rotation, per-tensor/head/block scales) makes the inputs. Not yet: e5m2, a bf16/fp16 q in "
+                "flash_attn_func, paged K/V, softcap, split-KV, torch.compile (each "
+                "refused before launch); not on 8.0/8.6/8.9 devices (sm_80 cubins cannot hold the e4m3 mma)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",
                 "warp-specialised TMA producer + 8 mma warps where it is faster (d <= 192) on devices with TMA; "

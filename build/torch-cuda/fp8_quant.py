@@ -125,3 +125,68 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, hkv: int | None = None, 
     else:
         scale = descale.transpose(1, 2).repeat_interleave(block_size, dim=1)[:, :s].view(b, s, hkv, 1, 1)
     return (x * scale).view(b, s, h, d)
+
+
+def quantize_query(q: torch.Tensor, hkv: int):
+    """A bf16/fp16 query (B, Sq, Hq, D) for an e4m3 KV cache -> ``(q8, q_descale)``: q8 e4m3 (B, Sq, Hq, D)
+    contiguous, q_descale fp32 (B, Hkv).  ``flash_attn_with_kvcache`` calls it on the device when q is bf16/fp16
+    and the cache e4m3 (torch ops only: no host read, capturable in a CUDA graph).
+
+    Why one scale per (batch entry, KV head): that is the finest scale the FP8 kernel applies to q (FlashAttention-
+    3's ``q_descale`` layout: the query heads of a KV group share one tile, and so one descale), and the coarsest
+    that keeps one sequence's or one head group's large values from crushing another's small ones into e4m3's
+    subnormals.  The scale covers every query row (Sq) and head of the group.
+
+    Overflow: descale = amax / 448, so |q / descale| <= 448 (e4m3's largest finite value) up to the rounding of
+    that division, which the clamp to [-448, 448] absorbs (a value past 448 would become NaN in
+    ``float8_e4m3fn``, not saturate).  A group whose amax is 0 (all-zero rows, e.g. padding) gets descale 1.0
+    instead of 0, which would turn its zeros into 0/0 = NaN.  NaN in q gives its group a NaN descale (NaN == 0 is
+    false), so NaN propagates to that group's output, never hidden; an inf gives an inf descale, and the group's
+    output is NaN as well.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be a bf16/fp16 (batch, seqlen, heads, head_dim) tensor, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    if not isinstance(hkv, int) or isinstance(hkv, bool) or hkv < 1 or q.shape[2] % hkv:
+        raise ValueError(f"hkv={hkv!r} must be a positive int dividing q's {q.shape[2]} heads")
+    if q.numel() == 0:  # no rows to take an amax over (Sq = 0): nothing to scale
+        return q.to(torch.float8_e4m3fn).contiguous(), torch.ones(q.shape[0], hkv, device=q.device)
+    q8, q_descale = _quantize_grouped(q.float(), hkv, "head", 1)
+    return q8.contiguous(), q_descale
+
+
+def quantize_with_descale(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16/fp32 x (B, S, H, D) and fp32 descale (B, H) -> e4m3 (B, S, H, D) contiguous: x / descale,
+    saturated to [-448, 448] (``float8_e4m3fn`` has no inf: past 448 the cast gives NaN), rounded to nearest even.
+    What a bf16/fp16 append into an e4m3 cache stores, under the cache's own k_descale / v_descale (the stored value
+    times the descale is x, up to e4m3's rounding).  NaN in x or the descale stays NaN; a zero descale saturates
+    x != 0 and turns x == 0 into NaN (0 / 0), so it is visible.  Torch ops only (capturable)."""
+    b, _, h, _ = x.shape
+    return (x.float() / descale.view(b, 1, h, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
+
+
+def quantize_query_packed(q: torch.Tensor, hkv: int, cu_seqlens_q: torch.Tensor):
+    """``quantize_query`` for packed rows: bf16/fp16 q (total_q, Hq, D) of the sequences ``cu_seqlens_q`` (int32
+    (B + 1,)) -> ``(q8 (total_q, Hq, D) contiguous, q_descale (B, Hkv))``, one scale per (sequence, KV head) from
+    the amax of that sequence's rows, with the same rules (descale = amax / 448, clamp, 1.0 for an all-zero or
+    empty sequence, NaN propagates to its own group).  Each row finds its sequence on the device (a binary search
+    of cu_seqlens_q) and the amax is a scatter: no host read of cu_seqlens_q, capturable.  Rows past
+    cu_seqlens_q[-1] get a scale of their own (the kernel never reads them)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be a bf16/fp16 (total, heads, head_dim) tensor, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    if not isinstance(hkv, int) or isinstance(hkv, bool) or hkv < 1 or q.shape[1] % hkv:
+        raise ValueError(f"hkv={hkv!r} must be a positive int dividing q's {q.shape[1]} heads")
+    total, hq, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    g = q.float().view(total, hkv, hq // hkv, d)
+    row_amax = g.abs().amax(dim=(2, 3)) if total else g.new_zeros(0, hkv)  # (total, Hkv)
+    rows = torch.arange(total, device=q.device, dtype=cu_seqlens_q.dtype)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), rows, right=True).clamp_(max=batch).long()  # B: the rest
+    index = seq[:, None].expand(total, hkv)
+    amax = torch.zeros(batch + 1, hkv, device=q.device).scatter_reduce_(0, index, row_amax, "amax")
+    # NaN through a scatter's max is backend-defined: count NaN rows per group and put NaN back explicitly
+    nans = torch.zeros(batch + 1, hkv, device=q.device).scatter_add_(0, index, row_amax.isnan().float())
+    descale_all = _descale_from_amax(amax.masked_fill(nans > 0, float("nan")))  # (B + 1, Hkv)
+    q8 = (g / descale_all[seq].view(total, hkv, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q8.view(total, hq, d), descale_all[:batch].contiguous()

@@ -263,7 +263,9 @@ def flash_attn_varlen_func(
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
 
     FP8: float8_e4m3fn q/k/v with (B, Hkv) fp32 descales, as ``flash_attn_func``'s (packed or dense q and k/v,
-    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py).
+    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py), or a
+    bf16/fp16 q over e4m3 k/v, quantized on the device per (sequence, KV head) (a q_descale then raises; the
+    output in q's dtype unless out_dtype says otherwise).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
             or getattr(q, "dtype", None) in FP8_ANY or getattr(k, "dtype", None) in FP8_ANY
@@ -355,9 +357,11 @@ def flash_attn_with_kvcache(
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
     (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad and qv raise NotImplementedError.
 
-    FP8: float8_e4m3fn q and a float8_e4m3fn contiguous cache with (B, Hkv) fp32 descales (FlashAttention-3's);
-    appended k/v are e4m3 under the cache's descales; bf16 output.  No paged cache, cache_batch_idx or varlen q
-    with FP8 yet, and a bf16/fp16 q over an e4m3 cache raises (dispatch_fp8_varlen.py).
+    FP8: a float8_e4m3fn contiguous cache with (B, Hkv) fp32 k_descale/v_descale (FlashAttention-3's), and
+    either a float8_e4m3fn q with its q_descale (bf16 output) or a bf16/fp16 q (an FP8 KV cache: q is quantized
+    on the device per (batch, KV head) from its amax, output in q's dtype; a q_descale then raises).  Appended
+    k/v are e4m3 under the cache's descales, or bf16/fp16, quantized on the way in with them (saturated to
+    +-448).  No paged cache, cache_batch_idx or varlen q with FP8 yet (dispatch_fp8_varlen.py).
     """
     from . import kvcache as KV
 

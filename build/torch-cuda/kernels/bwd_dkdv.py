@@ -36,6 +36,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..arguments import BWD_DKDV_ARGS
+from .. import config_bwd as _config_bwd
 from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
@@ -72,6 +73,9 @@ class FlashBwdDkdv(KernelStateMixin):
         # measured on sm_120a (compile gate): the 64x128 tile (d64) spilled 2 STL/LDL in the fp16 d64/dv32 heaviest
         # dropout set with the Philox calls of a row unrolled, none with them in a loop
         self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 128
+        # causal / windowed walks: every (KV head, batch)'s longest key tile launches before any second-longest
+        # (``cta_coords``; config_bwd.BWD_LPT_ORDER)
+        self.lpt_order = _config_bwd.BWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse
 
     @cute.jit
     def __call__(
@@ -173,7 +177,7 @@ class FlashBwdDkdv(KernelStateMixin):
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, kv_head, batch = cute.arch.block_idx()
+        n_block, kv_head, batch = self.cta_coords()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1,
                                dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
@@ -184,6 +188,27 @@ class FlashBwdDkdv(KernelStateMixin):
                 seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
                 qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
+
+    @cute.jit
+    def cta_coords(self):
+        """(key tile, KV head, batch) of this CTA.  The grid is (key tiles, KV heads, batch) and CTAs launch with x
+        varying fastest.  With ``lpt_order``, on grids of at least config_bwd.BWD_LPT_MIN_COLUMNS key
+        tiles and at most BWD_LPT_MAX_PAIRS (KV head, batch) pairs, the CTA that launches k-th takes key tile
+        k // (KV heads x batch): a causal walk's first key tile sees every query tile and its last the fewest, so
+        every pair's longest walk launches before any second-longest and the shortest fill the tail of the last
+        wave (longest-processing-time order).  Other grids keep a head's key tiles together.  Warp-uniform."""
+        bx, by, bz = cute.arch.block_idx()
+        n_block, kv_head, batch = bx, by, bz
+        if const_expr(self.lpt_order):
+            gx, gy, gz = cute.arch.grid_dim()
+            if gx >= _config_bwd.BWD_LPT_MIN_COLUMNS and gy * gz <= _config_bwd.BWD_LPT_MAX_PAIRS:
+                lin = bx + gx * (by + gy * bz)
+                per = gy * gz
+                n_block = cute.arch.make_warp_uniform(lin // per)
+                rest = lin - n_block * per
+                batch = cute.arch.make_warp_uniform(rest // gy)
+                kv_head = cute.arch.make_warp_uniform(rest - batch * gy)
+        return n_block, kv_head, batch
 
     @cute.jit
     def load_q_do(self, seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head, m_block,
