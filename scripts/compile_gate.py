@@ -261,11 +261,17 @@ def main(argv=None) -> int:
                     "changed since the full run (scripts/gate_ci.py)")
     ap.add_argument("--recheck", type=Path, default=None, help="a full run's JSON lines: rebuild its failing "
                     "configurations here (CI's libs) and record the result in each row's 'recheck'")
+    ap.add_argument("--refresh", type=Path, default=None, help="a full run's JSON lines whose kernel files changed "
+                    "since it was made (and no config table or device.py): rebuild every configuration of the kernel "
+                    "kinds those files touch (the rule --ci applies, gate_ci.kinds_to_rebuild) plus any new one, "
+                    "and record the refresh in the run's record")
     args = ap.parse_args(argv)
     if args.ci:
         return _ci(args)
     if args.recheck:
         return _recheck(args)
+    if args.refresh:
+        return _refresh(args)
 
     work = _worklist(args.filter, args.arch, not args.no_classes)
     if args.shard is not None:
@@ -282,6 +288,53 @@ def main(argv=None) -> int:
     if args.limit is not None:
         work = work[: args.limit]
     return _gate(work, args)
+
+
+def _refresh(args) -> int:
+    """Bring a full run up to date after a change of kernel files only: every configuration of the kinds the
+    changed files touch (``gate_ci.kinds_to_rebuild``, the rule by which --ci rebuilds changed classes) and every
+    configuration of today's worklist the run lacks is rebuilt here; rows that left the worklist are dropped.  The
+    run's record gets today's source hashes and a ``refreshes`` entry (commit, libs, files, kinds, count); each
+    rebuilt row carries ``libs``.  A changed config table or device.py changes what every kind selects: that needs
+    a full run, and this refuses."""
+    from scripts import gate_ci as GC
+    from scripts.gate_classes import kind
+
+    lines = [json.loads(line) for line in args.refresh.read_text().splitlines() if line.strip()]
+    meta = next((r["meta"] for r in lines if "meta" in r), None)
+    if meta is None:
+        print(f"compile gate --refresh: {args.refresh} has no run record", file=sys.stderr)
+        return 2
+    now = GC.source_hashes()
+    changed = GC._differing(now, meta.get("sources", {}))
+    other = [c for c in changed if not c.startswith("kernels/")]
+    if other:
+        print(f"compile gate --refresh: {', '.join(other)} changed since the run: make a full run", file=sys.stderr)
+        return 2
+    files = sorted({Path(c).name for c in changed})
+    kinds = GC.kinds_to_rebuild(files) if files else set()
+    arch = meta["arch"]
+    rows = {r["config"]: r for r in lines if "config" in r}
+    work_all = _worklist(None, arch)
+    work = [c for c in work_all if kind(c) in kinds or c.name() not in rows]
+    _, libs = GC.cutlass_dsl()
+    args.arch = arch
+    for r in _run_pool(work, args) if work else []:
+        rows[r["config"]] = {**r, "libs": libs}
+    names = [c.name() for c in work_all]
+    head = GC._git("rev-parse", "HEAD")
+    commit = os.environ.get("FA4_GATE_COMMIT") or (head.stdout.strip() if head.returncode == 0 else "unknown")
+    meta["sources"] = now
+    meta["configs"] = len(names)
+    meta.setdefault("refreshes", []).append({"commit": commit, "libs": libs, "files": files, "kinds": sorted(kinds),
+                                             "rebuilt": len(work), "dropped": len(set(rows) - set(names))})
+    out = [{"meta": meta}] + [rows[n] for n in names if n in rows]
+    args.refresh.write_text("".join(json.dumps(r) + "\n" for r in out))
+    failing = sorted(n for n in names if n in rows and not GC.row_passes(rows[n]))
+    print(f"compile gate --refresh {arch}: {len(files)} kernel files changed ({', '.join(files) or 'none'}), "
+          f"{len(work)} configurations rebuilt with {libs}; {len(failing)} failing"
+          + (f": {', '.join(failing[:5])}" if failing else ""))
+    return 1 if failing else 0
 
 
 def _recheck(args) -> int:
