@@ -74,8 +74,12 @@ class FlashBwdDkdv(KernelStateMixin):
         # dropout set with the Philox calls of a row unrolled, none with them in a loop
         self.dropout_group_loop = cfg.tile_m == 64 and cfg.tile_n == 128
         # causal / windowed walks: every (KV head, batch)'s longest key tile launches before any second-longest
-        # (``cta_coords``; config_bwd.BWD_LPT_ORDER)
-        self.lpt_order = _config_bwd.BWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse
+        # (``cta_coords``; config_bwd.BWD_LPT_ORDER).  Not with mods or dropout: measured only without them
+        # (benchmarks/experiments/results/lpt_bwd_h100_s33*.jsonl), and its index arithmetic made four heavy
+        # windowed sets spill (d96 64x128 key-row with mods on sm_120a/sm_121a, d128 32x128 with dropout and a
+        # document mask on sm_80: the full runs of 4f1bbf9, benchmarks/results/gate_full_*.jsonl)
+        self.lpt_order = (_config_bwd.BWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse and cfg.mods is None
+                          and not cfg.has_dropout)
 
     @cute.jit
     def __call__(
