@@ -631,6 +631,10 @@ def gate_section() -> str:
                  f"{str(meta.get('commit'))[:10]}") if meta else "no record"
         if meta and meta.get("recheck_libs"):
             built += f"; failing rows rebuilt with {meta['recheck_libs']}"
+        for ref in (meta or {}).get("refreshes", []):  # compile_gate --refresh after a kernel-file change
+            built += (f"; refreshed at commit {str(ref.get('commit'))[:10]} ({', '.join(ref.get('files', []))} "
+                      f"changed: its {ref.get('rebuilt')} configurations of {', '.join(ref.get('kinds', []))} "
+                      f"rebuilt with {ref.get('libs')})")
         lines.append(f"| `{arch}` | {devices} | {len(rows):,} configurations (`{path.relative_to(ROOT)}`) | {ok:,} | "
                      f"{built} | {other_txt} | 1 shard of {count} (at most {largest} configurations) |")
     return "\n".join(lines) + "\n"

@@ -375,3 +375,35 @@ def test_targets_without_tma_take_the_tiles_that_do_not_spill_there():
     assert not [n for n in names if "d256v256_64x32w4s1" in n and "_drop" in n]
     assert not [n for n in names if "128x128w8s2q" in n and "_sparse" in n and "_mods-" in n]
     assert [n for n in names if "d256v256_64x32w4s2" in n and "_paged" in n and "_win_" in n]
+
+
+def test_refresh_rebuilds_the_kinds_of_the_changed_kernel_files(tmp_path, monkeypatch):
+    """--refresh: a changed config table refuses (a full run is needed); a changed kernel file rebuilds every
+    configuration of its kinds (stubbed here) plus the ones the run lacks, drops rows that left the worklist, and
+    records the refresh with today's source hashes."""
+    import argparse
+
+    now = GC.source_hashes()
+    work = G._worklist(None, "sm_80")
+    dq = [c.name() for c in work if C.kind(c) == "dq"]
+    keep = [c.name() for c in work if C.kind(c) != "dq"]
+    path = tmp_path / "run.jsonl"
+
+    def write(sources, names):
+        meta = {"arch": "sm_80", "sources": sources, "libs": "cu13", "commit": "abc"}
+        rows = [{"config": n, "problems": []} for n in names]
+        path.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": meta}, *rows]))
+
+    write({**now, "config_bwd.py": "0" * 40}, keep + dq)
+    assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 2
+    built = []
+    monkeypatch.setattr(G, "_run_pool", lambda w, args: built.extend(w) or [
+        {"config": c.name(), "problems": ["spills (2 STL/LDL, frame 8 B)"] if c.name() == dq[0] else []} for c in w])
+    write({**now, "kernels/bwd_dq.py": "0" * 40}, keep[1:] + dq + ["gone_config"])
+    assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 1  # the stubbed spill fails it
+    assert sorted(c.name() for c in built) == sorted(dq + keep[:1])  # the dQ kind + the row the run lacked
+    meta, rows = GC.read_run(path)
+    assert meta["sources"] == now and "gone_config" not in rows and len(rows) == len(work)
+    (ref,) = meta["refreshes"]
+    assert ref["files"] == ["bwd_dq.py"] and ref["kinds"] == ["dq"] and ref["rebuilt"] == len(dq) + 1
+    assert ref["dropped"] == 1 and rows[dq[0]]["libs"]
