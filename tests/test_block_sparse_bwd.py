@@ -528,3 +528,37 @@ def test_lists_are_prepared_for_the_tiles_the_plan_runs(d, tma):
             assert (sg.dq_ratios[0] * dq.tile_m, sg.dq_ratios[1] * dq.tile_n) == (128, 128), (call, mods)
             checked += 1
     assert checked >= 32
+
+
+def test_sparse_grad_fp16_d96_dv64_is_refused_before_launch():
+    """fp16 block-sparse training at head dims (96, 64) is refused on every device before any launch (compat
+    ``sparse_grad_fp16_d96_dv64``: its dK/dV tile spills with CI's toolchain); bf16, (96, 96) and the call without
+    gradients still plan; the gate's class sweep skips the refused key."""
+    from pathlib import Path
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import stub_device
+    import flash_attn_4_sm120 as fa
+    from flash_attn_4_sm120 import compat
+
+    launched = []
+    bst = fa.block_sparse_from_mask(torch.ones(1, 2, 2, 2, dtype=torch.bool), (128, 128))
+
+    def call(dtype, dv, grad):
+        q, k = (torch.randn(1, 256, 2, 96, dtype=dtype, requires_grad=grad) for _ in range(2))
+        v = torch.randn(1, 256, 2, dv, dtype=dtype, requires_grad=grad)
+        return fa.flash_attn_func(q, k, v, block_sparse_tensors=bst)
+
+    with stub_device.stubbed_device("SM120 (test)", (12, 0), 84, lambda cfg, dev: cfg,
+                                    lambda fn, record, dev, values: launched.append(fn)):
+        with pytest.raises(ValueError, match=r"float16 at head_dim=96, head_dim_v=64 is not supported"):
+            call(torch.float16, 64, True)
+        assert launched == []
+        call(torch.float16, 64, False)
+        call(torch.bfloat16, 64, True)
+        call(torch.float16, 96, True)
+    assert launched
+    key = P.PlanKey("fp16", 96, 64, needs_grad=True, sparse=(1, 1, 128, 128), sparse_bwd=(1, 1, 1, 1))
+    assert compat.plan_key_conflicts(key) == ("sparse_grad_fp16_d96_dv64",)
+    assert compat.plan_key_conflicts(key._replace(dtype="bf16")) == ()
