@@ -326,8 +326,10 @@ def _refresh(args) -> int:
     commit = os.environ.get("FA4_GATE_COMMIT") or (head.stdout.strip() if head.returncode == 0 else "unknown")
     meta["sources"] = now
     meta["configs"] = len(names)
-    meta.setdefault("refreshes", []).append({"commit": commit, "libs": libs, "files": files, "kinds": sorted(kinds),
-                                             "rebuilt": len(work), "dropped": len(set(rows) - set(names))})
+    dropped = len(set(rows) - set(names))
+    if work or dropped:  # a refresh that changed nothing is not recorded
+        meta.setdefault("refreshes", []).append({"commit": commit, "libs": libs, "files": files,
+                                                 "kinds": sorted(kinds), "rebuilt": len(work), "dropped": dropped})
     out = [{"meta": meta}] + [rows[n] for n in names if n in rows]
     args.refresh.write_text("".join(json.dumps(r) + "\n" for r in out))
     failing = sorted(n for n in names if n in rows and not GC.row_passes(rows[n]))

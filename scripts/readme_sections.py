@@ -632,9 +632,15 @@ def gate_section() -> str:
         if meta and meta.get("recheck_libs"):
             built += f"; failing rows rebuilt with {meta['recheck_libs']}"
         for ref in (meta or {}).get("refreshes", []):  # compile_gate --refresh after a kernel-file change
-            built += (f"; refreshed at commit {str(ref.get('commit'))[:10]} ({', '.join(ref.get('files', []))} "
-                      f"changed: its {ref.get('rebuilt')} configurations of {', '.join(ref.get('kinds', []))} "
-                      f"rebuilt with {ref.get('libs')})")
+            at = f"; refreshed at commit {str(ref.get('commit'))[:10]}"
+            if ref.get("files"):
+                built += (f"{at} ({', '.join(ref['files'])} changed: its {ref.get('rebuilt')} configurations of "
+                          f"{', '.join(ref.get('kinds', []))} rebuilt with {ref.get('libs')})")
+            elif ref.get("rebuilt"):
+                built += f"{at} ({ref['rebuilt']} configurations new to the worklist built with {ref.get('libs')})"
+            if ref.get("dropped"):
+                built += (f"{at + ':' if not ref.get('files') and not ref.get('rebuilt') else ','} {ref['dropped']} "
+                          "configurations that left the worklist dropped")
         lines.append(f"| `{arch}` | {devices} | {len(rows):,} configurations (`{path.relative_to(ROOT)}`) | {ok:,} | "
                      f"{built} | {other_txt} | 1 shard of {count} (at most {largest} configurations) |")
     return "\n".join(lines) + "\n"
