@@ -104,6 +104,17 @@ CONFLICTS: dict[str, Conflict] = {
         "pack_gqa=None or False",
         "each query head has its own rows of blocks, so packing is off for block-sparse calls; None/False run "
         "unpacked.", ()),
+    "sparse_grad_fp16_d96_dv64": Conflict(
+        "`block_sparse_tensors` × autograd × fp16 at head_dim=96, head_dim_v=64", ValueError,
+        "block_sparse_tensors with gradients in float16 at head_dim=96, head_dim_v=64 is not supported: its dK/dV "
+        "kernel spills registers with one of the two CuTe-DSL toolchains the bundle is built with. Use bfloat16, "
+        "call it without gradients (torch.no_grad()), or without block_sparse_tensors",
+        "the key-row dK/dV tile of that head-dim pair (64x128) in its lightest block-sparse set spills 2 STL/LDL "
+        "on sm_120a with nvidia-cutlass-dsl-libs cu12 (CI's) and none with cu13 (the refresh of "
+        "benchmarks/results/gate_full_sm_120a.jsonl at commit 0049e0e; the same SASS as before the backward's "
+        "launch-order change, `sass_compare --base 56bdda4~1`). The gate cannot vouch for the class, so the call "
+        "is refused before launch until another tile is gated for it.",
+        ("test_sparse_grad_fp16_d96_dv64_is_refused_before_launch",)),
     "sparse_bwd_alone": Conflict(
         "`block_sparse_tensors_bwd` × no `block_sparse_tensors`", ValueError,
         "block_sparse_tensors_bwd (the KV-major lists of the backward) was given without block_sparse_tensors (the "
@@ -272,11 +283,19 @@ def check_fp8(*, compiling: bool, needs_grad: bool, unsupported: dict) -> None:
         if on:
             refuse("fp8_unserved", feature=name)
 
+def _sparse_grad_unbuilt(dtype, head_dim: int, head_dim_v: int) -> bool:
+    """The block-sparse backward class the compile gate cannot vouch for (``sparse_grad_fp16_d96_dv64``);
+    ``dtype``: a torch dtype or the plan key's name."""
+    return str(dtype) in ("torch.float16", "fp16") and head_dim == 96 and head_dim_v == 64
+
+
 def plan_key_conflicts(key) -> tuple[str, ...]:
     """The names of the table's pair refusals a plan key (plan.PlanKey) carries: what ``check_call`` refuses for a
     call, read from the key, for walks over plan keys (the compile gate's class sweep) that must meet only what a
     call can run.  Calls never reach the planner with one of these (``check_call`` raised first)."""
     out = []
+    if key.needs_grad and key.sparse[0] and _sparse_grad_unbuilt(key.dtype, key.head_dim, key.head_dim_v):
+        out.append("sparse_grad_fp16_d96_dv64")
     if key.paged:
         out += [n for n, on in (("paged_grad", key.needs_grad), ("dropout_paged", key.dropout),
                                 ("paged_cu_seqlens_k", key.varlen_k), ("sparse_paged", key.sparse[0])) if on]
@@ -338,6 +357,9 @@ def check_call(*, p: float, dropout_p, num_splits: int, sparse: bool, sparse_bwd
             refuse("sparse_paged")
         if pack_gqa is True:
             refuse("sparse_pack_gqa")
+        if needs_grad and _sparse_grad_unbuilt(getattr(q, "dtype", None), getattr(q, "shape", (0,))[-1],
+                                               getattr(v, "shape", (0,))[-1]):
+            refuse("sparse_grad_fp16_d96_dv64")
 
 
 def check_kvcache(*, needs_grad: bool, page_table, block_table, cache_batch_idx, varlen_q: bool,

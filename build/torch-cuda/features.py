@@ -80,7 +80,8 @@ FEATURES: dict[str, Feature] = {
                 "block_sparse_tensors_bwd)",
                 "dQ walks the forward's lists, dK/dV the KV-major lists (built on the device from the forward's "
                 "when block_sparse_tensors_bwd is not given: no host sync); block sizes also multiples of the "
-                "backward tiles ((128, 128) always works); bitwise reproducible; no torch.compile yet"),
+                "backward tiles ((128, 128) always works); bitwise reproducible; no torch.compile yet; not in fp16 at "
+                "head dims (96, 64) (its dK/dV tile spills with one of the two toolchains: refused before launch)"),
         Feature("score_mask_mods", SUPPORTED, "score_mod=, score_mod_bwd=, mask_mod=, aux_tensors=[...]",
                 "upstream flash-attn-4's @cute.jit convention (logical b, h, q_idx, kv_idx under varlen, GQA "
                 "packing, paged K/V and split-KV), forward and backward; compiled once per mod (identity + "
