@@ -30,7 +30,7 @@ class FlashAttnFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv, dsink = run_backward(
             dout, q, k, v, out, lse, ctx.meta, sink=sink, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            seqused_q=used_q, seqused_k=used_k, aux_tensors=ctx.aux,
+            seqused_q=used_q, seqused_k=used_k, aux_tensors=ctx.aux, own_out=True,
         )
         if dsink is not None and ctx.sink_dtype is not None:
             dsink = dsink.to(ctx.sink_dtype)
