@@ -247,3 +247,21 @@ def test_autograd_dout_checks_give_the_same_errors():
             q.grad = None
             flash_attn_func(q, k, v, causal=True)[0].backward(fine)  # autograd casts the fp32 one to out's dtype
             assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_saved_inputs_still_catch_an_in_place_change():
+    """autograd.FlashAttnFunction saves detached views of q, k, v (no detach per backward launch); they share the
+    inputs' version counter, so changing an input in place between forward and backward still raises."""
+    with plan_grid.stubbed(True, []):
+        for name in ("q", "k", "v"):
+            leaves = {n: _t(1, 24, 4, 64, seed=i) for i, n in enumerate("qkv")}
+            tensors = {n: t * 1 for n, t in leaves.items()}  # non-leaves, so an in-place change is allowed
+            out, _ = flash_attn_func(tensors["q"], tensors["k"], tensors["v"], causal=True)
+            tensors[name].add_(1)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.float().sum().backward()
+        q, k, v = (_t(1, 24, 4, 64, seed=i) for i in range(3))
+        out, _ = flash_attn_func(q, k, v, causal=True)
+        assert not any(t.requires_grad for t in out.grad_fn.saved_tensors[:3])
+        out.float().sum().backward()
+        assert all(t.grad is not None for t in (q, k, v))

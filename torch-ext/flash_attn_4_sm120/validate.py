@@ -335,11 +335,12 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
     check_tensor("v", v, 3 if varlen_k else 4, dev)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    d, dv = q.shape[-1], v.shape[-1]
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once (each .shape builds a torch.Size)
+    d, dv = qs[-1], vs[-1]
     check_head_dims(d, dv)
-    if k.shape[-1] != d:
-        raise ValueError(f"k.shape[-1]={k.shape[-1]} must equal q.shape[-1]={d}")
-    check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    if ks[-1] != d:
+        raise ValueError(f"k.shape[-1]={ks[-1]} must equal q.shape[-1]={d}")
+    check_heads(qs[-2], ks[-2], vs[-2])
     if varlen_q:
         if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
             raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,), got "
@@ -348,16 +349,14 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
         if batch < 0:
             raise ValueError("cu_seqlens_q must have shape (batch + 1,) with batch >= 0, got shape (0,)")
     else:
-        batch = q.shape[0]
+        batch = qs[0]
     if page_table is not None:
         check_page_table(page_table, k, v, batch, dev)
     elif varlen_k:
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-    elif k.shape[:2] != v.shape[:2] or k.shape[0] != batch:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have batch {batch} and equal sequence lengths"
-        )
+        if ks[0] != vs[0]:
+            raise ValueError(f"k and v must have the same number of tokens, got {ks[0]} and {vs[0]}")
+    elif ks[:2] != vs[:2] or ks[0] != batch:
+        raise ValueError(f"k {tuple(ks)} and v {tuple(vs)} must have batch {batch} and equal sequence lengths")
     if varlen_q:
         check_index_tensor("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     if varlen_k:
@@ -368,7 +367,7 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
         check_index_tensor("seqused_k", seqused_k, batch, dev)
     if batch > MAX_GRID_YZ:
         check_batch(batch)
-    seqlen_q, seqlen_k = q.shape[0] if varlen_q else q.shape[1], k.shape[0] if varlen_k else k.shape[1]
+    seqlen_q, seqlen_k = qs[0] if varlen_q else qs[1], ks[0] if varlen_k else ks[1]
     if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN:
         check_lengths(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     return batch
