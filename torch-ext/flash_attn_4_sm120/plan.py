@@ -164,7 +164,7 @@ def backward_key(key: PlanKey) -> PlanKey | None:
     launch_plan's per-call variants) is ``key``: the same fields, with ``dropout_high_p`` off (it changes only the
     forward's config; the backward has always keyed its plan without it).  None for a block-sparse or paged call:
     the backward builds that key itself, from the saved block sizes.  Saves the backward rebuilding the key field by
-    field on every training step."""
+    field on every training step (benchmarks/results/host_ab_count_cpu.jsonl, host_ab_cpu_stub_s34.jsonl)."""
     if key.paged or key.sparse != _NO_SPARSE:
         return None
     return key._replace(dropout_high_p=False) if key.dropout_high_p else key
