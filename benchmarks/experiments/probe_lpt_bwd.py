@@ -41,17 +41,14 @@ def main(argv=None):
     import flash_attn_4_sm120 as fa
     from flash_attn_4_sm120 import config_bwd, dispatch_bwd, jit
 
-    memory = {True: ({}, {}), False: ({}, {})}  # each order's (jit memory, fused memo)
+    memory = {True: {}, False: {}}  # each order's jit memory
 
     def set_order(on: bool):
-        mem, fused = memory[config_bwd.BWD_LPT_ORDER]
-        mem.update(jit._MEMORY)
-        fused.update(dispatch_bwd._FUSED)
+        memory[config_bwd.BWD_LPT_ORDER].update(jit._MEMORY)
         config_bwd.BWD_LPT_ORDER = on
         jit._MEMORY.clear()
-        dispatch_bwd._FUSED.clear()
-        jit._MEMORY.update(memory[on][0])
-        dispatch_bwd._FUSED.update(memory[on][1])
+        dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this order's memory
+        jit._MEMORY.update(memory[on])
 
     cells = [(name, hq, hkv, d, s, s, max(1, TOKENS // s)) for name, (hq, hkv, d) in SHAPES.items()
              if not args.only or name in args.only for s in args.seqlens]
