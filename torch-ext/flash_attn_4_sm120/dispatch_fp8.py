@@ -135,7 +135,7 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    out_dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.out_dtype]
+    out_dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}[cfg.out_dtype]  # fp32: split
 
     def act(dtype, last):
         return cute.runtime.make_fake_tensor(
