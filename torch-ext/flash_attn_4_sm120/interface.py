@@ -180,7 +180,8 @@ def flash_attn_func(
         return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                              out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, return_lse=return_lse,
-                             learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                             learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+                             unsupported=fp8_unsupported(
                                  softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
                                  block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
                                  page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
@@ -276,7 +277,8 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
             max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            return_lse=return_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+            return_lse=return_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+            max_seqlen_k=max_seqlen_k, unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
                 block_sparse_tensors=block_sparse_tensors, page_table=page_table, qv=qv,
                 gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
@@ -375,7 +377,8 @@ def flash_attn_with_kvcache(
         out, lse = fp8_kvcache_attention(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, out_dtype=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            return_lse=return_softmax_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+            return_lse=return_softmax_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+            unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0, page_table=page_table,
                 block_table=block_table, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
                 alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,
