@@ -3,11 +3,13 @@
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
 raises before anything launches, and so does every feature the FP8 kernel does not serve yet (paged K/V,
-softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served, dense
+softcap, dropout, mods, block sparsity).  Causal, sliding window, learnable sink, packed GQA (``pack_gqa``, the
+bf16 rule) and split-KV (``num_splits``, the bf16 rule; fp32 partials and splitkv's combine) are served, dense
 (``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous KV
 cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 or quantized bf16/fp16 appends); the last two also take a
 bf16/fp16 q over e4m3 K/V (an FP8 KV cache), quantized on the device (``check_fp8_call(query_quantized_here=True)``
-lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
+lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form, and a dense call that packs
+or splits runs there too.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
 the bf16 path does).
 """
 
