@@ -19,7 +19,10 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     cfgs = C.all_configs()
     unsplit = len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2  # causal, window, sink
     # dense + varlen unsplit, varlen packed, split (fp32 partials) packed or not
-    assert len(cfgs) == 2 * unsplit + unsplit + len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2
+    split = len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2  # causal, window, sink, packed
+    # + every packed configuration again with the one-warp decode tile
+    assert len(cfgs) == 2 * unsplit + unsplit + split + (unsplit + split // 2)
+    assert all(c.pack_gqa for c in cfgs if c.tile_m == C.FP8_DECODE_TILE_M)
     assert len({c.name() for c in cfgs}) == len(cfgs)
     assert all(c.varlen for c in cfgs if c.pack_gqa or c.split)
     assert {c.out_dtype for c in cfgs if c.split} == {C.SPLIT_OUT_DTYPE}
@@ -41,6 +44,7 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     (dict(split=True, varlen=True), "out_dtype='bf16' with split=True"),
     (dict(out_dtype="fp32", varlen=True), "out_dtype='fp32'"),
     (dict(pack_gqa=1, varlen=True), "pack_gqa must be True or False"),
+    (dict(tile_m=16, num_warps=1, varlen=True), "tile_m=16 is the packed decode tile"),
     (dict(tile_n=512, head_dim=128, head_dim_v=128), "shared memory"),
 ])
 def test_can_implement_names_value_and_limit(kw, match):
@@ -244,3 +248,12 @@ def test_a_split_over_kv_that_cannot_be_read_as_rows_is_refused(packed_runs):
         fa.flash_attn_func(q, k[:, :16], v[:, :16], num_splits=2)
     fa.flash_attn_func(q, k[:, :16], v[:, :16])  # unsplit: the dense kernel reads the strided view
     assert [c["path"] for c in packed_runs] == ["dense"]
+
+
+@pytest.mark.parametrize("pack, rows, tile", [(True, 4, 16), (True, 16, 16), (True, 17, 64), (False, 1, 64),
+                                              (True, None, 64)])
+def test_packed_decode_rows_select_the_one_warp_tile(pack, rows, tile):
+    for split in (False, True):
+        cfg = C.select_config(128, 128, True, "bf16", varlen=True, pack_gqa=pack, split=split, rows=rows)
+        assert (cfg.tile_m, cfg.num_warps) == (tile, tile // 16)
+        assert cfg in C.all_configs()  # the gate's worklist holds every configuration the host selects

@@ -5,7 +5,8 @@ and flash_attn_varlen_func.
 Bars, derived rather than chosen:
   * packing changes which CTA computes a row, never its arithmetic (the same Q bytes, the same K/V tiles in the same
     order; the extra tiles a packed CTA visits are fully masked for the row, which adds exact zeros and rescales by
-    exp2(0) = 1), so a packed call equals the unpacked one bit for bit, out and LSE;
+    exp2(0) = 1), so a packed call equals the unpacked one bit for bit, out and LSE; so does the one-warp decode
+    tile (config_fp8.FP8_DECODE_TILE_M), which Sq = 1 takes here (4 or 8 packed rows) and Sq = 5 / 40 does not;
   * a split rounds P to e4m3 against its own running max instead of the whole row's, so a split call differs from
     the unsplit one by P's rounding only: at most twice the RMS that P's rounding alone puts into the emulated output
     (tests/fp8_emulation.py, quantize_p True vs False, on the same quantized inputs), plus the output dtype's

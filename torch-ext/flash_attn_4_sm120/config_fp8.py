@@ -16,6 +16,9 @@ FP8_HEAD_DIMS = (64, 128)
 FP8_OUT_DTYPES = ("bf16", "fp16")
 SPLIT_OUT_DTYPE = "fp32"  # a split writes fp32 partials; the combine (kernels/combine.py) converts to bf16/fp16
 FP8_TILE_M = 64  # 4 warps x 16 query rows
+# packed decode rows (query rows x heads of a KV group <= 16, e.g. Sq 1-4 at Hq/Hkv = 4): one warp of 16 rows, so a
+# CTA computes the rows it stores rather than 64 of which most are empty (same K/V tiles, a quarter of the mma work)
+FP8_DECODE_TILE_M, FP8_DECODE_WARPS = 16, 1
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
@@ -78,6 +81,9 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
                              "packed-rows form only (dense calls that want them are flattened to it)")
     if cfg.tile_m != 16 * cfg.num_warps:
         raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
+    if cfg.tile_m == FP8_DECODE_TILE_M and not cfg.pack_gqa:
+        raise ValueError(f"tile_m={cfg.tile_m} is the packed decode tile: it needs pack_gqa=True (unpacked rows use "
+                         f"tile_m={FP8_TILE_M})")
     if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
         raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
     if cfg.num_stages != 2:
@@ -94,10 +100,15 @@ def check_target(arch: str, device_text: str) -> None:
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
                   has_sink: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                  split: bool = False) -> Fp8FwdConfig:
+                  split: bool = False, rows: int | None = None) -> Fp8FwdConfig:
+    """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
+    of them runs the one-warp decode tile."""
+    decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                        out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
-                       varlen=varlen, pack_gqa=pack_gqa, split=split)
+                       varlen=varlen, pack_gqa=pack_gqa, split=split,
+                       tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
+                       num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
     can_implement(cfg)
     return cfg
 
@@ -107,7 +118,7 @@ def all_configs() -> list[Fp8FwdConfig]:
     exist on the varlen form only: dense calls that pick them are flattened to packed rows (a view, with
     cu_seqlens made on the device; dispatch_fp8.fp8_attention), so the dense form never needs them, and a split
     writes fp32 partials whatever the output dtype: 64 unsplit configurations x 1 + 32 varlen ones packed, 16
-    split ones x 2 (packed or not) -> 128."""
+    split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176."""
     base = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
             for k in (False, True) for vl in (False, True)]
@@ -116,4 +127,6 @@ def all_configs() -> list[Fp8FwdConfig]:
                           varlen=True, pack_gqa=p, split=True)
              for d in FP8_HEAD_DIMS for c in (False, True) for w in (False, True) for k in (False, True)
              for p in (False, True)]
-    return base + packed + split
+    decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS)
+              for c in packed + split if c.pack_gqa]
+    return base + packed + split + decode

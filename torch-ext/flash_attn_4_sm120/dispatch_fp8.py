@@ -289,8 +289,9 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     pack = fp8_pack(pack_gqa, hq, hkv, max_seqlen_q) if hkv else 1
     out = torch.empty(1, total_q, hq, v.shape[3], dtype=out_dtype, device=q.device)
     lse = torch.empty(1, hq, total_q, dtype=torch.float32, device=q.device)
+    rows = max_seqlen_q * pack
     cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True,
-                        pack_gqa=pack > 1)
+                        pack_gqa=pack > 1, rows=rows)
     if batch == 0 or total_q == 0 or hq == 0:
         return out, lse
     if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
@@ -300,7 +301,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
         else:
             lse.copy_(sink.view(1, hq, 1).expand(1, hq, total_q))
         return out, lse
-    num_m_blocks = (max_seqlen_q * pack + cfg.tile_m - 1) // cfg.tile_m
+    num_m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
     if num_m_blocks == 0:
         return out, lse
     splits = fp8_splits(num_splits, batch=batch, ctas=num_m_blocks * (hq // pack) * batch,
@@ -317,7 +318,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     from .splitkv import combine_into, partials
 
     fn = get_fp8_kernel(select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None,
-                                      varlen=True, pack_gqa=pack > 1, split=True), q.device)
+                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows), q.device)
     o_part, l_part, o_comb, l_comb = partials(out, lse, splits)  # (splits, 1, total_q, Hq, Dv), (splits, 1, Hq, .)
     if not rows_covered:
         l_part.fill_(-math.inf)
