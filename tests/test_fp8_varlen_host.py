@@ -206,3 +206,17 @@ def test_fp8_splits_forced_and_refused():
     assert F8.fp8_splits(7, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None) == 7
     with pytest.raises(ValueError, match="257"):  # over the combine's limit, named
         F8.fp8_splits(257, batch=1, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None)
+
+
+def test_fp8_automatic_splits_count_one_warp_ctas_as_a_quarter(monkeypatch):
+    from flash_attn_4_sm120 import splitkv
+
+    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    # issue 34's B=8 KV 8K decode at Hq/Hkv 32/8: 64 CTAs (one per (sequence, KV head)), 128 KV tiles
+    four = F8.fp8_splits(0, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None, num_warps=4)
+    one = F8.fp8_splits(0, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None, num_warps=1)
+    assert four == 2  # 128 four-warp CTAs: one wave
+    assert one == 8  # 512 one-warp CTAs: about four per SM
+    # B=64 KV 2K: 512 one-warp CTAs already hold ~4 per SM (128 four-warp equivalents fill 80% of 132): no split
+    assert F8.fp8_splits(0, batch=64, ctas=512, max_seqlen_k=2048, dv=128, device=dev, caps=None, num_warps=1) == 1

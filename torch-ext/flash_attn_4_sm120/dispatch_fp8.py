@@ -253,13 +253,17 @@ def fp8_pack(pack_gqa, hq: int, hkv: int, max_seqlen_q: int) -> int:
     return choose_pack(pack_gqa, hq // hkv, max_seqlen_q, FP8_TILE_M)
 
 
-def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv: int, device, caps) -> int:
-    """The split count of an FP8 call (splitkv.resolve_num_splits: N > 1 exactly N, checked; <= 0 automatic from
-    the grid and the SM count; 1 none), on the FP8 kernel's KV tile."""
-    from .config_fp8 import FP8_TILE_N
+def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv: int, device, caps,
+               num_warps: int = 4) -> int:
+    """The split count of an FP8 call: N > 1 exactly N and 1 none (splitkv.resolve_num_splits' checks), <= 0
+    automatic (splitkv.auto_num_splits) on the FP8 kernel's KV tile.  The automatic count reads the grid in CTAs of
+    four warps, the size the rule was tuned on: ``ctas`` one-warp decode CTAs count a quarter each, so a decode
+    grid is split until it holds about four of them per SM (one warp alone cannot keep its SM's loads in flight)."""
+    from .config_fp8 import FP8_NUM_WARPS, FP8_TILE_N
     from .splitkv import resolve_num_splits
 
-    return resolve_num_splits(num_splits, needs_grad=False, batch=batch, ctas=ctas,
+    return resolve_num_splits(num_splits, needs_grad=False, batch=batch,
+                              ctas=max(1, ctas * num_warps // FP8_NUM_WARPS),
                               n_blocks=-(-max(max_seqlen_k, 0) // FP8_TILE_N), dv=dv, device=device, caps=caps)
 
 
@@ -306,7 +310,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
         return out, lse
     splits = fp8_splits(num_splits, batch=batch, ctas=num_m_blocks * (hq // pack) * batch,
                         max_seqlen_k=total_k if max_seqlen_k is None else min(max_seqlen_k, total_k),
-                        dv=v.shape[3], device=q.device, caps=caps)
+                        dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
     qd, kd, vd = descales
     args = (q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8))
     tail = (qd, kd, vd, sink, cu_q, cu_k, used_k, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)

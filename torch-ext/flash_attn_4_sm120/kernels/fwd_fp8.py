@@ -268,14 +268,24 @@ class FlashFwdFp8:
             rs = k_rs if const_expr(which == 0) else v_rs
             s_addr = (sK_addr if const_expr(which == 0) else sV_addr) + stage * (self.tile_n * row_bytes)
             chunks = width // 16
-            for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
-                idx = tidx + self.num_threads * j
-                r, cidx = idx // chunks, idx % chunks
-                key = nb * self.tile_n + r
-                ok = key < sk
-                key_c = key if ok else 0
-                cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
-                            16 if ok else 0)
+            if const_expr(self.num_threads >= 128):
+                for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
+                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+            else:
+                # the one-warp decode tile issues 16 copies per thread and tensor: a rolled loop, as unrolled the
+                # hoisted addresses spilled where the mma is emulated (sm_90a, benchmarks/results/
+                # fp8_gate_sm90a.jsonl)
+                for j in cutlass.range(self.tile_n * chunks // self.num_threads, unroll=1):
+                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+
+    @cute.jit
+    def load_row_chunk(self, idx, chunks, nb, sk, base, rs, s_addr, row_bytes):
+        r, cidx = idx // chunks, idx % chunks
+        key = nb * self.tile_n + r
+        ok = key < sk
+        key_c = key if ok else 0
+        cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
+                    16 if ok else 0)
 
     @cute.jit
     def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2):
