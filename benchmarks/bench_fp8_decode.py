@@ -45,19 +45,25 @@ SHAPES = tuple((b, kv) for b in (1, 8) for kv in (4096, 16384, 32768)) + ((8, 81
 
 
 def emulate(q8, qd, k8, v8, kd, vd):
-    """The emulation's output per batch entry (one at a time: it expands K/V to every query head in fp32)."""
-    return [emulate_fp8_attention(q8[i:i + 1], k8[i:i + 1], v8[i:i + 1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
-            for i in range(q8.shape[0])]
+    """(emulated output, RMS that P's rounding puts into it) per batch entry (one at a time: it expands K/V to
+    every query head in fp32)."""
+    res = []
+    for i in range(q8.shape[0]):
+        args = (q8[i:i + 1], k8[i:i + 1], v8[i:i + 1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
+        p_rms = rms(*(emulate_fp8_attention(*args, quantize_p=p, out_dtype=torch.float32) for p in (True, False)))
+        res.append((emulate_fp8_attention(*args), p_rms))
+    return res
 
 
 def fp8_check(out, ref32, emus):
-    """(problem or None, err, err_emu): the tests' bars, per batch entry."""
+    """(problem or None, err, err_emu): the tests' bars, per batch entry (tests/test_fp8_kvcache_gpu.py's: the
+    kernel-emulation gap may add twice P's rounding RMS, as a split rounds P against its own running max)."""
     worst = (0.0, 0.0)
-    for i, emu in enumerate(emus):
+    for i, (emu, p_rms) in enumerate(emus):
         sl = slice(i, i + 1)
         err, err_emu, gap = rms(out[sl], ref32[sl]), rms(emu, ref32[sl]), rms(out[sl], emu)
         worst = max(worst, (err, err_emu))
-        if not (err <= 1.1 * err_emu and gap <= 0.2 * err_emu):
+        if not (err <= 1.1 * err_emu and gap <= 0.2 * err_emu + 2 * p_rms):
             return f"batch {i}: rms {err:.3e}, emulation's {err_emu:.3e}, kernel-emulation {gap:.3e}", err, err_emu
     return None, *worst
 
