@@ -40,7 +40,7 @@ def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None)
     """The bars per batch entry.  These calls take the default, which packs GQA and may split the keys
     (tests/test_fp8_split_gpu.py): the emulation models the unsplit kernel, and a split rounds P against its own
     running max, so the kernel-emulation bar adds twice the RMS that P's rounding puts into the emulation (the
-    split's bar there; emulated splits measured 0.5-0.75 of it)."""
+    split's bar there; emulated splits measured 0.49-0.57 of it: benchmarks/results/fp8_split_emulation_cpu.jsonl)."""
     qs8, qd = quantize_query(q, k.shape[2])
     for i, n in enumerate(lens):
         sl = slice(i, i + 1)

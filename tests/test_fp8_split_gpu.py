@@ -9,7 +9,9 @@ Bars, derived rather than chosen:
     tile (config_fp8.FP8_DECODE_TILE_M), which Sq = 1 takes here (4 or 8 packed rows) and Sq = 5 / 40 does not;
   * a split rounds P to e4m3 against its own running max instead of the whole row's, so a split call differs from
     the unsplit one by P's rounding only: at most twice the RMS that P's rounding alone puts into the emulated output
-    (tests/fp8_emulation.py, quantize_p True vs False, on the same quantized inputs), plus the output dtype's
+    (tests/fp8_emulation.py, quantize_p True vs False, on the same quantized inputs; emulated splits move it
+    0.49-0.57 of that, benchmarks/results/fp8_split_emulation_cpu.jsonl from
+    benchmarks/experiments/fp8_split_emulation.py), plus the output dtype's
     rounding (2^-8 of the output's RMS for bf16); the LSE sums unrounded fp32 P, so it matches the unsplit LSE to
     the fp32 approximations' level (ex2/lg2.approx: 1e-4 absolute on LSEs of a few units).
 A split that dropped or repeated a range of keys, a wrong head in a packed row or a sink in every split moves the
