@@ -171,7 +171,8 @@ def flash_attn_func(
 
     FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
     fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
-    sliding window, learnable sink, GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
+    sliding window, learnable sink, GQA (``pack_gqa``) and split-KV (``num_splits``) with the rules above, head dims
+    64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
     makes the inputs).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
