@@ -113,6 +113,9 @@ class FlashFwdFp8:
             bz = b
             b = cute.arch.make_warp_uniform(bz // num_splits)
             split = cute.arch.make_warp_uniform(bz - b * num_splits)
+            # the combine (a programmatic dependent launch) may place its CTAs once every CTA here has started; it
+            # waits in griddepcontrol.wait for this grid's end and writes (as fwd_base.release_dependents)
+            cute.arch.griddepcontrol_launch_dependents()
         # packed GQA: tile row p is query row p // pack of head h * pack + p % pack (pack = 1: row p of head h)
         pack = qheads_per_kvhead if const_expr(self.cfg.pack_gqa) else 1
         warp, lane = tidx // 32, tidx % 32
