@@ -3,16 +3,19 @@ against our bf16 cache and PyTorch's SDPA, in one process.
 
     python benchmarks/bench_fp8_decode.py      # writes benchmarks/results/fp8_decode_<gpu>.jsonl (< 3 min)
 
-Cases: q_len 1, Hq 32 / Hkv 8, d128, contiguous cache, every key valid; B = 1 and 8, KV 4K / 16K / 32K.
+Cases: q_len 1, Hq 32 / Hkv 8, d128, contiguous cache, every key valid; B = 1 and 8, KV 4K / 16K / 32K, and
+issue 34's cells B = 8 KV 8K and B = 64 KV 2K.
   * ``bf16``      the bf16 cache, our default call (num_splits=0: automatic split-KV);
   * ``fp8``       the e4m3 cache (per (batch, KV head) descales) with the bf16 query: what this feature serves,
-                  the query's on-device quantization included in the time (the FP8 kernel runs one split);
+                  the query's on-device quantization included in the time, the default call (packed GQA and
+                  automatic split-KV, as the bf16 cache);
+  * ``fp8_unsplit`` the same with num_splits=1 (packed GQA only): what the split adds;
   * ``fp8_e4m3q`` the same cache with a query quantized beforehand (q_descale given): the kernel alone;
   * ``sdpa``      torch.nn.functional.scaled_dot_product_attention on (B, H, S, D) copies of the bf16 cache
                   (enable_gqa; whichever backend PyTorch picks).
 Times: median ms of CUDA-graph replays of one call after warm-up (bench_decode.time_graph: CUDA events).  GB/s
 counts the bytes of K and V each call reads (e4m3: half the bf16 bytes); pct_of_copy divides by a device-to-device
-copy's rate measured in the same run.
+copy's rate measured in the same run (issue 34's "80% of copy bandwidth, counting FP8 bytes" is fp8_pct_of_copy).
 
 Checked before timing, against an fp32 reference in plain torch of the UNquantized bf16 q/k/v
 (benchmarks/refcheck.py): bf16 and sdpa with the tests' bar (2x the error of the same computation in bf16, plus a
@@ -38,23 +41,29 @@ import refcheck  # noqa: E402  (fp32 reference in plain torch)
 from tests.fp8_emulation import emulate_fp8_attention, rms  # noqa: E402  (the FP8 forward's step-by-step model)
 
 HQ, HKV, D = 32, 8, 128
-SHAPES = tuple((b, kv) for b in (1, 8) for kv in (4096, 16384, 32768))
+SHAPES = tuple((b, kv) for b in (1, 8) for kv in (4096, 16384, 32768)) + ((8, 8192), (64, 2048))  # + issue 34's
 
 
 def emulate(q8, qd, k8, v8, kd, vd):
-    """The emulation's output per batch entry (one at a time: it expands K/V to every query head in fp32)."""
-    return [emulate_fp8_attention(q8[i:i + 1], k8[i:i + 1], v8[i:i + 1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
-            for i in range(q8.shape[0])]
+    """(emulated output, RMS that P's rounding puts into it) per batch entry (one at a time: it expands K/V to
+    every query head in fp32)."""
+    res = []
+    for i in range(q8.shape[0]):
+        args = (q8[i:i + 1], k8[i:i + 1], v8[i:i + 1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
+        p_rms = rms(*(emulate_fp8_attention(*args, quantize_p=p, out_dtype=torch.float32) for p in (True, False)))
+        res.append((emulate_fp8_attention(*args), p_rms))
+    return res
 
 
 def fp8_check(out, ref32, emus):
-    """(problem or None, err, err_emu): the tests' bars, per batch entry."""
+    """(problem or None, err, err_emu): the tests' bars, per batch entry (tests/test_fp8_kvcache_gpu.py's: the
+    kernel-emulation gap may add twice P's rounding RMS, as a split rounds P against its own running max)."""
     worst = (0.0, 0.0)
-    for i, emu in enumerate(emus):
+    for i, (emu, p_rms) in enumerate(emus):
         sl = slice(i, i + 1)
         err, err_emu, gap = rms(out[sl], ref32[sl]), rms(emu, ref32[sl]), rms(out[sl], emu)
         worst = max(worst, (err, err_emu))
-        if not (err <= 1.1 * err_emu and gap <= 0.2 * err_emu):
+        if not (err <= 1.1 * err_emu and gap <= 0.2 * err_emu + 2 * p_rms):
             return f"batch {i}: rms {err:.3e}, emulation's {err_emu:.3e}, kernel-emulation {gap:.3e}", err, err_emu
     return None, *worst
 
@@ -78,6 +87,8 @@ def run_case(fa, Q, b, kv, copy_bw):
         "bf16": (lambda: fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens), bf16_bytes),
         "fp8": (lambda: fa.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd),
                 bf16_bytes // 2),
+        "fp8_unsplit": (lambda: fa.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd,
+                                                           v_descale=vd, num_splits=1), bf16_bytes // 2),
         "fp8_e4m3q": (lambda: fa.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, q_descale=qd,
                                                          k_descale=kd, v_descale=vd), bf16_bytes // 2),
         "sdpa": (lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
@@ -104,7 +115,7 @@ def run_case(fa, Q, b, kv, copy_bw):
         row[f"{label}_ms"] = ms
         row[f"{label}_gbps"] = nbytes / ms / 1e6
         row[f"{label}_pct_of_copy"] = row[f"{label}_gbps"] / copy_bw
-    for label in ("fp8", "fp8_e4m3q", "sdpa"):
+    for label in ("fp8", "fp8_unsplit", "fp8_e4m3q", "sdpa"):
         if f"{label}_ms" in row and "bf16_ms" in row:
             row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
     return row

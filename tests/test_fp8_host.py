@@ -17,7 +17,15 @@ def _qkv(b=2, sq=8, sk=8, hq=4, hkv=2, d=64, dtype=E4):
 
 def test_every_selectable_config_passes_can_implement_and_fits():
     cfgs = C.all_configs()
-    assert len(cfgs) == len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2 * 2  # causal, window, sink, varlen
+    unsplit = len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2  # causal, window, sink
+    # dense + varlen unsplit, varlen packed, split (fp32 partials) packed or not
+    split = len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2  # causal, window, sink, packed
+    # + every packed configuration again with the one-warp decode tile
+    assert len(cfgs) == 2 * unsplit + unsplit + split + (unsplit + split // 2)
+    assert all(c.pack_gqa for c in cfgs if c.tile_m == C.FP8_DECODE_TILE_M)
+    assert len({c.name() for c in cfgs}) == len(cfgs)
+    assert all(c.varlen for c in cfgs if c.pack_gqa or c.split)
+    assert {c.out_dtype for c in cfgs if c.split} == {C.SPLIT_OUT_DTYPE}
     for cfg in cfgs:
         C.can_implement(cfg)
         assert C.smem_bytes(cfg) <= C.SMEM_LIMIT
@@ -31,6 +39,12 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     (dict(tile_m=128), "tile_m=128"),
     (dict(tile_n=48), "multiples of 32"),
     (dict(num_stages=3), "num_stages=3"),
+    (dict(pack_gqa=True), "pack_gqa=True needs varlen=True"),
+    (dict(split=True, out_dtype="fp32"), "split=True needs varlen=True"),
+    (dict(split=True, varlen=True), "out_dtype='bf16' with split=True"),
+    (dict(out_dtype="fp32", varlen=True), "out_dtype='fp32'"),
+    (dict(pack_gqa=1, varlen=True), "pack_gqa must be True or False"),
+    (dict(tile_m=16, num_warps=1, varlen=True), "tile_m=16 is the packed decode tile"),
     (dict(tile_n=512, head_dim=128, head_dim_v=128), "shared memory"),
 ])
 def test_can_implement_names_value_and_limit(kw, match):
@@ -69,7 +83,7 @@ def test_descales_with_bf16_inputs_raise():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(softcap=5.0), dict(num_splits=2), dict(pack_gqa=True), dict(dropout_p=0.1),
+    dict(softcap=5.0), dict(dropout_p=0.1),
     dict(page_table=torch.zeros(2, 1, dtype=torch.int32)),
     dict(score_mod=lambda *a: a[0]), dict(aux_tensors=[torch.zeros(1)]),
 ])
@@ -78,14 +92,23 @@ def test_unserved_features_raise_before_launch(kw):
         fa.flash_attn_func(*_qkv(), **kw)
 
 
-def test_defaults_and_one_split_are_not_refused():
-    bad = fp8_unsupported(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0, page_table=None)
-    assert not any(bad.values())
-    for ok in (dict(num_splits=0), dict(num_splits=1), dict(pack_gqa=False)):
-        args = dict(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0)
+def test_split_and_pack_are_served_not_refused():
+    for ok in (dict(num_splits=0), dict(num_splits=1), dict(num_splits=8), dict(pack_gqa=True), dict(pack_gqa=False)):
+        args = dict(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0, page_table=None)
         args.update(ok)
         assert not any(fp8_unsupported(**args).values()), ok
-    assert any(fp8_unsupported(softcap=0.0, num_splits=True, pack_gqa=None, dropout_p=0.0).values())
+    assert any(fp8_unsupported(softcap=1.0, dropout_p=0.0).values())
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(num_splits=2.0), ValueError, "num_splits must be an int"),
+    (dict(num_splits=True), ValueError, "num_splits must be an int"),
+    (dict(pack_gqa="yes"), ValueError, "pack_gqa must be None, True or False"),
+])
+def test_bad_split_and_pack_values_are_named(packed_runs, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        fa.flash_attn_func(*_qkv(), **kw)
+    assert not packed_runs
 
 
 @pytest.mark.parametrize("window, causal, expected", [
@@ -168,3 +191,69 @@ def test_kernel_call_matches_its_fake_args():
     assert params[0] == "self" and params[-1] == "stream"
     assert tuple(params[1:-1]) == FlashFwdFp8.ARG_NAMES
     assert len(fake_args(C.all_configs()[0])) == len(FlashFwdFp8.ARG_NAMES) + 1
+
+
+@pytest.fixture
+def packed_runs(monkeypatch):
+    """Stub the device check and both FP8 launches; records which one a dense call took, with its arguments."""
+    from flash_attn_4_sm120 import dispatch_fp8 as F8
+
+    calls = []
+
+    def fake_packed(q, k, v, cu_q, cu_k, used_k, max_q, descales, **kw):
+        calls.append(dict(path="packed", q=q, k=k, cu_q=cu_q, cu_k=cu_k, used_k=used_k, max_q=max_q, **kw))
+        total_q, hq = q.shape[1], q.shape[2]
+        return (torch.zeros(1, total_q, hq, v.shape[3], dtype=kw["out_dtype"]),
+                torch.arange(hq * total_q, dtype=torch.float32).view(1, hq, total_q))
+
+    def fake_dense(q, k, v, descales, **kw):
+        calls.append(dict(path="dense", **kw))
+        b, sq, hq = q.shape[:3]
+        return torch.zeros(b, sq, hq, v.shape[3], dtype=kw["out_dtype"]), torch.zeros(b, hq, sq)
+
+    monkeypatch.setattr(F8, "require_cuda", lambda q, k, v: None)
+    monkeypatch.setattr(F8, "run_fp8_packed", fake_packed)
+    monkeypatch.setattr(F8, "run_fp8_forward", fake_dense)
+    return calls
+
+
+@pytest.mark.parametrize("kw, sq, path", [
+    (dict(), 8, "dense"),  # Hq/Hkv = 2, 8 rows: 16 packed rows fill a quarter tile -> packed
+    (dict(), 40, "dense"),  # 40 rows fill over half a 64-row tile: no packing, no split (few keys)
+    (dict(pack_gqa=False), 8, "dense"),
+    (dict(pack_gqa=True), 40, "packed"),
+    (dict(num_splits=3), 40, "packed"),
+    (dict(num_splits=0), 40, "packed"),  # automatic: the kernel form that can split (fp8_splits decides)
+])
+def test_dense_calls_that_pack_or_split_run_on_packed_rows(packed_runs, kw, sq, path):
+    q, k, v = _qkv(b=2, sq=sq, sk=16, hq=4, hkv=2)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True, **kw)
+    (c,) = packed_runs
+    expect = "packed" if (path == "packed" or (not kw and sq == 8)) else "dense"
+    assert c["path"] == expect
+    assert out.shape == (2, sq, 4, 64) and lse.shape == (2, 4, sq)
+    if expect == "packed":
+        assert c["q"].shape == (1, 2 * sq, 4, 64) and c["q"].data_ptr() == q.data_ptr()  # views, no copy
+        assert c["k"].shape == (1, 32, 2, 64) and c["k"].data_ptr() == k.data_ptr()
+        assert c["cu_q"].tolist() == [0, sq, 2 * sq] and c["used_k"].tolist() == [16, 16]
+        assert c["max_q"] == sq and c["max_seqlen_k"] == 16 and c["rows_covered"] is True
+        assert c["num_splits"] == kw.get("num_splits", 1) and c["pack_gqa"] == kw.get("pack_gqa")
+        # lse (1, Hq, total_q) back to (B, Hq, Sq): sequence 1, head 3, row 2 = packed row sq + 2
+        assert lse[1, 3, 2].item() == 3 * 2 * sq + sq + 2
+
+
+def test_a_split_over_kv_that_cannot_be_read_as_rows_is_refused(packed_runs):
+    q, k, v = _qkv(b=2, sq=40, sk=32, hq=4, hkv=2)
+    with pytest.raises(NotImplementedError, match="num_splits=2 with k/v strides"):
+        fa.flash_attn_func(q, k[:, :16], v[:, :16], num_splits=2)
+    fa.flash_attn_func(q, k[:, :16], v[:, :16])  # unsplit: the dense kernel reads the strided view
+    assert [c["path"] for c in packed_runs] == ["dense"]
+
+
+@pytest.mark.parametrize("pack, rows, tile", [(True, 4, 16), (True, 16, 16), (True, 17, 64), (False, 1, 64),
+                                              (True, None, 64)])
+def test_packed_decode_rows_select_the_one_warp_tile(pack, rows, tile):
+    for split in (False, True):
+        cfg = C.select_config(128, 128, True, "bf16", varlen=True, pack_gqa=pack, split=split, rows=rows)
+        assert (cfg.tile_m, cfg.num_warps) == (tile, tile // 16)
+        assert cfg in C.all_configs()  # the gate's worklist holds every configuration the host selects

@@ -37,16 +37,23 @@ def _setup(b, cap, hq, hkv, sq, d=128, seed=0, dtype=torch.bfloat16):
 
 
 def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None), sink=None):
+    """The bars per batch entry.  These calls take the default, which packs GQA and may split the keys
+    (tests/test_fp8_split_gpu.py): the emulation models the unsplit kernel, and a split rounds P against its own
+    running max, so the kernel-emulation bar adds twice the RMS that P's rounding puts into the emulation (the
+    split's bar there; emulated splits measured 0.49-0.57 of it: benchmarks/results/fp8_split_emulation_cpu.jsonl)."""
     qs8, qd = quantize_query(q, k.shape[2])
     for i, n in enumerate(lens):
         sl = slice(i, i + 1)
         ref, _ = attention_ref(q[sl], k[sl, :n], v[sl, :n], causal=causal, window=window, sink=sink)
-        emu = emulate_fp8_attention(qs8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl], causal=causal,
-                                    window=window, sink=sink, out_dtype=q.dtype)
+        args = (qs8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl])
+        mask = dict(causal=causal, window=window, sink=sink)
+        emu = emulate_fp8_attention(*args, **mask, out_dtype=q.dtype)
+        p_rms = rms(*(emulate_fp8_attention(*args, **mask, quantize_p=p, out_dtype=torch.float32)
+                      for p in (True, False)))
         err, err_emu = rms(out[sl], ref), rms(emu, ref)
         assert not torch.isnan(out[sl]).any()
         assert err <= 1.1 * err_emu, (i, err, err_emu)
-        assert rms(out[sl], emu) <= 0.2 * err_emu, (i, rms(out[sl], emu), err_emu)
+        assert rms(out[sl], emu) <= 0.2 * err_emu + 2 * p_rms, (i, rms(out[sl], emu), err_emu, p_rms)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -113,7 +113,9 @@ def test_the_e4m3_append_path_is_unchanged(launches):
     (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
     (dict(softcap=2.0), NotImplementedError, "softcap"),
-    (dict(num_splits=2), NotImplementedError, "num_splits"),
+    (dict(num_splits=2.0), ValueError, "num_splits must be an int"),
+    (dict(k=_randn(2, 1, 2, 64), v=_randn(2, 1, 2, 64), cache_seqlens=1, num_splits=False), ValueError,
+     "num_splits must be an int"),  # refused before the append writes the cache
     (dict(k_descale=torch.ones(2, 2, dtype=torch.bfloat16)), ValueError, "float32"),
     (dict(k_descale=torch.ones(1, 2)), ValueError, r"\(2, 2\)"),
     (dict(k=_randn(2, 1, 2, 64, dtype=torch.float32), v=_randn(2, 1, 2, 64, dtype=torch.float32),

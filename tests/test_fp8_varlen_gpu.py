@@ -3,7 +3,10 @@
 Each sequence is checked on its own, with the bars of tests/test_fp8_gpu.py: on e4m3-exact inputs against the
 step-by-step emulation (P's rounding only, with the emulation's slack for near-tie P values) and the LSE against
 the fp32 reference; on FlashAttention-3's outlier input the RMS error against the fp32 reference of the
-UNquantized inputs at most 1.1x the emulation's.
+UNquantized inputs at most 1.1x the emulation's.  The emulation models the unsplit kernel, so the exact
+comparisons pin ``num_splits=1`` (the default may split these small grids: tests/test_fp8_split_gpu.py checks the
+split against the unsplit call); the outlier test keeps the default and allows a split's P rounding (twice the RMS
+that P's rounding puts into the emulation, as tests/test_fp8_split_gpu.py derives).
 """
 
 import pytest
@@ -42,7 +45,8 @@ def test_packed_rows_match_each_sequence(d, causal, window, with_sink, lens_q, l
     sink = (torch.randn(hq, device="cuda", generator=g) * 3).float() if with_sink else None
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     out, lse = fa.flash_attn_varlen_func(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
-                                         causal=causal, window_size=window, learnable_sink=sink, return_lse=True)
+                                         causal=causal, window_size=window, learnable_sink=sink, return_lse=True,
+                                         num_splits=1)
     assert out.shape == (sum(lens_q), hq, d) and lse.shape == (hq, sum(lens_q))
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         q0, k0 = int(cu_q[b]), int(cu_k[b])
@@ -57,7 +61,7 @@ def test_seqused_k_caps_the_keys_and_empty_sequences_are_zero():
     g = torch.Generator(device="cuda").manual_seed(7)
     q8, k8, v8 = _exact(3, 40, 4, 64, g=g), _exact(3, 96, 2, 64, g=g), _exact(3, 96, 2, 64, g=g)
     used = torch.tensor([96, 33, 0], dtype=torch.int32, device="cuda")
-    out, lse = fa.flash_attn_varlen_func(q8, k8, v8, seqused_k=used, causal=True, return_lse=True)
+    out, lse = fa.flash_attn_varlen_func(q8, k8, v8, seqused_k=used, causal=True, return_lse=True, num_splits=1)
     assert out.shape == (3, 40, 4, 64) and lse.shape == (3, 4, 40)
     for b, n in enumerate((96, 33)):
         _check_exact(out[b:b + 1], lse[b:b + 1], q8[b:b + 1], k8[b:b + 1, :n], v8[b:b + 1, :n], torch.bfloat16,
@@ -78,12 +82,14 @@ def test_outlier_input_error_matches_the_emulation_per_sequence(rotate):
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         sl = lambda x, n: x[b:b + 1, :n]  # noqa: E731
         ref, _ = attention_ref(sl(q, lq), sl(k, lk), sl(v, lk), causal=True)
-        emu = emulate_fp8_attention(sl(q8, lq), sl(k8, lk), sl(v8, lk), qd[b:b + 1], kd[b:b + 1], vd[b:b + 1],
-                                    causal=True)
+        emu_args = (sl(q8, lq), sl(k8, lk), sl(v8, lk), qd[b:b + 1], kd[b:b + 1], vd[b:b + 1])
+        emu = emulate_fp8_attention(*emu_args, causal=True)
+        p_rms = rms(*(emulate_fp8_attention(*emu_args, causal=True, quantize_p=p, out_dtype=torch.float32)
+                      for p in (True, False)))
         got = out[int(cu_q[b]):int(cu_q[b]) + lq][None]
         err, err_emu = rms(got, ref), rms(emu, ref)
         assert err <= 1.1 * err_emu, (b, err, err_emu)
-        assert rms(got, emu) <= 0.2 * err_emu, (b, rms(got, emu), err_emu)
+        assert rms(got, emu) <= 0.2 * err_emu + 2 * p_rms, (b, rms(got, emu), err_emu, p_rms)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -96,7 +102,7 @@ def test_kvcache_append_then_attend(d, causal):
     q8, k_new, v_new = _exact(b, s_new, hq, d, g=g), _exact(b, s_new, hkv, d, g=g), _exact(b, s_new, hkv, d, g=g)
     seqlens = torch.tensor([0, 17, 290], dtype=torch.int32, device="cuda")
     out, lse = fa.flash_attn_with_kvcache(q8, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=causal,
-                                         return_softmax_lse=True)
+                                         return_softmax_lse=True, num_splits=1)
     assert out.shape == (b, s_new, hq, d) and lse.shape == (b, hq, s_new)
     assert torch.equal(k_cache[b].view(torch.uint8), spare.view(torch.uint8))  # the spare row is not written
     for i, n in enumerate(seqlens.tolist()):
@@ -114,7 +120,7 @@ def test_kvcache_decode_descales_and_graph_replay():
     kd = torch.full((2, 2), 0.5, device="cuda")
     ones = torch.ones(2, 2, device="cuda")
     eager, lse = fa.flash_attn_with_kvcache(q8, k_cache, v_cache, cache_seqlens=seqlens, k_descale=ones,
-                                           return_softmax_lse=True)
+                                           return_softmax_lse=True, num_splits=1)
     for i, n in enumerate((100, 400)):
         _check_exact(eager[i:i + 1], lse[i:i + 1], q8[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n],
                      torch.bfloat16)

@@ -76,7 +76,9 @@ def test_dense_q_comes_back_in_its_layout(launches):
     (dict(seqused_q=torch.tensor([1, 1], dtype=torch.int32)), NotImplementedError, "seqused_q"),
     (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
     (dict(softcap=3.0), NotImplementedError, "softcap"),
-    (dict(num_splits=4), NotImplementedError, "num_splits"),
+    (dict(num_splits=4.0), ValueError, "num_splits must be an int"),
+    (dict(num_splits=True), ValueError, "num_splits must be an int"),
+    (dict(pack_gqa="yes"), ValueError, "pack_gqa must be None, True or False"),
     (dict(debug_checks=True), NotImplementedError, "debug_checks"),
     (dict(cu_seqlens_q=torch.tensor([0, 2, 4])), ValueError, "int32"),
     (dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"\(2, 2\)"),  # descales: batch 1
@@ -138,7 +140,10 @@ def test_kvcache_without_cache_seqlens_reads_the_whole_cache(launches):
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
     (dict(softcap=2.0), NotImplementedError, "softcap"),
-    (dict(num_splits=3), NotImplementedError, "num_splits"),
+    (dict(num_splits=3.0), ValueError, "num_splits must be an int"),
+    (dict(pack_gqa=1), ValueError, "pack_gqa must be None, True or False"),
+    (dict(k=_rand(2, 1, 2, 64), v=_rand(2, 1, 2, 64), cache_seqlens=1, num_splits=None, pack_gqa="x"), ValueError,
+     "pack_gqa must be"),
     (dict(k=_rand(2, 1, 2, 64).float(), v=_rand(2, 1, 2, 64).float(),
           cache_seqlens=1), ValueError, "appending into a float8_e4m3fn cache"),  # fp32: bf16/fp16 are quantized
     (dict(k=_rand(2, 1, 2, 64), v=_rand(2, 1, 2, 64)), ValueError, "cache_seqlens is required"),
@@ -164,3 +169,54 @@ def test_kvcache_e4m3_query_over_a_bf16_cache_small_cache_and_grad_raise(launche
         kt, vt = (_rand(16, 2, 2, 64).permute(1, 0, 2, 3) for _ in range(2))  # batch stride 128, row stride 256
         fa.flash_attn_with_kvcache(q, kt, vt)
     assert not launches
+
+
+def test_split_and_pack_arguments_reach_the_launch(launches):
+    """num_splits / pack_gqa / max_seqlen_k go through to run_fp8_packed with the bf16 path's defaults: varlen None
+    -> splitkv.default_for_call (1 below AUTO_MIN_KEYS keys), the cache call 0 (automatic), a given int as is."""
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    q, k, v = _rand(4, 4, 64), _rand(6, 2, 64), _rand(6, 2, 64)
+    cu_k = torch.tensor([0, 3, 6], dtype=torch.int32)
+    fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=2, max_seqlen_k=3)
+    fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=2, num_splits=5,
+                              pack_gqa=True)
+    a, b = launches
+    assert (a["num_splits"], a["pack_gqa"], a["max_seqlen_k"], a["rows_covered"]) == (1, None, 3, False)
+    assert (b["num_splits"], b["pack_gqa"], b["max_seqlen_k"], b["rows_covered"]) == (5, True, None, False)
+    launches.clear()
+    qd, kc, vc = _rand(2, 1, 4, 64), _rand(2, 16, 2, 64), _rand(2, 16, 2, 64)
+    fa.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=3)
+    fa.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=3, num_splits=1, pack_gqa=False)
+    a, b = launches
+    assert (a["num_splits"], a["pack_gqa"], a["max_seqlen_k"], a["rows_covered"]) == (0, None, 16, True)
+    assert (b["num_splits"], b["pack_gqa"]) == (1, False)
+
+
+@pytest.mark.parametrize("pack_gqa, hq, hkv, sq, expect", [
+    (None, 32, 8, 1, 4), (None, 32, 8, 32, 4), (None, 32, 8, 33, 1),  # packs while Sq * 2 <= the 64-row tile
+    (None, 8, 8, 1, 1), (True, 32, 8, 500, 4), (False, 32, 8, 1, 1), (True, 4, 4, 1, 1),
+])
+def test_fp8_pack_follows_the_bf16_rule(pack_gqa, hq, hkv, sq, expect):
+    assert F8.fp8_pack(pack_gqa, hq, hkv, sq) == expect
+
+
+def test_fp8_splits_forced_and_refused():
+    dev = torch.device("cpu")
+    assert F8.fp8_splits(1, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None) == 1
+    assert F8.fp8_splits(7, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None) == 7
+    with pytest.raises(ValueError, match="257"):  # over the combine's limit, named
+        F8.fp8_splits(257, batch=1, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None)
+
+
+def test_fp8_automatic_splits_count_one_warp_ctas_as_a_quarter(monkeypatch):
+    from flash_attn_4_sm120 import splitkv
+
+    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    # issue 34's B=8 KV 8K decode at Hq/Hkv 32/8: 64 CTAs (one per (sequence, KV head)), 128 KV tiles
+    four = F8.fp8_splits(0, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None, num_warps=4)
+    one = F8.fp8_splits(0, batch=8, ctas=64, max_seqlen_k=8192, dv=128, device=dev, caps=None, num_warps=1)
+    assert four == 2  # 128 four-warp CTAs: one wave
+    assert one == 8  # 512 one-warp CTAs: about four per SM
+    # B=64 KV 2K: 512 one-warp CTAs already hold ~4 per SM (128 four-warp equivalents fill 80% of 132): no split
+    assert F8.fp8_splits(0, batch=64, ctas=512, max_seqlen_k=2048, dv=128, device=dev, caps=None, num_warps=1) == 1

@@ -71,8 +71,10 @@ def _unpack(out, lse, batch, sq, dense_q, return_lse):
 
 def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
                          k_descale, v_descale, out_dtype, softmax_scale, causal, window_size, return_lse,
-                         learnable_sink, unsupported: dict):
-    """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv)."""
+                         learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None):
+    """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv).
+    ``num_splits`` / ``pack_gqa``: the bf16 path's rules (dispatch_fp8.default_splits / fp8_pack); an int
+    ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read)."""
     needs_grad = F8.entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
     unsupported = dict(unsupported)
     unsupported["seqused_q"] = seqused_q is not None
@@ -91,6 +93,7 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch,
         query_quantized_here=True)
     dev = q.device
+    F8.fp8_pack(pack_gqa, q.shape[-2], k.shape[-2], 0)  # names a bad value before any work
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
     _check_lengths("seqused_k", seqused_k, batch, dev)
@@ -105,9 +108,13 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     cu_k = cu_seqlens_k if varlen_k else _dense_cu(batch, k.shape[1], dev)
     used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
     max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
+    max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else k.shape[1])
+    splits = F8.default_splits(num_splits, q, k, causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_k=max_seqlen_k if max_seqlen_k.__class__ is int else None)
     out, lse = F8.run_fp8_packed(qp, kp, vp, cu_q, cu_k, used_k, max_q, descales, softmax_scale=softmax_scale,
                                  causal=causal, out_name=out_name, out_dtype=out_torch, window_size=window_size,
-                                 learnable_sink=learnable_sink)
+                                 learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
+                                 max_seqlen_k=max_k, rows_covered=not varlen_q)
     return _unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
 
 
@@ -132,8 +139,11 @@ def _check_new(k, v, k_cache, v_cache, batch):
 
 
 def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale, k_descale, v_descale, out_dtype,
-                          softmax_scale, causal, window_size, return_lse, learnable_sink, unsupported: dict):
-    """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous cache -> (out, lse or None)."""
+                          softmax_scale, causal, window_size, return_lse, learnable_sink, unsupported: dict,
+                          num_splits=0, pack_gqa=None):
+    """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous cache -> (out, lse or None).
+    ``num_splits`` (default 0: automatic, from the grid and the SM count) and ``pack_gqa`` as the bf16 cache
+    path (splitkv.resolve_num_splits, plan.choose_pack)."""
     from . import kvcache as KV
 
     needs_grad = F8.entry_checks(q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype, learnable_sink,
@@ -155,6 +165,10 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     if k_cache.shape[:2] != v_cache.shape[:2]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
                          "(batch, seqlen) dims")
+    # the split count and pack_gqa are checked before anything is written into the cache
+    splits = F8.default_splits(0 if num_splits is None else num_splits, q, k_cache, causal=causal,
+                               window_size=window_size)
+    F8.fp8_pack(pack_gqa, q.shape[2], k_cache.shape[2], q.shape[1])
     new = _check_new(k, v, k_cache, v_cache, batch)
     if new and cache_seqlens is None:
         raise ValueError("cache_seqlens is required when appending k/v (it says where the new keys go)")
@@ -174,5 +188,6 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     qp = _flatten_q(q)
     out, lse = F8.run_fp8_packed(qp, kp, vp, _dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
-                                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
+                                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink,
+                                 pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=k_cache.shape[1], rows_covered=True)
     return _unpack(out, lse, batch, q.shape[1], True, return_lse)

@@ -4,16 +4,21 @@ One frozen record per compiled kernel; ``can_implement`` raises ValueError / Not
 and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
 or varlen (cu_seqlens_q/k, seqused_k; a contiguous KV cache with cache_seqlens) q/k/v in float8_e4m3fn, head dims
 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable sink, bf16 or fp16 output, one (B, Hkv)
-fp32 descale per tensor (FlashAttention-3's layout), inference only.  Everything else raises.
+fp32 descale per tensor (FlashAttention-3's layout), inference only, packed GQA and split-KV on the packed-rows
+(varlen) form.  Everything else raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FP8_HEAD_DIMS = (64, 128)
 FP8_OUT_DTYPES = ("bf16", "fp16")
+SPLIT_OUT_DTYPE = "fp32"  # a split writes fp32 partials; the combine (kernels/combine.py) converts to bf16/fp16
 FP8_TILE_M = 64  # 4 warps x 16 query rows
+# packed decode rows (query rows x heads of a KV group <= 16, e.g. Sq 1-4 at Hq/Hkv = 4): one warp of 16 rows, so a
+# CTA computes the rows it stores rather than 64 of which most are empty (same K/V tiles, a quarter of the mma work)
+FP8_DECODE_TILE_M, FP8_DECODE_WARPS = 16, 1
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
@@ -34,6 +39,9 @@ class Fp8FwdConfig:
     local: bool = False  # a sliding window (left and/or right bound beyond causal), runtime bounds
     has_sink: bool = False  # learnable sink: one fp32 logit per query head in the denominator
     varlen: bool = False  # packed rows with per-sequence offsets/lengths (cu_seqlens_q/k, seqused_k), runtime values
+    # the query heads of a KV group share a CTA (tile row p: query row p // qpk, head hkv * qpk + p % qpk)
+    pack_gqa: bool = False
+    split: bool = False  # split-KV: fp32 partials (out_dtype "fp32") of the split's KV tiles, combined by the host
     tile_m: int = FP8_TILE_M
     tile_n: int = FP8_TILE_N
     num_warps: int = FP8_NUM_WARPS
@@ -42,6 +50,7 @@ class Fp8FwdConfig:
     def name(self) -> str:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
                 f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
+                f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}"
                 f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
 
 
@@ -57,13 +66,24 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
     if cfg.head_dim_v != cfg.head_dim:
         raise ValueError(f"head_dim_v={cfg.head_dim_v} != head_dim={cfg.head_dim}: the FP8 forward serves equal "
                          "head dims only")
-    if cfg.out_dtype not in FP8_OUT_DTYPES:
-        raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
-    for flag in ("causal", "local", "has_sink", "varlen"):
+    for flag in ("causal", "local", "has_sink", "varlen", "pack_gqa", "split"):
         if not isinstance(getattr(cfg, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
+    if cfg.split:
+        if cfg.out_dtype != SPLIT_OUT_DTYPE:
+            raise ValueError(f"out_dtype={cfg.out_dtype!r} with split=True: a split writes {SPLIT_OUT_DTYPE!r} "
+                             "partials (the combine gives bf16/fp16)")
+    elif cfg.out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
+    for flag in ("pack_gqa", "split"):
+        if getattr(cfg, flag) and not cfg.varlen:
+            raise ValueError(f"{flag}=True needs varlen=True: the host runs packed GQA and split-KV on the "
+                             "packed-rows form only (dense calls that want them are flattened to it)")
     if cfg.tile_m != 16 * cfg.num_warps:
         raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
+    if cfg.tile_m == FP8_DECODE_TILE_M and not cfg.pack_gqa:
+        raise ValueError(f"tile_m={cfg.tile_m} is the packed decode tile: it needs pack_gqa=True (unpacked rows use "
+                         f"tile_m={FP8_TILE_M})")
     if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
         raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
     if cfg.num_stages != 2:
@@ -79,15 +99,34 @@ def check_target(arch: str, device_text: str) -> None:
 
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
-                  has_sink: bool = False, varlen: bool = False) -> Fp8FwdConfig:
-    cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, out_dtype=out_dtype, local=local,
-                       has_sink=has_sink, varlen=varlen)
+                  has_sink: bool = False, varlen: bool = False, pack_gqa: bool = False,
+                  split: bool = False, rows: int | None = None) -> Fp8FwdConfig:
+    """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
+    of them runs the one-warp decode tile."""
+    decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
+    cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                       out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
+                       varlen=varlen, pack_gqa=pack_gqa, split=split,
+                       tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
+                       num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
     can_implement(cfg)
     return cfg
 
 
 def all_configs() -> list[Fp8FwdConfig]:
-    """Every configuration the dispatcher can select (the compile gate's FP8 worklist)."""
-    return [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
+    """Every configuration the dispatcher can select (the compile gate's FP8 worklist).  Packed GQA and split-KV
+    exist on the varlen form only: dense calls that pick them are flattened to packed rows (a view, with
+    cu_seqlens made on the device; dispatch_fp8.fp8_attention), so the dense form never needs them, and a split
+    writes fp32 partials whatever the output dtype: 64 unsplit configurations x 1 + 32 varlen ones packed, 16
+    split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176."""
+    base = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
             for k in (False, True) for vl in (False, True)]
+    packed = [replace(c, pack_gqa=True) for c in base if c.varlen]
+    split = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=SPLIT_OUT_DTYPE, local=w, has_sink=k,
+                          varlen=True, pack_gqa=p, split=True)
+             for d in FP8_HEAD_DIMS for c in (False, True) for w in (False, True) for k in (False, True)
+             for p in (False, True)]
+    decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS)
+              for c in packed + split if c.pack_gqa]
+    return base + packed + split + decode

@@ -3,11 +3,13 @@
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
 raises before anything launches, and so does every feature the FP8 kernel does not serve yet (paged K/V,
-softcap, split-KV, dropout, mods, block sparsity).  Causal, sliding window and learnable sink are served, dense
+softcap, dropout, mods, block sparsity).  Causal, sliding window, learnable sink, packed GQA (``pack_gqa``, the
+bf16 rule) and split-KV (``num_splits``, the bf16 rule; fp32 partials and splitkv's combine) are served, dense
 (``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous KV
 cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 or quantized bf16/fp16 appends); the last two also take a
 bf16/fp16 q over e4m3 K/V (an FP8 KV cache), quantized on the device (``check_fp8_call(query_quantized_here=True)``
-lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
+lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form, and a dense call that packs
+or splits runs there too.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
 the bf16 path does).
 """
 
@@ -135,7 +137,7 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    out_dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.out_dtype]
+    out_dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}[cfg.out_dtype]  # fp32: split
 
     def act(dtype, last):
         return cute.runtime.make_fake_tensor(
@@ -242,11 +244,38 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     return out, lse
 
 
+def fp8_pack(pack_gqa, hq: int, hkv: int, max_seqlen_q: int) -> int:
+    """Query heads per packed tile row group: the bf16 path's rule (plan.choose_pack: None packs a KV group when a
+    sequence alone fills less than half a tile; True always, False never) on the FP8 tile."""
+    from .config_fp8 import FP8_TILE_M
+    from .plan import choose_pack
+
+    return choose_pack(pack_gqa, hq // hkv, max_seqlen_q, FP8_TILE_M)
+
+
+def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv: int, device, caps,
+               num_warps: int = 4) -> int:
+    """The split count of an FP8 call: N > 1 exactly N and 1 none (splitkv.resolve_num_splits' checks), <= 0
+    automatic (splitkv.auto_num_splits) on the FP8 kernel's KV tile.  The automatic count reads the grid in CTAs of
+    four warps, the size the rule was tuned on: ``ctas`` one-warp decode CTAs count a quarter each, so a decode
+    grid is split until it holds about four of them per SM (one warp alone cannot keep its SM's loads in flight)."""
+    from .config_fp8 import FP8_NUM_WARPS, FP8_TILE_N
+    from .splitkv import resolve_num_splits
+
+    return resolve_num_splits(num_splits, needs_grad=False, batch=batch,
+                              ctas=max(1, ctas * num_warps // FP8_NUM_WARPS),
+                              n_blocks=-(-max(max_seqlen_k, 0) // FP8_TILE_N), dv=dv, device=device, caps=caps)
+
+
 def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, softmax_scale, causal, out_name,
-                   out_dtype, window_size=None, learnable_sink=None):
+                   out_dtype, window_size=None, learnable_sink=None, pack_gqa=None, num_splits: int = 1,
+                   max_seqlen_k: int | None = None, rows_covered: bool = True):
     """Launch the FP8 forward on checked packed rows: q (1, total_q, Hq, D), k/v (1, total_k, Hkv, D), sequence b
     = q rows cu_q[b]..cu_q[b+1], keys cu_k[b]..cu_k[b]+used_k[b] (int32 on q's device) -> (out (1, total_q, Hq,
-    Dv), lse fp32 (1, Hq, total_q))."""
+    Dv), lse fp32 (1, Hq, total_q)).  ``pack_gqa``: fp8_pack's rule; ``num_splits``: already defaulted by the
+    entry point (fp8_splits resolves <= 0 from the grid); ``max_seqlen_k``: the longest sequence's keys (an upper
+    bound from shapes, never a device value; default total_k); ``rows_covered``: every q row lies in a sequence
+    (else the split partials' LSE starts at -inf so uncovered rows combine to O = 0, LSE = -inf)."""
     from .config_fp8 import check_target
     from .device import device_caps
 
@@ -261,9 +290,12 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     # bounds that cover every key of any sequence stand for an unbounded side
     local, left, right = window_bounds(window_size, causal, total_q, total_k)
     sink = _sink(learnable_sink, hq, q.device)
-    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True)
+    pack = fp8_pack(pack_gqa, hq, hkv, max_seqlen_q) if hkv else 1
     out = torch.empty(1, total_q, hq, v.shape[3], dtype=out_dtype, device=q.device)
     lse = torch.empty(1, hq, total_q, dtype=torch.float32, device=q.device)
+    rows = max_seqlen_q * pack
+    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True,
+                        pack_gqa=pack > 1, rows=rows)
     if batch == 0 or total_q == 0 or hq == 0:
         return out, lse
     if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
@@ -273,26 +305,78 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
         else:
             lse.copy_(sink.view(1, hq, 1).expand(1, hq, total_q))
         return out, lse
-    num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+    num_m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
     if num_m_blocks == 0:
         return out, lse
-    fn = get_fp8_kernel(cfg, q.device)
+    splits = fp8_splits(num_splits, batch=batch, ctas=num_m_blocks * (hq // pack) * batch,
+                        max_seqlen_k=total_k if max_seqlen_k is None else min(max_seqlen_k, total_k),
+                        dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
     qd, kd, vd = descales
+    args = (q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8))
+    tail = (qd, kd, vd, sink, cu_q, cu_k, used_k, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+    if splits == 1:
+        fn = get_fp8_kernel(cfg, q.device)
+        with torch.cuda.device(q.device):
+            fn(*args, out, lse, *tail)
+        return out, lse
+    from .splitkv import combine_into, partials
+
+    fn = get_fp8_kernel(select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None,
+                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows), q.device)
+    o_part, l_part, o_comb, l_comb = partials(out, lse, splits)  # (splits, 1, total_q, Hq, Dv), (splits, 1, Hq, .)
+    if not rows_covered:
+        l_part.fill_(-math.inf)
     with torch.cuda.device(q.device):
-        fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink, cu_q, cu_k,
-           used_k, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+        fn(*args, o_part[:, 0], l_part[:, 0], *tail)  # the packed-rows form's one batch: the split is the batch
+        combine_into(o_comb, l_comb, out, lse, False)
     return out, lse
+
+
+def default_splits(num_splits, q, k, *, causal, window_size, cu_seqlens_k=None, max_seqlen_k=None) -> int:
+    """The bf16 path's ``num_splits`` rule for an FP8 call (always inference): None -> splitkv.default_for_call
+    (automatic only for a KV walk of at least AUTO_MIN_KEYS keys, never for a graph capture with a caller-given
+    max_seqlen_k), an int as given (0 or less: automatic; checked by splitkv.check_num_splits)."""
+    from . import splitkv as SK
+
+    if num_splits is None:
+        kw = dict(causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        return SK.default_for_call(q, k, kw, 0.0, False, False, False)
+    return SK.check_num_splits(num_splits)
+
+
+def _rows_view_ok(t) -> bool:
+    b, s = t.shape[:2]
+    return b <= 1 or s == 0 or t.stride(0) == s * t.stride(1)
 
 
 def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, softmax_scale=None,
                   causal=False, window_size=None, return_lse=False, learnable_sink=None,
-                  unsupported: dict | None = None):
-    """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None)."""
+                  unsupported: dict | None = None, num_splits=None, pack_gqa=None):
+    """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None).  A call that
+    packs GQA or may split (``fp8_pack`` / ``default_splits``) runs on the packed-rows form (dense q/k/v read as
+    one batch of rows, a view; the kernel's varlen configurations carry both)."""
     needs_grad = entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
     unsupported = dict(unsupported or {})
     descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                                    v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
                                                    unsupported=unsupported)
+    splits = default_splits(num_splits, q, k, causal=causal, window_size=window_size)
+    pack = fp8_pack(pack_gqa, q.shape[2], k.shape[2], q.shape[1])
+    if pack > 1 or splits != 1:
+        if _rows_view_ok(k) and _rows_view_ok(v):
+            from . import dispatch_fp8_varlen as FV
+
+            b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            cu_k = FV._dense_cu(b, sk, q.device)
+            out, lse = run_fp8_packed(
+                FV._flatten_q(q), FV._flatten(k, "k"), FV._flatten(v, "v"), FV._dense_cu(b, sq, q.device), cu_k,
+                cu_k[1:] - cu_k[:-1], sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
+                out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa,
+                num_splits=splits, max_seqlen_k=sk, rows_covered=True)
+            return FV._unpack(out, lse, b, sq, True, return_lse)
+        if splits > 1:  # an explicit split over K/V whose batch stride is not seqlen x row stride
+            compat.refuse("fp8_unserved", feature=f"num_splits={splits} with k/v strides {k.stride()} / "
+                          f"{v.stride()} (split-KV reads them as packed rows: use .contiguous())")
     out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                                out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
     return out, (lse if return_lse else None)
@@ -311,14 +395,12 @@ def entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_
                                            for t in (q, k, v, learnable_sink, *extra))
 
 
-def fp8_unsupported(*, softcap, num_splits, pack_gqa, dropout_p, **optional) -> dict:
+def fp8_unsupported(*, softcap, dropout_p, num_splits=None, pack_gqa=None, **optional) -> dict:
     """name -> True for each argument of an FP8 call that the FP8 forward does not serve (non-default value).
-    ``num_splits`` None, 0 (automatic) and 1 all run one split; ``pack_gqa`` None/False (the kernel reads K/V per
-    query head, so GQA never copies K/V either way)."""
+    ``num_splits`` and ``pack_gqa`` are served (the entry points take them: ``default_splits`` / ``fp8_pack``,
+    which name a bad value) and never listed; they are accepted here so a caller may pass its whole call."""
     out = {
         f"softcap={softcap!r}": bool(softcap),
-        f"num_splits={num_splits!r}": not (num_splits is None or num_splits in (0, 1)) or isinstance(num_splits, bool),
-        f"pack_gqa={pack_gqa!r}": pack_gqa is True,
         f"dropout_p={dropout_p!r}": dropout_p != 0,
     }
     out.update({name: value is not None for name, value in optional.items()})

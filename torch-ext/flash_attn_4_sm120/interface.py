@@ -174,7 +174,8 @@ def flash_attn_func(
 
     FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
     fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
-    sliding window, learnable sink, GQA, head dims 64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
+    sliding window, learnable sink, GQA (``pack_gqa``) and split-KV (``num_splits``) with the rules above, head dims
+    64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
     makes the inputs).
     """
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
@@ -183,7 +184,8 @@ def flash_attn_func(
         return fp8_attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                              out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, return_lse=return_lse,
-                             learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+                             learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+                             unsupported=fp8_unsupported(
                                  softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
                                  block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
                                  page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
@@ -279,7 +281,8 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
             max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            return_lse=return_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+            return_lse=return_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+            max_seqlen_k=max_seqlen_k, unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
                 block_sparse_tensors=block_sparse_tensors, page_table=page_table, qv=qv,
                 gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
@@ -378,7 +381,8 @@ def flash_attn_with_kvcache(
         out, lse = fp8_kvcache_attention(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, out_dtype=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            return_lse=return_softmax_lse, learnable_sink=learnable_sink, unsupported=fp8_unsupported(
+            return_lse=return_softmax_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+            unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0, page_table=page_table,
                 block_table=block_table, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
                 alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,

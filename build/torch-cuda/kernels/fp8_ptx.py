@@ -89,6 +89,13 @@ def st_global_v4(addr, r, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_v4_f32(addr, x, *, loc=None, ip=None) -> None:
+    """4 fp32 -> 16 bytes of global memory (the split-KV partial output)."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in x]
+    _asm(None, args, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", side_effects=True)
+
+
+@dsl_user_op
 def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
     """16 bytes global -> shared, bypassing L1; bytes past ``src_bytes`` (0 or 16) are zero-filled."""
     args = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),

@@ -26,7 +26,16 @@ Algorithm, per CTA:
   * Varlen (cfg.varlen): q/out (1, total_q, H, D) and k/v (1, total_k, Hkv, D) packed rows, lse (1, Hq, total_q);
     sequence b has rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] and keys cu_seqlens_k[b] .. + seqused_k[b] (the
     host makes all three, on the device, for dense tensors: a contiguous KV cache with cache_seqlens is this).
-Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap/split-KV/paged K/V yet.
+  * Packed GQA (cfg.pack_gqa, varlen form only): grid y runs over KV heads and a CTA's tile row p (packed index
+    m_block * tile_m + r) is query row p // qpk of query head hkv * qpk + p % qpk (qpk = Hq / Hkv, runtime), so
+    the query heads of a group share each K/V tile instead of each re-reading the cache.  Masks and the sequence
+    end use the query row; Q loads, O / LSE stores and the sink use the row's own head.
+  * Split-KV (cfg.split, varlen form only): grid z folds (sequence, split) as z = b * splits + s (splits = out's
+    leading extent); split s walks its share [lo, hi) of the CTA's tile range (block_info.py's rule: runs of
+    ceil(count / splits) tiles) and writes fp32 partials, out (splits, total_q, Hq, Dv) normalized by its own sum
+    with v_descale applied and lse (splits, Hq, total_q); an empty share writes O = 0, LSE = -inf, and the sink
+    joins split 0 only.  The host combines them (splitkv.combine_into, kernels/combine.py).
+Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap/paged K/V yet.
 Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
 """
 
@@ -37,7 +46,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement
 from . import cute_utils as cu
 from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
-                      ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4,
+                      ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
                       transpose_bytes_4x4)
 
 P_SHIFT_LOG2 = 4.0  # P is scaled by 2^4 before the e4m3 conversion (tests/fp8_emulation.py models the same)
@@ -48,7 +57,7 @@ LOG2_E = 1.4426950408889634
 class FlashFwdFp8:
     ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
                  "cu_seqlens_k", "seqused_k", "scale_log2", "window_left", "window_right", "qheads_per_kvhead",
-                 "num_m_blocks")
+                 "num_m_blocks")  # with cfg.split, out / lse are the fp32 partials (splits, ...)
 
     def __init__(self, cfg: Fp8FwdConfig):
         can_implement(cfg)
@@ -81,9 +90,14 @@ class FlashFwdFp8:
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         # varlen: one batch of packed rows (1, total, H, D), one grid slice per sequence
         batch = cu_seqlens_q.shape[0] - 1 if const_expr(self.cfg.varlen) else q.shape[0]
+        heads = q.shape[2]
+        if const_expr(self.cfg.pack_gqa):  # one CTA row per KV head
+            heads = q.shape[2] // qheads_per_kvhead
+        if const_expr(self.cfg.split):  # z folds (sequence, split)
+            batch = batch * out.shape[0]
         self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
                     scale_log2, window_left, window_right, qheads_per_kvhead, SharedStorage).launch(
-            grid=(num_m_blocks, q.shape[2], batch), block=(self.num_threads, 1, 1),
+            grid=(num_m_blocks, heads, batch), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -93,6 +107,17 @@ class FlashFwdFp8:
                window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
+        split = Int32(0)
+        if const_expr(self.cfg.split):  # z = b * splits + split (uniform over the CTA)
+            num_splits = mO.shape[0]
+            bz = b
+            b = cute.arch.make_warp_uniform(bz // num_splits)
+            split = cute.arch.make_warp_uniform(bz - b * num_splits)
+            # the combine (a programmatic dependent launch) may place its CTAs once every CTA here has started; it
+            # waits in griddepcontrol.wait for this grid's end and writes (as fwd_base.release_dependents)
+            cute.arch.griddepcontrol_launch_dependents()
+        # packed GQA: tile row p is query row p // pack of head h * pack + p % pack (pack = 1: row p of head h)
+        pack = qheads_per_kvhead if const_expr(self.cfg.pack_gqa) else 1
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
         sq, sk = mQ.shape[1], mK.shape[1]
@@ -107,10 +132,13 @@ class FlashFwdFp8:
             k_off = cutlass.min(cutlass.max(mCuK[b], 0), sk)
             # the host passes cu_seqlens_k's differences when no seqused_k is given
             sk = cutlass.min(cutlass.max(mUsedK[b], 0), sk - k_off)
-        hkv = h // qheads_per_kvhead
+        hkv = h if const_expr(self.cfg.pack_gqa) else h // qheads_per_kvhead
         sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
         row0 = m_block * self.tile_m + warp * 16 + g
-        rows = (row0, row0 + 8)
+        prow = (row0, row0 + 8)  # packed row indices (the query rows themselves without pack_gqa)
+        rows = prow
+        if const_expr(self.cfg.pack_gqa):
+            rows = (row0 // pack, (row0 + 8) // pack)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ_addr = storage.sQ.get_tensor(cute.make_layout(self.tile_m * self.k_row)).iterator.toint()
@@ -126,7 +154,15 @@ class FlashFwdFp8:
             idx = tidx + self.num_threads * j
             r, cidx = idx // q_chunks, idx % q_chunks
             q_row = cutlass.min(m_block * self.tile_m + r, sq - 1)
-            if const_expr(self.cfg.varlen):  # an empty sequence (sq = 0) reads nothing: zero-filled, never stored
+            if const_expr(self.cfg.pack_gqa):
+                p = m_block * self.tile_m + r
+                q_row = cutlass.min(p // pack, sq - 1)
+                q_ok = q_row >= 0
+                q_h = Int64(h * pack + p % pack - h) * Int64(mQ.stride[2])  # relative to q_base's head h
+                cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
+                            q_base + q_h + Int64((q_off + q_row) if q_ok else 0) * Int64(mQ.stride[1])
+                            + Int64(cidx * 16), 16 if q_ok else 0)
+            elif const_expr(self.cfg.varlen):  # an empty sequence (sq = 0) reads nothing: zero-filled, never stored
                 q_ok = q_row >= 0
                 cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
                             q_base + Int64((q_off + q_row) if q_ok else 0) * Int64(mQ.stride[1]) + Int64(cidx * 16),
@@ -143,6 +179,9 @@ class FlashFwdFp8:
             window_right = 0
         row_first = m_block * self.tile_m
         row_last = row_first + self.tile_m - 1
+        if const_expr(self.cfg.pack_gqa):  # the query rows of the first and last packed rows
+            row_first = row_first // pack
+            row_last = cutlass.min(row_last // pack, cutlass.max(sq - 1, row_first))
         n_blocks = (sk + self.tile_n - 1) // self.tile_n
         n_max = n_blocks
         if const_expr(self.cfg.varlen):  # the grid covers the longest sequence: a tile past this one's rows is idle
@@ -153,6 +192,11 @@ class FlashFwdFp8:
         n_min = 0
         if const_expr(self.cfg.local):
             n_min = cutlass.min(cutlass.max(row_first + shift - window_left, 0) // self.tile_n, n_max)
+        if const_expr(self.cfg.split):  # this split's run of the CTA's tiles (possibly empty)
+            per = (n_max - n_min + num_splits - 1) // num_splits
+            lo = cutlass.min(n_min + split * per, n_max)
+            n_max = cutlass.min(lo + per, n_max)
+            n_min = lo
         n_iters = n_max - n_min
 
         k_base = (mK.iterator.toint() + Int64(bq) * Int64(mK.stride[0]) + Int64(k_off) * Int64(mK.stride[1])
@@ -214,8 +258,9 @@ class FlashFwdFp8:
             cute.arch.barrier()  # every warp is done with this stage before the next load refills it
         cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
         # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
-        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, h // qheads_per_kvhead], rows, sq, bq, q_off, h,
-                      t)
+        # with split, out / lse's leading index is the split (the varlen form has one batch of packed rows)
+        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
+                      split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
 
     @cute.jit
     def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
@@ -226,14 +271,24 @@ class FlashFwdFp8:
             rs = k_rs if const_expr(which == 0) else v_rs
             s_addr = (sK_addr if const_expr(which == 0) else sV_addr) + stage * (self.tile_n * row_bytes)
             chunks = width // 16
-            for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
-                idx = tidx + self.num_threads * j
-                r, cidx = idx // chunks, idx % chunks
-                key = nb * self.tile_n + r
-                ok = key < sk
-                key_c = key if ok else 0
-                cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
-                            16 if ok else 0)
+            if const_expr(self.num_threads >= 128):
+                for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
+                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+            else:
+                # the one-warp decode tile issues 16 copies per thread and tensor: a rolled loop, as unrolled the
+                # hoisted addresses spilled where the mma is emulated (sm_90a, benchmarks/results/
+                # fp8_gate_sm90a.jsonl)
+                for j in cutlass.range(self.tile_n * chunks // self.num_threads, unroll=1):
+                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+
+    @cute.jit
+    def load_row_chunk(self, idx, chunks, nb, sk, base, rs, s_addr, row_bytes):
+        r, cidx = idx // chunks, idx % chunks
+        key = nb * self.tile_n + r
+        ok = key < sk
+        key_c = key if ok else 0
+        cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
+                    16 if ok else 0)
 
     @cute.jit
     def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2):
@@ -296,9 +351,14 @@ class FlashFwdFp8:
         return pa
 
     @cute.jit
-    def epilogue(self, mO, mLSE, mSink, acc_o, row_m, row_l, v_descale, rows, sq, b, q_off, h, t):
-        o_base = mO.iterator.toint() + (Int64(b) * Int64(mO.stride[0]) + Int64(h) * Int64(mO.stride[2])) * 2
+    def epilogue(self, mO, mLSE, mSink, acc_o, row_m, row_l, v_descale, rows, prow, sq, b, q_off, h, pack, split,
+                 t):
+        esize = 4 if const_expr(self.cfg.split) else 2  # fp32 partials, else bf16/fp16
+        o_base = mO.iterator.toint() + Int64(b) * Int64(mO.stride[0]) * esize
         for hf in cutlass.range_constexpr(2):
+            head = h
+            if const_expr(self.cfg.pack_gqa):
+                head = h * pack + prow[hf] % pack
             l = cu.quad_allreduce_sum(row_l[hf])
             m = row_m[hf]
             rescale = Float32(1.0)
@@ -306,7 +366,9 @@ class FlashFwdFp8:
                 # the sink logit joins the denominator (as 16 * exp2, like the scores); the max becomes
                 # max(m, sink) so a large sink cannot overflow.  Written with < so a NaN sink propagates, and a
                 # row with no keys and a -inf sink stays empty (O = 0, LSE = -inf)
-                z = mSink[h] * LOG2_E
+                z = mSink[head] * LOG2_E
+                if const_expr(self.cfg.split):  # the sink joins split 0 only (exact after the combine)
+                    z = z if split == 0 else -Float32.inf
                 m_fin = m if z < m else z
                 rescale = 0.0 if m_fin == -Float32.inf else exp2_approx(m - m_fin)
                 term = 0.0 if m_fin == -Float32.inf else exp2_approx(z - m_fin + P_SHIFT_LOG2)
@@ -316,14 +378,18 @@ class FlashFwdFp8:
             factor = inv * v_descale * rescale
             row = rows[hf]
             if row < sq:
-                o_row = o_base + Int64(q_off + row) * Int64(mO.stride[1]) * 2
+                o_row = o_base + (Int64(q_off + row) * Int64(mO.stride[1]) + Int64(head) * Int64(mO.stride[2])) * esize
                 for cb in cutlass.range_constexpr(self.dv // 32):
                     vals = [acc_o[4 * (4 * cb + i) + 2 * hf + e] * factor for e in range(2) for i in range(4)]
-                    if const_expr(self.cfg.out_dtype == "bf16"):
+                    if const_expr(self.cfg.split):  # columns 8t..8t+7: two 16-byte stores
+                        st_global_v4_f32(o_row + (32 * cb + 8 * t) * 4, vals[:4])
+                        st_global_v4_f32(o_row + (32 * cb + 8 * t) * 4 + 16, vals[4:])
+                    elif const_expr(self.cfg.out_dtype == "bf16"):
                         regs = [cvt_bf16x2(vals[2 * x], vals[2 * x + 1]) for x in range(4)]
                     else:
                         regs = [cvt_f16x2(vals[2 * x], vals[2 * x + 1]) for x in range(4)]
-                    st_global_v4(o_row + (32 * cb + 8 * t) * 2, regs)
+                    if const_expr(not self.cfg.split):
+                        st_global_v4(o_row + (32 * cb + 8 * t) * 2, regs)
                 if t == 0:
                     lse = -Float32.inf if l == 0.0 else (m - P_SHIFT_LOG2 + log2_approx(l)) * LN_2
-                    mLSE[b, h, q_off + row] = lse
+                    mLSE[b, head, q_off + row] = lse
