@@ -295,8 +295,9 @@ def _refresh(args) -> int:
     changed files touch (``gate_ci.kinds_to_rebuild``, the rule by which --ci rebuilds changed classes) and every
     configuration of today's worklist the run lacks is rebuilt here; rows that left the worklist are dropped.  The
     run's record gets today's source hashes and a ``refreshes`` entry (commit, libs, files, kinds, count); each
-    rebuilt row carries ``libs``.  A changed config table or device.py changes what every kind selects: that needs
-    a full run, and this refuses."""
+    rebuilt row carries ``libs``.  A changed config_bwd.py rebuilds the backward kinds it feeds
+    (``gate_ci.CONFIG_KINDS``); any other changed config table or device.py changes what every kind selects: that
+    needs a full run, and this refuses."""
     from scripts import gate_ci as GC
     from scripts.gate_classes import kind
 
@@ -307,7 +308,7 @@ def _refresh(args) -> int:
         return 2
     now = GC.source_hashes()
     changed = GC._differing(now, meta.get("sources", {}))
-    other = [c for c in changed if not c.startswith("kernels/")]
+    other = [c for c in changed if not c.startswith("kernels/") and c not in GC.CONFIG_KINDS]
     if other:
         print(f"compile gate --refresh: {', '.join(other)} changed since the run: make a full run", file=sys.stderr)
         return 2
@@ -333,7 +334,7 @@ def _refresh(args) -> int:
     out = [{"meta": meta}] + [rows[n] for n in names if n in rows]
     args.refresh.write_text("".join(json.dumps(r) + "\n" for r in out))
     failing = sorted(n for n in names if n in rows and not GC.row_passes(rows[n]))
-    print(f"compile gate --refresh {arch}: {len(files)} kernel files changed ({', '.join(files) or 'none'}), "
+    print(f"compile gate --refresh {arch}: {len(files)} kernel/config files changed ({', '.join(files) or 'none'}), "
           f"{len(work)} configurations rebuilt with {libs}; {len(failing)} failing"
           + (f": {', '.join(failing[:5])}" if failing else ""))
     return 1 if failing else 0

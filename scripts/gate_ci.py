@@ -179,12 +179,21 @@ def changed_kernel_files(meta: dict | None) -> list[str]:
     return sorted({Path(k).name for k in _differing(now, then)})
 
 
+# config files whose content reaches only some kernel kinds: config_bwd.py defines the backward's compile keys and
+# tile tables and is imported by the backward kernels only (config.py, which every kind reads, does not import it).
+# compile_gate --refresh rebuilds these kinds after such a change; any other config file or device.py needs a full run
+CONFIG_KINDS = {"config_bwd.py": ("dkdv", "dkdv_kvrows", "dq", "dq_convert", "bwd_pre")}
+
+
 def kinds_to_rebuild(files: list[str]) -> set[str]:
     """The kernel kinds whose classes a change of ``files`` touches (a shared file: every kind)."""
     from scripts.gate_classes import KERNEL_FILES
 
     kinds = set()
     for f in files:
+        if f in CONFIG_KINDS:
+            kinds |= set(CONFIG_KINDS[f])
+            continue
         owners = {k for k, fs in KERNEL_FILES.items() if f in fs}
         kinds |= owners if owners else set(KERNEL_FILES)
     return kinds

@@ -227,6 +227,25 @@ def test_changed_kernel_files_pick_their_kinds():
     assert GC.kinds_to_rebuild([]) == set()
 
 
+def test_config_bwd_reaches_only_the_backward_kinds():
+    """--refresh rebuilds only gate_ci.CONFIG_KINDS after a config_bwd.py change: true only while every module that
+    imports config_bwd is a kernel file of those kinds or host code, and no module every kind reads imports it."""
+    import re
+
+    bwd = set(GC.CONFIG_KINDS["config_bwd.py"])
+    assert GC.kinds_to_rebuild(["config_bwd.py"]) == bwd
+    assert bwd <= set(C.KERNEL_FILES)
+    pkg = ROOT / GC.PKG
+    pattern = re.compile(r"^\s*(from\s+\.+\s+import\s+[^\n]*\bconfig_bwd\b|from\s+\.+config_bwd\s+import)", re.M)
+    importers = {p.name for p in (pkg / "kernels").glob("*.py") if pattern.search(p.read_text())}
+    assert importers, "the pattern finds the backward kernels' imports"
+    for f in importers:
+        owners = {k for k, fs in C.KERNEL_FILES.items() if f in fs}
+        assert owners and owners <= bwd, (f, owners)
+    for shared in ("config.py", "device.py"):
+        assert not pattern.search((pkg / shared).read_text()), shared
+
+
 def test_every_kernel_file_of_a_kind_exists():
     kdir = ROOT / GC.PKG / "kernels"
     assert all((kdir / f).exists() for fs in C.KERNEL_FILES.values() for f in fs)
