@@ -13,8 +13,10 @@ from .dispatch_bwd import run_backward
 class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, learnable_sink, kw):
-        out, lse, meta, sink = run_forward(q.detach(), k.detach(), v.detach(), learnable_sink=learnable_sink,
-                                           needs_grad=True, **kw)
+        q, k, v = q.detach(), k.detach(), v.detach()
+        out, lse, meta, sink = run_forward(q, k, v, learnable_sink=learnable_sink, needs_grad=True, **kw)
+        # the detached views are saved (they share the inputs' storage and version counter, so an in-place change
+        # of an input still raises at the backward): the backward's launches read them without detaching again
         ctx.save_for_backward(q, k, v, out, lse, sink, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"],
                               kw["seqused_k"])
         ctx.meta = meta
@@ -30,7 +32,7 @@ class FlashAttnFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv, dsink = run_backward(
             dout, q, k, v, out, lse, ctx.meta, sink=sink, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            seqused_q=used_q, seqused_k=used_k, aux_tensors=ctx.aux,
+            seqused_q=used_q, seqused_k=used_k, aux_tensors=ctx.aux, own_out=True,
         )
         if dsink is not None and ctx.sink_dtype is not None:
             dsink = dsink.to(ctx.sink_dtype)

@@ -240,14 +240,17 @@ BWD_LPT_MAX_PAIRS = 64
 # live in registers and would need a further dS tile for dQ), with the dQ mma on the query-row warp grid.  Kept
 # only where it measured faster than the dK/dV + dQ kernel pair on the H100 proxy (issue 30's cells, one process,
 # benchmarks/experiments/results/bwd_fused_ab_h100_s30.jsonl, last rows): d64 64x128 on every walk; d128 32x128 on walks
-# without a window (64x64 lost there) and 64x64 on windowed ones (32x128 lost there); d96 64x64 on every walk
+# without a window (64x64 lost there) and 64x64 on windowed ones with mods or dropout (32x128 lost there before the
+# launch order); since the launch order, 32x128 on windowed walks without mods or dropout, which the order serves: it
+# beat 64x64 on the causal llama3-8b cells by the ratios in benchmarks/experiments/results/bwd_fused_tile_h100_s34.jsonl
+# (the 64x64 stays where 32x128 was not measured: mods, dropout); d96 64x64 on every walk
 # (benchmarks/experiments/results/bwd_fused_ab_d96_h200_s31.jsonl; 64x128 and 128x64 exceed the shared memory at
 # d96).  d192 and d256
 # (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
 _FUSED_TILES = {
     64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
     96: (((64, 64, 8), "all"),),
-    128: (((32, 128, 8), "plain"), ((64, 64, 8), "windowed")),
+    128: (((32, 128, 8), "plain"), ((32, 128, 8), "windowed-bare"), ((64, 64, 8), "windowed")),
 }
 
 
@@ -257,8 +260,10 @@ def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> 
     (``bwd_problems``).  Never with a learnable sink (its gradient reads per-row sums of P dP that only the dQ
     kernel makes) or block sparsity (the callers keep those off)."""
     walk = "windowed" if flags.get("windowed") else "plain"
+    # "windowed-bare": a windowed walk without mods or dropout, the calls the launch order serves (BWD_LPT_ORDER)
+    bare = walk == "windowed" and not flags.get("mods") and not flags.get("has_dropout")
     for (tm, tn, nw), walks in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
-        if walks not in ("all", walk):
+        if walks not in ("all", walk) and not (walks == "windowed-bare" and bare):
             continue
         cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, fused_dq=True, **flags)
         if not bwd_problems(cfg):

@@ -85,12 +85,14 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
                 call=dict(dtype=V.DTYPE_NAMES[q.dtype], tma=caps.tma, has_softcap=softcap_v > 0, varlen_q=varlen_q,
                           varlen_k=cu_seqlens_k is not None, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None))
-    meta = P.FwdMeta(*values, sparse=sparse_grad, dropout=drop, mods=mods, deterministic=deterministic)
     key = P.PlanKey(V.DTYPE_NAMES[q.dtype], d, dv, windowed, softcap_v > 0, sink is not None, varlen_q,
                     cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None, needs_grad, dev.index,
-                    paged, False, ratios, 0, meta.sparse_bwd_key(), in_kernel,
+                    paged, False, ratios, 0, P.sparse_bwd_key(sparse_grad), in_kernel,
                     in_kernel and drop.seed_tensor is not None, False, in_kernel and drop.high_p, mods,
                     paged and P.paged_eligible_for_tma(k, v, d, dv, windowed, mods, caps.tma), caps.tma)
+    # with needs_grad the meta carries the backward's plan key, so the backward looks it up instead of rebuilding it
+    meta = P.FwdMeta(*values, sparse=sparse_grad, dropout=drop, mods=mods, deterministic=deterministic,
+                     plan_key=P.backward_key(key) if needs_grad else None)
     plan = P.get_plan(key)
     out = q.new_empty((*q.shape[:-1], dv))
     lse = torch.empty((hq, q.shape[0]) if varlen_q else (batch, hq, q.shape[1]), dtype=torch.float32, device=dev)

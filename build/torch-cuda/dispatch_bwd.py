@@ -38,28 +38,32 @@ def _row_valid(lse, cu_q, used_q):
     return inside.unsqueeze(0).expand_as(lse)
 
 
+# (dtype, head_dim_v, has_dlse, device index) -> the compiled preprocess kernel (keyed on the values its
+# BwdPreKernelConfig holds, so a call builds no config once its kernel is known)
 _PRE_KERNELS: dict[tuple, object] = {}
-# the fused backward of a dK/dV configuration on a device: (fused config, convert config, compiled fused kernel,
-# compiled convert kernel), or None where no fused tile fits
-_FUSED: dict[tuple, tuple | None] = {}
 
 
-def fused_plan(bwd_cfg, device: torch.device):
-    """The fused backward (config_bwd.fused_for) for the call whose dK/dV configuration is ``bwd_cfg``, compiled
-    and memoised per device; None where the kernel pair runs it, or on a device without vector reductions."""
-    key = (bwd_cfg, device.index, device_caps(device).red_f32x2)
-    if key not in _FUSED:
-        cfgs = fused_for(bwd_cfg) if key[2] else None
-        _FUSED[key] = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
-    return _FUSED[key]
+def fused_plan(plan: P.Plan, device: torch.device):
+    """The fused backward (config_bwd.fused_for) of ``plan``'s dK/dV configuration: (fused config, convert config,
+    compiled fused kernel, compiled convert kernel), memoised in the plan (a plan is per device); None where the
+    kernel pair runs it, or on a device without vector reductions."""
+    fused = plan.fused
+    if fused is False:
+        cfgs = fused_for(plan.bwd_cfg) if device_caps(device).red_f32x2 else None
+        fused = plan.fused = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
+    return fused
 
 
 def clear_caches() -> None:
     """Forget the compiled preprocess and fused kernels (harnesses that replace the compiler call this before and
-    after, so no stand-in outlives them)."""
+    after, so no stand-in outlives them); the fused kernels live in the plans, which go too."""
     _PRE_KERNELS.clear()
-    _FUSED.clear()
+    P.clear()
 
+
+# the block-sparse launch arguments, all None for a call without block sparsity (read-only: unpacked into each launch)
+_SPARSE_NAMES = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+_NO_SPARSE_ARGS = dict.fromkeys(_SPARSE_NAMES)
 
 # rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
 # last CTA's rows past the end
@@ -91,11 +95,12 @@ def bwd_dpsum(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, 
     if dlse is not None:
         dlse = dlse.to(torch.float32).expand_as(dpsum)
         dlse3 = dlse.unsqueeze(0) if varlen_q else dlse
-    cfg = BwdPreKernelConfig(V.DTYPE_NAMES[out.dtype], out.shape[-1], dlse is not None)
     dev = out.device
-    fn = _PRE_KERNELS.get((cfg, dev.index))
+    pre_key = (out.dtype, out.shape[-1], dlse is not None, dev.index)
+    fn = _PRE_KERNELS.get(pre_key)
     if fn is None:
-        fn = _PRE_KERNELS[(cfg, dev.index)] = _kernel(cfg, dev)
+        cfg = BwdPreKernelConfig(V.DTYPE_NAMES[out.dtype], out.shape[-1], dlse is not None)
+        fn = _PRE_KERNELS[pre_key] = _kernel(cfg, dev)
     if dpsum.numel() <= PRE_MAX_ROWS:
         _launch(fn, BWD_PRE_ARGS, dev, dict(dout=dout4, out=out4, dpsum=d3, dlse=dlse3, num_rows=dpsum.numel()))
         return dpsum
@@ -113,7 +118,7 @@ def bwd_dpsum(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, 
 
 
 def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=()):
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, aux_tensors=(), own_out=False):
     """Gradients (dq, dk, dv, dsink) of the forward described by ``meta``.
 
     After the preprocess kernel (kernels/bwd_preprocess.py: D = rowsum(dO * O) in fp32, minus dLSE when the
@@ -123,17 +128,25 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
     atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), bitwise reproducible (block-sparse calls too:
     ``meta.sparse`` holds their lists).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
     d sink_h = -sum_i exp(sink_h - lse_i) D_i over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ
-    kernel."""
+    kernel.
+
+    ``own_out`` (autograd.FlashAttnFunction): ``out`` is the forward's own output (allocated contiguous, in q's
+    dtype, on q's device) and autograd's engine gave ``dout`` out's shape, dtype and device, so of the checks below
+    only dout's row alignment can fail; the torch.library op, whose tensors come from the compiler, checks all."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    dev = q.device
     if dout.stride(-1) != 1 or dout.data_ptr() % 16:
         dout = dout.contiguous()
-    V.check_tensor("dout", dout, out.dim(), q.device)
-    if dout.shape != out.shape:
-        raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
-    out = _rows16(out)  # read by the preprocess kernel with 16-byte vectors
-    V.check_tensor("out", out, dout.dim(), q.device)
-    if dout.dtype != out.dtype:
-        raise ValueError(f"dout has dtype {dout.dtype}, the output {out.dtype}; pass dout in the output's dtype")
+    if not own_out:
+        V.check_tensor("dout", dout, out.dim(), dev)
+        if dout.shape != out.shape:
+            raise ValueError(f"dout has shape {tuple(dout.shape)}, the output {tuple(out.shape)}")
+        out = _rows16(out)  # read by the preprocess kernel with 16-byte vectors
+        V.check_tensor("out", out, dout.dim(), dev)
+        if dout.dtype != out.dtype:
+            raise ValueError(f"dout has dtype {dout.dtype}, the output {out.dtype}; pass dout in the output's dtype")
+    elif math.gcd(*dout.stride()[:-1]) % 8 and dout.numel():  # rows not 16-byte aligned: check_tensor names it
+        V.check_tensor("dout", dout, out.dim(), dev)
     drop = meta.dropout
     if drop is not None and drop.p >= 1.0:  # O = 0 whatever P is: only the LSE's gradient flows (dP = 0, D = -dLSE)
         dout = torch.zeros_like(dout)
@@ -150,50 +163,53 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
     pdpsum = alloc(lse) if sink is not None else None
     if meta.max_q > 0 and meta.max_k > 0 and q.numel() and k.numel():
         sg = meta.sparse
-        fwd_ratios = (0, 0)
-        if sg is not None:  # the forward's plan key (its ratios to the forward tile, and the block size)
-            fwd_ratios = (*BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed), *sg.fwd_block_size)
-        plan = P.get_plan(P.PlanKey(
-            V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None, varlen_q, varlen_k,
-            seqused_q is not None, seqused_k is not None, True, q.device.index, sparse=fwd_ratios,
-            sparse_bwd=meta.sparse_bwd_key(), dropout=drop is not None,
-            seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods,
-            tma=device_caps(q.device).tma))  # the forward's plan: its key without the per-call overrides
+        key = meta.plan_key  # the forward's key (plan.backward_key), or None: built here
+        if key is None:
+            fwd_ratios = (0, 0)
+            if sg is not None:  # the forward's plan key (its ratios to the forward tile, and the block size)
+                fwd_ratios = (*BS.block_size_ratios(sg.fwd_block_size, d, dv_dim, meta.windowed),
+                              *sg.fwd_block_size)
+            key = P.PlanKey(
+                V.DTYPE_NAMES[q.dtype], d, dv_dim, meta.windowed, meta.softcap > 0, sink is not None, varlen_q,
+                varlen_k, seqused_q is not None, seqused_k is not None, True, dev.index, sparse=fwd_ratios,
+                sparse_bwd=meta.sparse_bwd_key(), dropout=drop is not None,
+                seed_tensor=drop is not None and drop.seed_tensor is not None, mods=meta.mods,
+                tma=device_caps(dev).tma)  # the forward's plan: its key without the per-call overrides
+        plan = P.get_plan(key)
         fused = None
         if sink is None and not meta.deterministic:
-            fused = fused_plan(plan.bwd_cfg, q.device)
+            fused = fused_plan(plan, dev)
         if plan.bwd_fn is None and fused is None:
-            plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, q.device), _kernel(plan.dq_cfg, q.device)
+            plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, dev), _kernel(plan.dq_cfg, dev)
         scale_log2, prescale = meta.log2_scales()
         thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = kernel_args(drop)
         common = dict(q=detached(q), k=detached(k), v=detached(v), dout=detached(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                      seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
-                      softmax_scale=meta.scale, window_left=meta.left, window_right=meta.right,
-                      qheads_per_kvhead=hq // hkv, num_batch=meta.batch, dropout_threshold=thr,
-                      dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi, rng_offset_lo=off_lo,
-                      rng_offset_hi=off_hi, rng_seed=seed_t)
+                      seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2,
+                      softcap_prescale=prescale, softmax_scale=meta.scale, window_left=meta.left,
+                      window_right=meta.right, qheads_per_kvhead=hq // hkv, num_batch=meta.batch,
+                      dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi,
+                      rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t)
         # block sparsity: the dK/dV kernel walks the KV-major lists (built here, on the device, when the caller
         # gave none), the dQ kernel the forward's
-        names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
-        sparse_dkdv = dict(zip(names, sg.backward_tensors() if sg is not None else (None,) * 4))
-        sparse_dq = dict(zip(names, sg.fwd_tensors if sg is not None else (None,) * 4))
+        sparse_dkdv = _NO_SPARSE_ARGS if sg is None else dict(zip(_SPARSE_NAMES, sg.backward_tensors()))
         if fused is not None:
             fcfg, _, fused_fn, cvt_fn = fused
             rows_q = q.shape[0] if varlen_q else q.shape[1]
             dq_accum = torch.zeros((dq_accum_blocks(fcfg.tile_m, meta.batch, rows_q, varlen_q), hq,
-                                    fcfg.tile_m * d), dtype=torch.float32, device=q.device)
-            _launch(fused_fn, BWD_DKDV_ARGS, q.device, dict(
+                                    fcfg.tile_m * d), dtype=torch.float32, device=dev)
+            _launch(fused_fn, BWD_DKDV_ARGS, dev, dict(
                 common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum,
                 num_n_blocks=-(-meta.max_k // fcfg.tile_n), num_kv_heads=hkv))
-            _launch(cvt_fn, DQ_CONVERT_ARGS, q.device, dict(
+            _launch(cvt_fn, DQ_CONVERT_ARGS, dev, dict(
                 dq_accum=dq_accum, dq=dq, cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q, softmax_scale=meta.scale,
                 num_m_blocks=-(-meta.max_q // fcfg.tile_m), num_heads=hq, num_batch=meta.batch))
             return dq, dk, dv, None
-        _launch(plan.bwd_fn, BWD_DKDV_ARGS, q.device, dict(
+        sparse_dq = _NO_SPARSE_ARGS if sg is None else dict(zip(_SPARSE_NAMES, sg.fwd_tensors))
+        _launch(plan.bwd_fn, BWD_DKDV_ARGS, dev, dict(
             common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=None, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n),
             num_kv_heads=hkv))
-        _launch(plan.dq_fn, BWD_DQ_ARGS, q.device, dict(
+        _launch(plan.dq_fn, BWD_DQ_ARGS, dev, dict(
             common, **sparse_dq, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m),
             num_heads=hq))
     elif not partial:

@@ -58,7 +58,10 @@ def _needs_grad(*tensors) -> bool:
 def _attention(q, k, v, learnable_sink, return_lse, kw, p=0.0):
     """Forward, through autograd when any input requires grad, through the torch.library op when compiling.
     ``p``: the checked dropout probability."""
-    needs_grad = _needs_grad(q, k, v, learnable_sink)
+    # _needs_grad inline (every call asks): getattr, so a non-tensor argument reaches validation's clear error
+    needs_grad = torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+                                              or getattr(v, "requires_grad", False)
+                                              or getattr(learnable_sink, "requires_grad", False))
     sparse = kw.get("block_sparse_tensors") is not None
     compiling = torch.compiler.is_compiling()
     if kw["num_splits"] is None:  # the default: automatic for an inference call (splitkv.default_for_call)

@@ -9,8 +9,6 @@ registration touches neither CUDA nor CuTe-DSL.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .dispatch import run_forward
@@ -90,10 +88,10 @@ def bwd(
                         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                         softcap=softcap)
     if deterministic:
-        meta = replace(meta, deterministic=True)
+        meta = meta._replace(deterministic=True)
     if dropout_p > 0.0:
         seed, offset = (int(x) & _U64 for x in rng.tolist())  # rng is on the CPU: no device sync
-        meta = replace(meta, dropout=DropoutArgs(dropout_p, seed, offset, dropout_seed_tensor))
+        meta = meta._replace(dropout=DropoutArgs(dropout_p, seed, offset, dropout_seed_tensor))
     sink32 = None if sink is None else sink.detach().float().contiguous()
     dq, dk, dv, dsink = run_backward(
         dout, q, k, v, out, lse, meta, sink=sink32, dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

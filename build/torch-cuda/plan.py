@@ -15,7 +15,6 @@ feasibility) is memoised in a ``Plan``; the memo is dropped when the tile tables
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from .config import paged_tma_tile, table_version
@@ -71,11 +70,14 @@ class Plan:
     """Memoised per key: the kernel configs (the backward's validated at forward time when gradients are needed,
     so a training step never fails half-way) and their compiled launchers, filled on first use."""
 
-    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn", "shapes")
+    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn", "fused", "shapes")
 
     def __init__(self, fwd_cfg, bwd_cfg=None, dq_cfg=None):
         self.fwd_cfg, self.bwd_cfg, self.dq_cfg = fwd_cfg, bwd_cfg, dq_cfg
         self.fwd_fn = self.bwd_fn = self.dq_fn = None
+        # the fused backward of bwd_cfg on the plan's device (dispatch_bwd.fused_plan): False until first asked,
+        # then its (configs, compiled kernels) or None where the kernel pair runs the backward
+        self.fused = False
         # launch_plan's choices that depend on the call's shapes but not on its KV length, per shape (_ShapePlan)
         self.shapes = {}
 
@@ -116,9 +118,10 @@ def clear() -> None:
 
 
 # ---- host values of one call -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FwdMeta:
-    """What the backward needs besides the saved tensors (host values of one forward call)."""
+class FwdMeta(NamedTuple):
+    """What the backward needs besides the saved tensors (host values of one forward call).  A NamedTuple for the
+    reason PlanKey is one: it is built on every forward, and a frozen dataclass sets each field through
+    ``object.__setattr__`` (``_replace`` makes a changed copy)."""
 
     scale: float
     softcap: float
@@ -133,6 +136,8 @@ class FwdMeta:
     mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
     # the backward runs the atomic-free kernel pair (bitwise reproducible), not the fused kernel
     deterministic: bool = False
+    # the backward's PlanKey when the forward knew it (``backward_key``); None: the backward builds it
+    plan_key: PlanKey | None = None
 
     def log2_scales(self) -> tuple[float, float]:
         """(scale_log2, softcap_prescale) of the score hook.  With a score_mod: (log2(e), softmax scale), the mod
@@ -144,9 +149,25 @@ class FwdMeta:
         return self.scale * _LOG2_E, 1.0
 
     def sparse_bwd_key(self) -> tuple:
-        """The backward's block-sparse plan key (the dQ and dK/dV ratios; zeros without block sparsity)."""
-        sg = self.sparse
-        return _NO_SPARSE_BWD if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
+        """The backward's block-sparse plan key (``sparse_bwd_key`` of the call's SparseGrad)."""
+        return sparse_bwd_key(self.sparse)
+
+
+def sparse_bwd_key(sg) -> tuple:
+    """The backward's block-sparse plan key of a block_sparse.SparseGrad (the dQ and dK/dV ratios), zeros for
+    None (no block sparsity, or no gradient)."""
+    return _NO_SPARSE_BWD if sg is None else (*sg.dq_ratios, *sg.dkdv_ratios)
+
+
+def backward_key(key: PlanKey) -> PlanKey | None:
+    """The plan key dispatch_bwd.run_backward looks up for the backward of a forward call whose plan key (before
+    launch_plan's per-call variants) is ``key``: the same fields, with ``dropout_high_p`` off (it changes only the
+    forward's config; the backward has always keyed its plan without it).  None for a block-sparse or paged call:
+    the backward builds that key itself, from the saved block sizes.  Saves the backward rebuilding the key field by
+    field on every training step (benchmarks/results/host_ab_count_cpu.jsonl, host_ab_cpu_stub_s34.jsonl)."""
+    if key.paged or key.sparse != _NO_SPARSE:
+        return None
+    return key._replace(dropout_high_p=False) if key.dropout_high_p else key
 
 
 def forward_meta(q, k, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -299,5 +320,5 @@ def launch_plan(key: PlanKey, plan: Plan, *, pack_gqa, ratio: int, heads: int, b
     return sp.plan, sp.pack, splits, sp.num_m_blocks
 
 
-__all__ = ["FwdMeta", "Plan", "PlanKey", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "launch_plan", "packed_dropout",
-           "paged_eligible_for_tma", "split_key", "tma_views_ok"]
+__all__ = ["FwdMeta", "Plan", "PlanKey", "backward_key", "choose_pack", "clear", "decode_key", "forward_meta", "get_plan", "launch_plan", "packed_dropout",
+           "paged_eligible_for_tma", "sparse_bwd_key", "split_key", "tma_views_ok"]

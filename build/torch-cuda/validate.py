@@ -40,14 +40,16 @@ def check_tensor(name: str, t, rank: int, device: torch.device | None = None) ->
     strides = t.stride()
     if strides[-1] != 1:
         _fail(f"{name} must be contiguous in its last dimension (stride(-1) = {strides[-1]}); call .contiguous()")
-    # both dtypes are 2 bytes: 8 elements per 16-byte vector
-    misaligned = t.data_ptr() % 16 != 0
-    if not misaligned:
-        for s in strides[:-1]:
-            if s % 8:
-                misaligned = t.numel() > 0
-                break
-    if misaligned:
+    # both dtypes are 2 bytes: 8 elements per 16-byte vector.  Strides are >= 0, so every stride but the last is a
+    # multiple of 8 exactly when their bitwise OR (ranks 3 and 4, inline) or their gcd is; a misaligned stride
+    # matters only when the tensor holds elements
+    if rank == 4:
+        lead = strides[0] | strides[1] | strides[2]
+    elif rank == 3:
+        lead = strides[0] | strides[1]
+    else:
+        lead = math.gcd(*strides[:-1])
+    if t.data_ptr() % 16 or (lead & 7 and t.numel() > 0):
         _fail(
             f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0 and every stride but the last a multiple of "
             f"8 elements); got strides {tuple(strides)}, data_ptr % 16 = {t.data_ptr() % 16}; call .contiguous()"
@@ -105,25 +107,51 @@ def resolve_window(causal: bool, window_size) -> tuple[int, int]:
     as in FlashAttention.  causal=True fixes right = 0, whatever window_size[1] says (flash-attn-4 and
     FlashAttention-2 define it so, and transformers passes ``causal=True, window_size=(w - 1, w - 1)``);
     ``(None, 0)`` without causal is the same causal mask."""
+    # the bounds are read inline (this runs on every call); anything but None or an int takes _bound
     if window_size is None:
-        window_size = (None, None)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail(f"window_size must be a pair (left, right), got {window_size!r}")
-    bounds = []
-    for side, w in zip(("left", "right"), window_size):
-        if w is None or (isinstance(w, int) and w < 0):
-            bounds.append(WINDOW_UNBOUNDED)
-        elif isinstance(w, bool) or not isinstance(w, int):
-            _fail(f"window_size {side} bound must be an int or None, got {w!r}")
-        else:
-            bounds.append(min(w, WINDOW_UNBOUNDED))
-    left, right = bounds
+        left = right = WINDOW_UNBOUNDED
+    else:
+        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+            _fail(f"window_size must be a pair (left, right), got {window_size!r}")
+        left, right = window_size
+        if left is None:
+            left = WINDOW_UNBOUNDED
+        elif left.__class__ is not int:
+            left = _bound("left", left)
+        elif left < 0 or left > WINDOW_UNBOUNDED:  # negative: unbounded, as in FlashAttention
+            left = WINDOW_UNBOUNDED
+        if right is None:
+            right = WINDOW_UNBOUNDED
+        elif right.__class__ is not int:
+            right = _bound("right", right)
+        elif right < 0 or right > WINDOW_UNBOUNDED:  # negative: unbounded, as in FlashAttention
+            right = WINDOW_UNBOUNDED
     if causal:  # FlashAttention's definition (flash-attn-4 b36, FA2): causal fixes the right bound to 0
         right = 0
     return left, right
 
 
+def _bound(side: str, w) -> int:
+    """One window bound that is neither None nor exactly an int: a negative int (a subclass) is unbounded, another
+    int is capped at WINDOW_UNBOUNDED; a bool or a non-int raises."""
+    if isinstance(w, int) and w < 0:
+        return WINDOW_UNBOUNDED
+    if isinstance(w, bool) or not isinstance(w, int):
+        _fail(f"window_size {side} bound must be an int or None, got {w!r}")
+    return min(w, WINDOW_UNBOUNDED)
+
+
+# a scale below this passes every check of check_scalars without a softcap (scale * log2(e) stays below fp32's max)
+_PLAIN_SCALE_MAX = 1e30
+
+
 def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
+    cls = softcap.__class__
+    if softcap is None or (cls is float or cls is int) and softcap == 0:  # no softcap: the common call, inline
+        if softmax_scale is None:
+            return 1.0 / math.sqrt(head_dim), 0.0 if softcap is None else float(softcap)
+        if softmax_scale.__class__ is float and 0.0 < softmax_scale < _PLAIN_SCALE_MAX:
+            return softmax_scale, 0.0 if softcap is None else float(softcap)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     try:
@@ -307,11 +335,12 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
     check_tensor("v", v, 3 if varlen_k else 4, dev)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    d, dv = q.shape[-1], v.shape[-1]
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once (each .shape builds a torch.Size)
+    d, dv = qs[-1], vs[-1]
     check_head_dims(d, dv)
-    if k.shape[-1] != d:
-        raise ValueError(f"k.shape[-1]={k.shape[-1]} must equal q.shape[-1]={d}")
-    check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    if ks[-1] != d:
+        raise ValueError(f"k.shape[-1]={ks[-1]} must equal q.shape[-1]={d}")
+    check_heads(qs[-2], ks[-2], vs[-2])
     if varlen_q:
         if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
             raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of shape (batch + 1,), got "
@@ -320,16 +349,14 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
         if batch < 0:
             raise ValueError("cu_seqlens_q must have shape (batch + 1,) with batch >= 0, got shape (0,)")
     else:
-        batch = q.shape[0]
+        batch = qs[0]
     if page_table is not None:
         check_page_table(page_table, k, v, batch, dev)
     elif varlen_k:
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-    elif k.shape[:2] != v.shape[:2] or k.shape[0] != batch:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have batch {batch} and equal sequence lengths"
-        )
+        if ks[0] != vs[0]:
+            raise ValueError(f"k and v must have the same number of tokens, got {ks[0]} and {vs[0]}")
+    elif ks[:2] != vs[:2] or ks[0] != batch:
+        raise ValueError(f"k {tuple(ks)} and v {tuple(vs)} must have batch {batch} and equal sequence lengths")
     if varlen_q:
         check_index_tensor("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     if varlen_k:
@@ -338,8 +365,11 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page
         check_index_tensor("seqused_q", seqused_q, batch, dev)
     if seqused_k is not None:
         check_index_tensor("seqused_k", seqused_k, batch, dev)
-    check_batch(batch)
-    check_lengths(seqlen_q=q.shape[0] if varlen_q else q.shape[1], seqlen_k=k.shape[0] if varlen_k else k.shape[1])
+    if batch > MAX_GRID_YZ:
+        check_batch(batch)
+    seqlen_q, seqlen_k = qs[0] if varlen_q else qs[1], ks[0] if varlen_k else ks[1]
+    if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN:
+        check_lengths(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     return batch
 
 
