@@ -15,7 +15,8 @@ import pytest
 
 from hub_server import LocalHub
 from hubtools import REPO, ROOT, UNTRUSTED_REPO, build_metadata, run_tf_scenario, seed_bundle
-from test_transformers_gpu import check_forward, check_generate, check_generate_batch, check_train
+from test_transformers_gpu import (check_forward, check_generate, check_generate_batch, check_generate_fp8_cache,
+                                   check_train)
 
 TRANSFORMERS_PIN = "5.22.2"
 
@@ -103,6 +104,10 @@ def test_harness_train_on_cpu(hub, home):
 
 def test_harness_generate_on_cpu(hub, home):
     check_generate(reference(hub, home, "generate", "llama", "--padded"), "llama", True, home)
+
+
+def test_harness_generate_with_fp8_cache_on_cpu(hub, home):
+    check_generate_fp8_cache(reference(hub, home, "generate_fp8_cache", "llama"), home)
 
 
 def test_harness_generate_batch_on_cpu(hub, home):

@@ -164,6 +164,23 @@ def check_generate(r: dict, family: str, padded: bool, home: Path) -> None:
     assert r["worst_gap"] <= GAP_TOL, f"a greedy token is {r['worst_gap']:.3f} std below gold's best logit"
 
 
+# -- generate with transformers' FP8 KV cache -------------------------------------------------------------------------
+def test_generate_with_fp8_cache(hub, home):
+    """transformers' FP8 cache (QuantizedCache(backend="fp8")) stores e4m3 and hands the attention dequantized bf16
+    states: the bundle's bf16 kernels serve every call, as close to transformers' own path with the same cache."""
+    check_generate_fp8_cache(scenario(hub, home, "generate_fp8_cache", "llama"), home)
+
+
+def check_generate_fp8_cache(r: dict, home: Path) -> None:
+    assert_our_kernel_loaded(r, "llama", home)
+    assert r["cache_layer"] == "Fp8QuantizedLayer" and r["cache_storage_dtype"] == "torch.float8_e4m3fn", r
+    seen = calls(r, "dense")
+    assert len(seen) == 2 * 12 and {c["k_dtype"] for c in seen} == {"torch.bfloat16"}, seen
+    assert r["generated"] == 3 * 12 and r["compared_steps"] >= 1
+    assert_close(r, "generate with an FP8 cache")  # on the steps ours and ref took from the same context
+    assert r["worst_gap"] <= GAP_TOL, f"a greedy token is {r['worst_gap']:.3f} std below gold's best logit"
+
+
 # -- continuous batching (generate_batch) -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cuda_graph", ["default", "off"])
 def test_generate_batch(hub, home, cuda_graph):

@@ -115,7 +115,9 @@ def _describe(name, args, kwargs):
         sq = int(sq) if sq is not None else None
     else:
         sq = int(q.shape[1])
+    k = args[1] if len(args) > 1 else kwargs.get("k", kwargs.get("k_cache"))
     return {"fn": name, "keys": sorted(kwargs), "sq": sq, "q_shape": list(q.shape), "q_dtype": str(q.dtype),
+            "k_dtype": str(getattr(k, "dtype", None)),
             "causal": kwargs.get("causal"), "window_size": list(window) if window is not None else None,
             "softcap": kwargs.get("softcap"), "sink_dtype": str(sink.dtype) if sink is not None else None,
             "sink_requires_grad": bool(sink is not None and sink.requires_grad)}
@@ -391,6 +393,40 @@ def scenario_generate(args, device):
             "generated": int(toks.numel()), "calls": CALLS}
 
 
+def scenario_generate_fp8_cache(args, device):
+    """Greedy generate with transformers' FP8 KV cache (``QuantizedCache(backend="fp8")``), ours and ref each with
+    their own such cache, so both read the same quantized keys and values.  That cache hands the attention
+    dequantized states in the model's dtype (``Fp8QuantizedLayer.update``), so the bundle runs its bf16 kernels on
+    them: transformers 5.22.2 has no call that passes an e4m3 cache to an attention kernel.  Step logits of ours
+    against ref's (same cache) and against gold's teacher-forced logits of ours' tokens (no cache quantization)."""
+    from transformers import QuantizedCache
+    cfg, (ours, ref, gold), state, info = load_models(args, device)
+    spy = install_spies(args.repo, args.reference_kernel)
+    ids, mask = inputs(cfg, device, args.padded, batch=3, seq=40)
+    new = args.new_tokens
+    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              return_dict_in_generate=True, output_logits=True, pad_token_id=cfg.pad_token_id)
+    with torch.no_grad():
+        caches = [QuantizedCache(backend="fp8", config=cfg) for _ in range(2)]
+        gen = ours.generate(ids, past_key_values=caches[0], **kw)
+        ref_gen = ref.generate(ids, past_key_values=caches[1], **kw)
+        step, ref_step = (torch.stack(g.logits, 1).float() for g in (gen, ref_gen))
+        full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype, device=device)], 1)
+        p = ids.shape[1]
+        gold_tf = gold(gen.sequences, attention_mask=full_mask).logits.float()[:, p - 1:-1]
+    layer = caches[0].layers[0]
+    toks, ref_toks = gen.sequences[:, p:], ref_gen.sequences[:, p:]
+    # greedy paths of two bf16 implementations may part at a near tie; logits compare on the steps both took from
+    # the same context (every step up to and including the first where a row's token differs)
+    common = int((toks == ref_toks).all(0).long().cumprod(0).sum())
+    k = min(common + 1, new)
+    gaps = (gold_tf.max(-1).values - gold_tf.gather(-1, toks[..., None])[..., 0]) / gold_tf.std(-1)
+    return {**info, **spy, **judge(step[:, :k], ref_step[:, :k], gold_tf[:, :k]), "compared_steps": k,
+            "common_steps": common, "worst_gap": float(gaps.max()), "generated": int(toks.numel()),
+            "cache_layer": type(layer).__name__, "cache_storage_dtype": str(layer._quantized_keys[0].dtype),
+            "calls": CALLS}
+
+
 def scenario_generate_batch(args, device):
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.utils.generic import is_flash_attention_requested
@@ -434,6 +470,7 @@ def scenario_select(args, device):
 
 
 SCENARIOS = {"forward": scenario_forward, "train": scenario_train, "generate": scenario_generate,
+             "generate_fp8_cache": scenario_generate_fp8_cache,
              "generate_batch": scenario_generate_batch, "select": scenario_select}
 
 
