@@ -364,16 +364,16 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
     pack = fp8_pack(pack_gqa, q.shape[2], k.shape[2], q.shape[1])
     if pack > 1 or splits != 1:
         if _rows_view_ok(k) and _rows_view_ok(v):
-            from . import dispatch_fp8_varlen as FV
+            from . import fp8_rows as R
 
             b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-            cu_k = FV._dense_cu(b, sk, q.device)
+            cu_k = R.dense_cu(b, sk, q.device)
             out, lse = run_fp8_packed(
-                FV._flatten_q(q), FV._flatten(k, "k"), FV._flatten(v, "v"), FV._dense_cu(b, sq, q.device), cu_k,
+                R.flatten_q(q), R.flatten(k, "k"), R.flatten(v, "v"), R.dense_cu(b, sq, q.device), cu_k,
                 cu_k[1:] - cu_k[:-1], sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa,
                 num_splits=splits, max_seqlen_k=sk, rows_covered=True)
-            return FV._unpack(out, lse, b, sq, True, return_lse)
+            return R.unpack(out, lse, b, sq, True, return_lse)
         if splits > 1:  # an explicit split over K/V whose batch stride is not seqlen x row stride
             compat.refuse("fp8_unserved", feature=f"num_splits={splits} with k/v strides {k.stride()} / "
                           f"{v.stride()} (split-KV reads them as packed rows: use .contiguous())")
