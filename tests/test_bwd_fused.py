@@ -9,12 +9,15 @@ from flash_attn_4_sm120.arguments import BWD_DKDV_ARGS, DQ_CONVERT_ARGS
 from scripts import gate_lists as GL
 
 
-@pytest.mark.parametrize("d,windowed,expect", [
-    (64, False, (64, 128)), (64, True, (64, 128)), (128, False, (32, 128)), (128, True, (64, 64)),
-    (96, True, (64, 64)), (192, False, None), (256, True, None), (32, False, None),
+@pytest.mark.parametrize("d,windowed,flags,expect", [
+    (64, False, {}, (64, 128)), (64, True, {}, (64, 128)), (128, False, {}, (32, 128)),
+    # d128 windowed walks: 32x128 without mods or dropout (the calls the launch order serves), 64x64 with them
+    (128, True, {}, (32, 128)), (128, True, {"has_softcap": True, "varlen_q": True}, (32, 128)),
+    (128, True, {"has_dropout": True}, (64, 64)), (128, False, {"has_dropout": True}, (32, 128)),
+    (96, True, {}, (64, 64)), (192, False, {}, None), (256, True, {}, None), (32, False, {}, None),
 ])
-def test_fused_tile_policy(d, windowed, expect):
-    cfg = config_bwd.select_fused_config("bf16", d, d, windowed=windowed)
+def test_fused_tile_policy(d, windowed, flags, expect):
+    cfg = config_bwd.select_fused_config("bf16", d, d, windowed=windowed, **flags)
     if expect is None:
         assert cfg is None
     else:
