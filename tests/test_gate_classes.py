@@ -400,9 +400,9 @@ def test_targets_without_tma_take_the_tiles_that_do_not_spill_there():
 
 
 def test_refresh_rebuilds_the_kinds_of_the_changed_kernel_files(tmp_path, monkeypatch):
-    """--refresh: a changed config table refuses (a full run is needed); a changed kernel file rebuilds every
-    configuration of its kinds (stubbed here) plus the ones the run lacks, drops rows that left the worklist, and
-    records the refresh with today's source hashes."""
+    """--refresh: a changed config table other than config_bwd.py refuses (a full run is needed); a changed kernel
+    file (or config_bwd.py: the backward kinds) rebuilds every configuration of its kinds (stubbed here) plus the
+    ones the run lacks, drops rows that left the worklist, and records the refresh with today's source hashes."""
     import argparse
 
     now = GC.source_hashes()
@@ -416,11 +416,20 @@ def test_refresh_rebuilds_the_kinds_of_the_changed_kernel_files(tmp_path, monkey
         rows = [{"config": n, "problems": []} for n in names]
         path.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": meta}, *rows]))
 
-    write({**now, "config_bwd.py": "0" * 40}, keep + dq)
-    assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 2
+    def refuse(*_):
+        raise AssertionError("a refused refresh built something")
+
+    monkeypatch.setattr(G, "_run_pool", refuse)
+    for table in ("config.py", "device.py", "config_decode.py"):
+        write({**now, table: "0" * 40}, keep + dq)
+        assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 2, table
     built = []
     monkeypatch.setattr(G, "_run_pool", lambda w, args: built.extend(w) or [
         {"config": c.name(), "problems": ["spills (2 STL/LDL, frame 8 B)"] if c.name() == dq[0] else []} for c in w])
+    write({**now, "config_bwd.py": "0" * 40}, keep + dq)  # the backward kinds, stubbed
+    assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 1
+    assert {C.kind(c) for c in built} == set(GC.CONFIG_KINDS["config_bwd.py"]) & {C.kind(c) for c in work}
+    built.clear()
     write({**now, "kernels/bwd_dq.py": "0" * 40}, keep[1:] + dq + ["gone_config"])
     assert G._refresh(argparse.Namespace(refresh=path, jobs=1, arch="sm_80")) == 1  # the stubbed spill fails it
     assert sorted(c.name() for c in built) == sorted(dq + keep[:1])  # the dQ kind + the row the run lacked
