@@ -155,8 +155,13 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
     u8 = cutlass.Uint8
     sink = f32(1) if cfg.has_sink else None
     lens = (i32(), i32(), i32()) if cfg.varlen else (None, None, None)
+    table = None
+    if cfg.paged:  # (B, max_pages) int32, rows of any stride; the kernel reads no cu_seqlens_k
+        lens = (lens[0], None, lens[2])
+        table = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                                              assumed_align=4)
     return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), f32(2), f32(2), f32(2), sink, *lens, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            f32(3), f32(2), f32(2), f32(2), sink, *lens, table, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
