@@ -230,3 +230,45 @@ def test_a_lying_table_and_lengths_are_clamped_to_the_pool(model):
     out_ref, lse_ref = _run_paged((q, kp, vp, fixed, cu_q, torch.tensor([40, 0], dtype=torch.int32), desc), 1)
     torch.testing.assert_close(out.float(), out_ref.float(), rtol=0, atol=0)
     torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
+
+
+# ---- flash_attn_varlen_func with a page table ----------------------------------------------------------------------
+@pytest.mark.parametrize("varlen_q", [False, True])
+def test_varlen_with_a_page_table_reads_the_pools(launches, varlen_q):
+    kp, vp = _pool(9, 16)
+    table = _table([4, 4], pages=9)
+    q = torch.randn(2, 3, 4, 64).to(E4)
+    used = torch.tensor([3, 50], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3) if varlen_q else {}
+    out, _ = fa.flash_attn_varlen_func(q.flatten(0, 1) if varlen_q else q, kp, vp, page_table=table,
+                                       seqused_k=used, causal=True, **kw)
+    (c,) = launches
+    assert c["k"] is kp and c["v"] is vp and c["cu_k"] is None and torch.equal(c["page_table"], table)
+    assert c["used_k"].tolist() == [3, 50] and c["max_seqlen_k"] == 64 and c["cu_q"].tolist() == [0, 3, 6]
+    assert out.shape == ((6,) if varlen_q else (2, 3)) + (4, 64)
+    fa.flash_attn_varlen_func(q, kp, vp, page_table=table)  # no seqused_k: the table's capacity
+    assert launches[1]["used_k"].tolist() == [64, 64]
+
+
+def test_varlen_page_table_refusals(launches):
+    kp, vp = _pool(4, 16)
+    q = torch.randn(2, 1, 4, 64).to(E4)
+    with pytest.raises(ValueError, match="page_table cannot be combined with cu_seqlens_k"):
+        fa.flash_attn_varlen_func(q[:, 0], kp, vp, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                  cu_seqlens_k=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                  page_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="page_table has 1 rows but the batch is 2"):
+        fa.flash_attn_varlen_func(q, kp, vp, page_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="not supported with FP8 inputs"):  # flash_attn_func: not served
+        fa.flash_attn_func(q, kp, vp, page_table=torch.zeros(2, 1, dtype=torch.int32))
+    assert not launches
+
+
+def test_the_automatic_split_reads_the_tables_capacity(launches):
+    """num_splits=None on the varlen form: splitkv's walk is max_pages x page_size (a long paged cache may split),
+    not the page size."""
+    kp, vp = _pool(64, 256)
+    q = torch.randn(1, 1, 8, 64).to(E4)
+    fa.flash_attn_varlen_func(q, kp, vp, page_table=_table([64], pages=64))  # 16384 keys: automatic (0)
+    fa.flash_attn_varlen_func(q, kp, vp, page_table=_table([4], pages=64))  # 1024 keys: no split
+    assert [c["num_splits"] for c in launches] == [0, 1]

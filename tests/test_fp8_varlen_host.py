@@ -74,7 +74,8 @@ def test_dense_q_comes_back_in_its_layout(launches):
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(seqused_q=torch.tensor([1, 1], dtype=torch.int32)), NotImplementedError, "seqused_q"),
-    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
+    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+     "page_table cannot be combined with cu_seqlens_k"),  # served with seqused_k: tests/test_fp8_paged_host.py
     (dict(softcap=3.0), NotImplementedError, "softcap"),
     (dict(num_splits=4.0), ValueError, "num_splits must be an int"),
     (dict(num_splits=True), ValueError, "num_splits must be an int"),

@@ -344,14 +344,16 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     return out, lse
 
 
-def default_splits(num_splits, q, k, *, causal, window_size, cu_seqlens_k=None, max_seqlen_k=None) -> int:
+def default_splits(num_splits, q, k, *, causal, window_size, cu_seqlens_k=None, max_seqlen_k=None,
+                   page_table=None) -> int:
     """The bf16 path's ``num_splits`` rule for an FP8 call (always inference): None -> splitkv.default_for_call
     (automatic only for a KV walk of at least AUTO_MIN_KEYS keys, never for a graph capture with a caller-given
     max_seqlen_k), an int as given (0 or less: automatic; checked by splitkv.check_num_splits)."""
     from . import splitkv as SK
 
     if num_splits is None:
-        kw = dict(causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        kw = dict(causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                  page_table=page_table)  # paged: the walk is the table's capacity (splitkv.default_kv_walk)
         return SK.default_for_call(q, k, kw, 0.0, False, False, False)
     return SK.check_num_splits(num_splits)
 

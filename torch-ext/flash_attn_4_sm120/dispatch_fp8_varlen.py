@@ -71,11 +71,18 @@ def _unpack(out, lse, batch, sq, dense_q, return_lse):
 
 def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
                          k_descale, v_descale, out_dtype, softmax_scale, causal, window_size, return_lse,
-                         learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None):
+                         learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None,
+                         page_table=None):
     """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv).
     ``num_splits`` / ``pack_gqa``: the bf16 path's rules (dispatch_fp8.default_splits / fp8_pack); an int
-    ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read)."""
+    ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read).
+    ``page_table`` (B, max_pages) int32: k/v are e4m3 page pools (num_pages, page_size, Hkv, D), each sequence's
+    keys counted by seqused_k (default: the table's capacity); cu_seqlens_k is refused with it, as the bf16 path
+    (compat ``paged_cu_seqlens_k``)."""
     needs_grad = F8.entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
+    paged = page_table is not None
+    if paged and cu_seqlens_k is not None:
+        compat.refuse("paged_cu_seqlens_k")
     unsupported = dict(unsupported)
     unsupported["seqused_q"] = seqused_q is not None
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
@@ -91,8 +98,10 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     descales, out_name, out_torch = F8.check_fp8_call(
         q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
         needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch,
-        query_quantized_here=True)
+        query_quantized_here=True, paged=paged)
     dev = q.device
+    if paged:
+        V.check_page_table(page_table, k, v, batch, dev)
     F8.fp8_pack(pack_gqa, q.shape[-2], k.shape[-2], 0)  # names a bad value before any work
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
@@ -102,19 +111,28 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
         descales = (qd,) + tuple(descales[1:])
     qp = q.unsqueeze(0) if varlen_q else _flatten_q(q)
-    kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
-    vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")
     cu_q = cu_seqlens_q if varlen_q else _dense_cu(batch, q.shape[1], dev)
-    cu_k = cu_seqlens_k if varlen_k else _dense_cu(batch, k.shape[1], dev)
-    used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
+    if paged:  # the pools themselves, no cu_seqlens_k: the kernel's paged form
+        kp, vp, cu_k = k, v, None
+        capacity = page_table.shape[1] * k.shape[1]
+        used_k = (seqused_k if seqused_k is not None
+                  else torch.full((batch,), capacity, dtype=torch.int32, device=dev))
+    else:
+        kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
+        vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")
+        cu_k = cu_seqlens_k if varlen_k else _dense_cu(batch, k.shape[1], dev)
+        used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
     max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
-    max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else k.shape[1])
+    max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else
+                                                                (capacity if paged else k.shape[1]))
     splits = F8.default_splits(num_splits, q, k, causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_k=max_seqlen_k if max_seqlen_k.__class__ is int else None)
+                               max_seqlen_k=max_seqlen_k if max_seqlen_k.__class__ is int else None,
+                               page_table=page_table)
     out, lse = F8.run_fp8_packed(qp, kp, vp, cu_q, cu_k, used_k, max_q, descales, softmax_scale=softmax_scale,
                                  causal=causal, out_name=out_name, out_dtype=out_torch, window_size=window_size,
                                  learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
-                                 max_seqlen_k=max_k, rows_covered=not varlen_q)
+                                 max_seqlen_k=max_k, rows_covered=not varlen_q,
+                                 page_table=_table_rows(page_table) if paged else None)
     return _unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
 
 

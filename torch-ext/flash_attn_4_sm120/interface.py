@@ -268,7 +268,8 @@ def flash_attn_varlen_func(
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
 
     FP8: float8_e4m3fn q/k/v with (B, Hkv) fp32 descales, as ``flash_attn_func``'s (packed or dense q and k/v,
-    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py), or a
+    cu_seqlens_q/k, seqused_k, paged e4m3 K/V with page_table; no seqused_q or debug_checks yet:
+    dispatch_fp8_varlen.py), or a
     bf16/fp16 q over e4m3 k/v, quantized on the device per (sequence, KV head) (a q_descale then raises; the
     output in q's dtype unless out_dtype says otherwise).
     """
@@ -282,9 +283,9 @@ def flash_attn_varlen_func(
             max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             return_lse=return_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
-            max_seqlen_k=max_seqlen_k, unsupported=fp8_unsupported(
+            max_seqlen_k=max_seqlen_k, page_table=page_table, unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
-                block_sparse_tensors=block_sparse_tensors, page_table=page_table, qv=qv,
+                block_sparse_tensors=block_sparse_tensors, qv=qv,
                 gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
                 mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
                 scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split,
