@@ -1,7 +1,7 @@
 """FP8 KV-cache decode benchmark (issue 34, item 2): flash_attn_with_kvcache with a bf16 query over an e4m3 cache,
 against our bf16 cache and PyTorch's SDPA, in one process.
 
-    python benchmarks/bench_fp8_decode.py      # writes benchmarks/results/fp8_decode_<gpu>.jsonl (< 3 min)
+    python benchmarks/bench_fp8_decode.py      # writes benchmarks/results/fp8_decode_<gpu>.jsonl (< 4 min)
 
 Cases: q_len 1, Hq 32 / Hkv 8, d128, contiguous cache, every key valid; B = 1 and 8, KV 4K / 16K / 32K, and
 issue 34's cells B = 8 KV 8K and B = 64 KV 2K.
@@ -13,6 +13,10 @@ issue 34's cells B = 8 KV 8K and B = 64 KV 2K.
   * ``fp8_e4m3q`` the same cache with a query quantized beforehand (q_descale given): the kernel alone;
   * ``sdpa``      torch.nn.functional.scaled_dot_product_attention on (B, H, S, D) copies of the bf16 cache
                   (enable_gqa; whichever backend PyTorch picks).
+  * ``bf16_p16`` / ``fp8_p16`` (issue 34's cells only, PAGED_CELLS): the same bf16 / e4m3 caches scattered over
+                  shuffled pages of 16 rows (page_table, as a serving engine's allocator leaves them), default
+                  calls; ``fp8_p16_bitwise`` records whether the paged output equals the contiguous one bit for bit
+                  (it must: the paged kernel differs only in addresses).
 Times: median ms of CUDA-graph replays of one call after warm-up (bench_decode.time_graph: CUDA events).  GB/s
 counts the bytes of K and V each call reads (e4m3: half the bf16 bytes); pct_of_copy divides by a device-to-device
 copy's rate measured in the same run (issue 34's "80% of copy bandwidth, counting FP8 bytes" is fp8_pct_of_copy).
@@ -42,6 +46,23 @@ from tests.fp8_emulation import emulate_fp8_attention, rms  # noqa: E402  (the F
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = tuple((b, kv) for b in (1, 8) for kv in (4096, 16384, 32768)) + ((8, 8192), (64, 2048))  # + issue 34's
+PAGED_CELLS = ((8, 8192), (64, 2048))  # issue 34's decode cells, also run paged
+PAGE_SIZE = 16
+
+
+def page_table(b, s, gen):
+    """(B, S / PAGE_SIZE) int32: every page of a pool of B x S / PAGE_SIZE, shuffled (an allocator's scatter)."""
+    width = s // PAGE_SIZE
+    return torch.randperm(b * width, device="cuda", generator=gen).view(b, width).to(torch.int32)
+
+
+def paged(cache, table):
+    """The cache's rows in a pool (pages, PAGE_SIZE, Hkv, D): sequence b's key j at row j % PAGE_SIZE of page
+    table[b, j // PAGE_SIZE]."""
+    b, width = table.shape
+    pool = torch.empty((b * width, PAGE_SIZE) + tuple(cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+    pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(b, width, PAGE_SIZE, *cache.shape[2:])
+    return pool
 
 
 def emulate(q8, qd, k8, v8, kd, vd):
@@ -94,6 +115,13 @@ def run_case(fa, Q, b, kv, copy_bw):
         "sdpa": (lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                  .transpose(1, 2), bf16_bytes),
     }
+    if (b, kv) in PAGED_CELLS:  # the same bytes over the same shuffled pages, bf16 and e4m3
+        table = page_table(b, kv, gen)
+        kp, vp, k8p, v8p = (paged(x, table) for x in (kc, vc, k8, v8))
+        impls["bf16_p16"] = (lambda: fa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table),
+                             bf16_bytes)
+        impls["fp8_p16"] = (lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=seqlens, page_table=table,
+                                                               k_descale=kd, v_descale=vd), bf16_bytes // 2)
     emus = None
     for label, (fn, nbytes) in impls.items():
         try:
@@ -108,6 +136,9 @@ def run_case(fa, Q, b, kv, copy_bw):
         else:
             err, bar, problem = refcheck.check("out", out, ref32, ref16)
             row[f"{label}_max_err"], row[f"{label}_check_bar"] = err, bar
+        if label == "fp8_p16":
+            contiguous = impls["fp8"][0]()
+            row["fp8_p16_bitwise"] = bool(torch.equal(out, contiguous))
         if problem:
             row[f"{label}_error"] = "check failed: " + problem
             continue
@@ -118,6 +149,8 @@ def run_case(fa, Q, b, kv, copy_bw):
     for label in ("fp8", "fp8_unsplit", "fp8_e4m3q", "sdpa"):
         if f"{label}_ms" in row and "bf16_ms" in row:
             row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
+    if "fp8_p16_ms" in row and "bf16_p16_ms" in row:  # paged over paged: issue 34's "paged with page size 16"
+        row["fp8_p16_speedup_vs_bf16_p16"] = row["bf16_p16_ms"] / row["fp8_p16_ms"]
     return row
 
 

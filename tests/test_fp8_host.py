@@ -21,7 +21,10 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     # dense + varlen unsplit, varlen packed, split (fp32 partials) packed or not
     split = len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2  # causal, window, sink, packed
     # + every packed configuration again with the one-warp decode tile
-    assert len(cfgs) == 2 * unsplit + unsplit + split + (unsplit + split // 2)
+    contiguous = 2 * unsplit + unsplit + split + (unsplit + split // 2)
+    # + every varlen configuration again with paged K/V (all but the dense unsplit ones)
+    assert len(cfgs) == contiguous + (contiguous - unsplit)
+    assert all(c.varlen for c in cfgs if c.paged)
     assert all(c.pack_gqa for c in cfgs if c.tile_m == C.FP8_DECODE_TILE_M)
     assert len({c.name() for c in cfgs}) == len(cfgs)
     assert all(c.varlen for c in cfgs if c.pack_gqa or c.split)
@@ -44,6 +47,8 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     (dict(split=True, varlen=True), "out_dtype='bf16' with split=True"),
     (dict(out_dtype="fp32", varlen=True), "out_dtype='fp32'"),
     (dict(pack_gqa=1, varlen=True), "pack_gqa must be True or False"),
+    (dict(paged=True), "paged=True needs varlen=True"),
+    (dict(paged=1, varlen=True), "paged must be True or False"),
     (dict(tile_m=16, num_warps=1, varlen=True), "tile_m=16 is the packed decode tile"),
     (dict(tile_n=512, head_dim=128, head_dim_v=128), "shared memory"),
 ])

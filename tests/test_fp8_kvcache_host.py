@@ -110,7 +110,6 @@ def test_the_e4m3_append_path_is_unchanged(launches):
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(q_descale=torch.ones(2, 2)), ValueError, "q_descale given with a torch.bfloat16 q"),
-    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
     (dict(softcap=2.0), NotImplementedError, "softcap"),
     (dict(num_splits=2.0), ValueError, "num_splits must be an int"),

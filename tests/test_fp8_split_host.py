@@ -23,14 +23,29 @@ def _model_kernel(cfg, calls):
     softmax over keys cu_k[b] .. + used_k[b]; with cfg.split, split s of out.shape[0] takes the run of
     ceil(tiles / splits) 64-key tiles and writes its own normalised O (fp32) and natural-log LSE at [s]."""
 
-    def fn(q, k, v, out, lse, qd, kd, vd, sink, cu_q, cu_k, used_k, scale_log2, left, right, ratio, num_m_blocks):
+    def fn(q, k, v, out, lse, qd, kd, vd, sink, cu_q, cu_k, used_k, page_table, scale_log2, left, right, ratio,
+           num_m_blocks):
         calls.append(dict(cfg=cfg, out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), ratio=ratio,
-                          num_m_blocks=num_m_blocks))
-        qf, kf, vf = (x.view(E4).float()[0] for x in (q, k, v))
+                          num_m_blocks=num_m_blocks, cu_k=cu_k, page_table=page_table, left=left, right=right))
+        assert cfg.paged == (page_table is not None) and (cu_k is None) == cfg.paged
+        qf = q.view(E4).float()[0]
+        if cfg.paged:  # the paged form's contract: key j of b is row j % ps of the clamped page of column j // ps
+            ps, last = k.shape[1], k.shape[0] - 1
+            cols = torch.arange(page_table.shape[1] * ps) // ps
+            rows_of = [page_table[b].long()[cols].clamp(0, last) * ps + torch.arange(cols.shape[0]) % ps
+                       for b in range(page_table.shape[0])]
+            pools = [x.view(E4).float().flatten(0, 1) for x in (k, v)]
+        else:
+            kf, vf = (x.view(E4).float()[0] for x in (k, v))
         splits = out.shape[0] if cfg.split else 1
         for b in range(cu_q.shape[0] - 1):
-            q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
-            sk = int(used_k[b])
+            q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+            sk = max(int(used_k[b]), 0)
+            if cfg.paged:
+                sk = min(sk, rows_of[b].shape[0])
+                k0, kf, vf = 0, pools[0][rows_of[b]], pools[1][rows_of[b]]
+            else:
+                k0 = int(cu_k[b])
             per = -(-(-(-sk // TILE_N)) // splits) * TILE_N if sk else 0
             for s in range(splits):
                 lo, hi = min(s * per, sk), min((s + 1) * per, sk)

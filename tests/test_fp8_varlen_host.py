@@ -21,8 +21,8 @@ def launches(monkeypatch):
     calls = []
 
     def fake_run(q, k, v, cu_q, cu_k, used_k, max_q, descales, **kw):
-        calls.append(dict(q=q, k=k, v=v, cu_q=cu_q.clone(), cu_k=cu_k.clone(), used_k=used_k.clone(), max_q=max_q,
-                          descales=descales, **kw))
+        calls.append(dict(q=q, k=k, v=v, cu_q=cu_q.clone(), cu_k=None if cu_k is None else cu_k.clone(),
+                          used_k=used_k.clone(), max_q=max_q, descales=descales, **kw))
         total_q, hq = q.shape[1], q.shape[2]
         out = torch.arange(total_q, dtype=torch.float32).view(1, total_q, 1, 1).expand(1, total_q, hq, v.shape[3])
         lse = (1000 * torch.arange(hq).view(1, hq, 1) + torch.arange(total_q).view(1, 1, total_q)).float()
@@ -74,7 +74,8 @@ def test_dense_q_comes_back_in_its_layout(launches):
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(seqused_q=torch.tensor([1, 1], dtype=torch.int32)), NotImplementedError, "seqused_q"),
-    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
+    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+     "page_table cannot be combined with cu_seqlens_k"),  # served with seqused_k: tests/test_fp8_paged_host.py
     (dict(softcap=3.0), NotImplementedError, "softcap"),
     (dict(num_splits=4.0), ValueError, "num_splits must be an int"),
     (dict(num_splits=True), ValueError, "num_splits must be an int"),
@@ -136,8 +137,6 @@ def test_kvcache_without_cache_seqlens_reads_the_whole_cache(launches):
 
 
 @pytest.mark.parametrize("kw, exc, match", [
-    (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "page_table"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
     (dict(softcap=2.0), NotImplementedError, "softcap"),
     (dict(num_splits=3.0), ValueError, "num_splits must be an int"),

@@ -268,7 +268,8 @@ def flash_attn_varlen_func(
     the caller's contract: the kernel clamps them to the pool, and the debug checks name a bad one.
 
     FP8: float8_e4m3fn q/k/v with (B, Hkv) fp32 descales, as ``flash_attn_func``'s (packed or dense q and k/v,
-    cu_seqlens_q/k, seqused_k; no seqused_q, paged K/V or debug_checks yet: dispatch_fp8_varlen.py), or a
+    cu_seqlens_q/k, seqused_k, paged e4m3 K/V with page_table; no seqused_q or debug_checks yet:
+    dispatch_fp8_varlen.py), or a
     bf16/fp16 q over e4m3 k/v, quantized on the device per (sequence, KV head) (a q_descale then raises; the
     output in q's dtype unless out_dtype says otherwise).
     """
@@ -282,9 +283,9 @@ def flash_attn_varlen_func(
             max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             return_lse=return_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
-            max_seqlen_k=max_seqlen_k, unsupported=fp8_unsupported(
+            max_seqlen_k=max_seqlen_k, page_table=page_table, unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
-                block_sparse_tensors=block_sparse_tensors, page_table=page_table, qv=qv,
+                block_sparse_tensors=block_sparse_tensors, qv=qv,
                 gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
                 mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, min_seqlen_k=min_seqlen_k,
                 scheduler_metadata=scheduler_metadata, seqlen_k_per_split=seqlen_k_per_split,
@@ -363,11 +364,12 @@ def flash_attn_with_kvcache(
     (like q, last dim Dv), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (B, Hq, Sq) or
     (Hq, total_q)).  Rotary embedding, ALiBi, cache_leftpad and qv raise NotImplementedError.
 
-    FP8: a float8_e4m3fn contiguous cache with (B, Hkv) fp32 k_descale/v_descale (FlashAttention-3's), and
+    FP8: a float8_e4m3fn cache, contiguous or paged (page_table / block_table, any page size; the FP8 kernel looks
+    each key row's page up), with (B, Hkv) fp32 k_descale/v_descale (FlashAttention-3's), and
     either a float8_e4m3fn q with its q_descale (bf16 output) or a bf16/fp16 q (an FP8 KV cache: q is quantized
     on the device per (batch, KV head) from its amax, output in q's dtype; a q_descale then raises).  Appended
     k/v are e4m3 under the cache's descales, or bf16/fp16, quantized on the way in with them (saturated to
-    +-448).  No paged cache, cache_batch_idx or varlen q with FP8 yet (dispatch_fp8_varlen.py).
+    +-448), into pages too.  No cache_batch_idx or varlen q with FP8 yet (dispatch_fp8_varlen.py).
     """
     from . import kvcache as KV
 
@@ -378,13 +380,16 @@ def flash_attn_with_kvcache(
     if q_descale is not None or k_descale is not None or v_descale is not None or is_fp8(q, k_cache, v_cache, k, v):
         from .dispatch_fp8_varlen import fp8_kvcache_attention
 
+        if page_table is not None and block_table is not None and page_table is not block_table:
+            compat.refuse("kvcache_block_table")
         out, lse = fp8_kvcache_attention(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, out_dtype=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             return_lse=return_softmax_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
+            page_table=page_table if page_table is not None else block_table,
             unsupported=fp8_unsupported(
-                softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0, page_table=page_table,
-                block_table=block_table, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
+                softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0,
+                cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
                 alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,
                 scheduler_metadata=scheduler_metadata, debug_checks=debug_checks or None,
                 attention_chunk=attention_chunk or None, sm_margin=sm_margin or None))

@@ -237,19 +237,21 @@ CONFLICTS.update({
         ("test_grad_call_raises_before_launch", "test_grad_and_e5m2_raise_before_launch_on_the_gpu",
          "test_varlen_grad_e5m2_and_a_bf16_query_raise")),
     "fp8_unserved": Conflict(
-        "float8_e4m3fn q/k/v × softcap / dropout / paged K/V / `cache_batch_idx` / "
+        "float8_e4m3fn q/k/v × softcap / dropout / `page_table` in `flash_attn_func` / `cache_batch_idx` / "
         "varlen q in `flash_attn_with_kvcache` / `seqused_q` / mods / block sparsity / qv / `debug_checks`",
         NotImplementedError,
         "{feature} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 forward serves causal/"
         "non-causal attention with sliding window, sink, GQA packing and split-KV, dense, varlen and over a "
-        "contiguous KV cache); "
+        "contiguous or paged KV cache); "
         "leave it at its default or use bf16/fp16 inputs",
         "the FP8 kernel (kernels/fwd_fp8.py) is built without them: each is named before launch. `num_splits` and "
         "`pack_gqa` follow the bf16 path's rules (a split over dense K/V whose batch stride is not seqlen x row "
-        "stride is refused under this name: split-KV reads K/V as packed rows).",
+        "stride is refused under this name: split-KV reads K/V as packed rows). Paged e4m3 K/V is served by "
+        "`flash_attn_with_kvcache` and `flash_attn_varlen_func` (`page_table`, the kernel's paged form); "
+        "`flash_attn_func` has no lengths to go with a table and refuses it here.",
         ("test_unserved_features_raise_before_launch", "test_varlen_refusals_name_the_argument",
          "test_a_split_over_kv_that_cannot_be_read_as_rows_is_refused",
-         "test_kvcache_refusals_name_the_argument")),
+         "test_kvcache_refusals_name_the_argument", "test_varlen_page_table_refusals")),
 })
 
 

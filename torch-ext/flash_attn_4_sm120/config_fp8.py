@@ -4,8 +4,8 @@ One frozen record per compiled kernel; ``can_implement`` raises ValueError / Not
 and the limit, and runs before every compile.  What the FP8 forward serves in this release: dense (B, S, H, D)
 or varlen (cu_seqlens_q/k, seqused_k; a contiguous KV cache with cache_seqlens) q/k/v in float8_e4m3fn, head dims
 64 and 128 (dv = d), MHA/GQA/MQA, causal or not, sliding window, learnable sink, bf16 or fp16 output, one (B, Hkv)
-fp32 descale per tensor (FlashAttention-3's layout), inference only, packed GQA and split-KV on the packed-rows
-(varlen) form.  Everything else raises.
+fp32 descale per tensor (FlashAttention-3's layout), inference only, packed GQA, split-KV and paged K/V on the
+packed-rows (varlen) form.  Everything else raises.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Fp8FwdConfig:
     # the query heads of a KV group share a CTA (tile row p: query row p // qpk, head hkv * qpk + p % qpk)
     pack_gqa: bool = False
     split: bool = False  # split-KV: fp32 partials (out_dtype "fp32") of the split's KV tiles, combined by the host
+    # paged K/V: k/v (num_pages, page_size, Hkv, D) with a page_table (B, max_pages) int32; key j of sequence b is
+    # row j % page_size of page page_table[b, j // page_size] (looked up per row: a page may be smaller than a tile)
+    paged: bool = False
     tile_m: int = FP8_TILE_M
     tile_n: int = FP8_TILE_N
     num_warps: int = FP8_NUM_WARPS
@@ -50,8 +53,24 @@ class Fp8FwdConfig:
     def name(self) -> str:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
                 f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
-                f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}"
+                f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}{'paged_' if self.paged else ''}"
                 f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
+
+
+def paged_slot(lane, j, chunks: int):
+    """Paged K/V loader (kernels/fwd_fp8.py): the warp-local slot of the K/V row that ``lane`` copies in its
+    ``j``-th 16-byte chunk copy.  The loader's copy ``tidx + threads * j`` is row ``(tidx + threads * j) // chunks``,
+    chunk ``tidx % chunks`` (threads a multiple of chunks, 32 too): warp w's rows of copy j are ``32 // chunks``
+    consecutive ones, so a warp touches ``tile_n // num_warps`` rows, numbered by slot ``lane // chunks + (32 //
+    chunks) * j``.  Plain integer arithmetic: the kernel calls it on Int32 values, the CPU tests on ints."""
+    return lane // chunks + (32 // chunks) * j
+
+
+def paged_slot_row(slot, warp, chunks: int, threads: int):
+    """The tile row (0 .. tile_n - 1) of ``slot`` in ``warp`` (the inverse of ``paged_slot``): lane ``slot % 32``
+    looks up its page once per tile and the lanes that copy the row read it with a shuffle."""
+    per = 32 // chunks
+    return per * warp + slot % per + (threads // chunks) * (slot // per)
 
 
 def smem_bytes(cfg: Fp8FwdConfig) -> int:
@@ -66,7 +85,7 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
     if cfg.head_dim_v != cfg.head_dim:
         raise ValueError(f"head_dim_v={cfg.head_dim_v} != head_dim={cfg.head_dim}: the FP8 forward serves equal "
                          "head dims only")
-    for flag in ("causal", "local", "has_sink", "varlen", "pack_gqa", "split"):
+    for flag in ("causal", "local", "has_sink", "varlen", "pack_gqa", "split", "paged"):
         if not isinstance(getattr(cfg, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
     if cfg.split:
@@ -75,10 +94,10 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
                              "partials (the combine gives bf16/fp16)")
     elif cfg.out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
-    for flag in ("pack_gqa", "split"):
+    for flag in ("pack_gqa", "split", "paged"):
         if getattr(cfg, flag) and not cfg.varlen:
-            raise ValueError(f"{flag}=True needs varlen=True: the host runs packed GQA and split-KV on the "
-                             "packed-rows form only (dense calls that want them are flattened to it)")
+            raise ValueError(f"{flag}=True needs varlen=True: the host runs packed GQA, split-KV and paged K/V on "
+                             "the packed-rows form only (dense calls that want them are flattened to it)")
     if cfg.tile_m != 16 * cfg.num_warps:
         raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
     if cfg.tile_m == FP8_DECODE_TILE_M and not cfg.pack_gqa:
@@ -100,13 +119,13 @@ def check_target(arch: str, device_text: str) -> None:
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
                   has_sink: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                  split: bool = False, rows: int | None = None) -> Fp8FwdConfig:
+                  split: bool = False, rows: int | None = None, paged: bool = False) -> Fp8FwdConfig:
     """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
     of them runs the one-warp decode tile."""
     decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                        out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
-                       varlen=varlen, pack_gqa=pack_gqa, split=split,
+                       varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged,
                        tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
                        num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
     can_implement(cfg)
@@ -118,7 +137,9 @@ def all_configs() -> list[Fp8FwdConfig]:
     exist on the varlen form only: dense calls that pick them are flattened to packed rows (a view, with
     cu_seqlens made on the device; dispatch_fp8.fp8_attention), so the dense form never needs them, and a split
     writes fp32 partials whatever the output dtype: 64 unsplit configurations x 1 + 32 varlen ones packed, 16
-    split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176."""
+    split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176.  Paged
+    K/V (flash_attn_with_kvcache's page_table) runs on the varlen form and may pick any of its 144 configurations
+    (packing, splitting and the decode tile follow the same rules as a contiguous cache): 144 more -> 320."""
     base = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
             for k in (False, True) for vl in (False, True)]
@@ -129,4 +150,5 @@ def all_configs() -> list[Fp8FwdConfig]:
              for p in (False, True)]
     decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS)
               for c in packed + split if c.pack_gqa]
-    return base + packed + split + decode
+    contiguous = base + packed + split + decode
+    return contiguous + [replace(c, paged=True) for c in contiguous if c.varlen]

@@ -2,13 +2,13 @@
 
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
-raises before anything launches, and so does every feature the FP8 kernel does not serve yet (paged K/V,
-softcap, dropout, mods, block sparsity).  Causal, sliding window, learnable sink, packed GQA (``pack_gqa``, the
+raises before anything launches, and so does every feature the FP8 kernel does not serve yet (softcap, dropout,
+mods, block sparsity).  Causal, sliding window, learnable sink, packed GQA (``pack_gqa``, the
 bf16 rule) and split-KV (``num_splits``, the bf16 rule; fp32 partials and splitkv's combine) are served, dense
-(``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous KV
-cache (``flash_attn_with_kvcache``: cache_seqlens, e4m3 or quantized bf16/fp16 appends); the last two also take a
-bf16/fp16 q over e4m3 K/V (an FP8 KV cache), quantized on the device (``check_fp8_call(query_quantized_here=True)``
-lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form, and a dense call that packs
+(``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous or
+paged KV cache (``flash_attn_with_kvcache``: cache_seqlens, page_table, e4m3 or quantized bf16/fp16 appends);
+the last two also take a bf16/fp16 q over e4m3 K/V (an FP8 KV cache), quantized on the device
+(``check_fp8_call(query_quantized_here=True)`` lets it through); dispatch_fp8_varlen.py maps them onto the kernel's packed-rows form, and a dense call that packs
 or splits runs there too.  No host read of a device value (but a varlen call's missing max_seqlen_q, read once as
 the bf16 path does).
 """
@@ -55,12 +55,13 @@ def _check_descale(name, d, b, hkv, device):
 
 
 def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs_grad, unsupported: dict,
-                   varlen_q=False, varlen_k=False, batch=None, query_quantized_here=False):
+                   varlen_q=False, varlen_k=False, batch=None, query_quantized_here=False, paged=False):
     """ValueError / NotImplementedError for anything the FP8 forward does not serve; returns (descales, out_dtype
     name).  ``unsupported``: name -> True for each non-default feature argument of the call.  ``varlen_q/k``: q or
     k/v are packed rows (total, H, D) of ``batch`` sequences (else (B, S, H, D)).  ``query_quantized_here``: q may
     be bf16/fp16 (an e4m3 KV cache's query, which the caller quantizes into a fresh contiguous tensor: its layout is
-    not checked, a given q_descale is refused, and out_dtype defaults to q's dtype)."""
+    not checked, a given q_descale is refused, and out_dtype defaults to q's dtype).  ``paged``: k/v are page pools
+    (num_pages, page_size, Hkv, D) (their leading dim is not the batch; the page table is checked by the caller)."""
     compat.check_fp8(compiling=False, needs_grad=needs_grad, unsupported={})  # before the dtypes, as before
     hp_q = query_quantized_here and isinstance(q, torch.Tensor) and q.dtype in _OUT
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -92,7 +93,7 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
                 f"{name} has shape {tuple(t.shape)}: the FP8 forward takes "
                 + ("packed (total, heads, head_dim) rows with cu_seqlens" if packed else
                    "dense (batch, seqlen, heads, head_dim) tensors here (packed rows: flash_attn_varlen_func with "
-                   "cu_seqlens; no paged K/V yet)"))
+                   "cu_seqlens; paged K/V: flash_attn_with_kvcache with page_table)"))
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
         if any((s % 16) for s in t.stride()[:-1]) or t.data_ptr() % 16:
@@ -105,7 +106,7 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
     hq, d = q.shape[-2:]
     hkv, dv = v.shape[-2:]
     if (tuple(k.shape[:-1]) != tuple(v.shape[:-1]) or k.shape[-1] != d or (not varlen_q and q.shape[0] != b)
-            or (not varlen_k and k.shape[0] != b)):
+            or (not varlen_k and not paged and k.shape[0] != b)):
         raise ValueError(f"q/k/v shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
                          + (f" (batch {b})" if batch is not None else ""))
     if hq % hkv:
@@ -155,8 +156,13 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
     u8 = cutlass.Uint8
     sink = f32(1) if cfg.has_sink else None
     lens = (i32(), i32(), i32()) if cfg.varlen else (None, None, None)
+    table = None
+    if cfg.paged:  # (B, max_pages) int32, rows of any stride; the kernel reads no cu_seqlens_k
+        lens = (lens[0], None, lens[2])
+        table = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                                              assumed_align=4)
     return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), f32(2), f32(2), f32(2), sink, *lens, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            f32(3), f32(2), f32(2), f32(2), sink, *lens, table, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -240,7 +246,7 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     qd, kd, vd = descales
     with torch.cuda.device(q.device):
         fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink, None, None,
-           None, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+           None, None, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
     return out, lse
 
 
@@ -269,13 +275,15 @@ def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv:
 
 def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, softmax_scale, causal, out_name,
                    out_dtype, window_size=None, learnable_sink=None, pack_gqa=None, num_splits: int = 1,
-                   max_seqlen_k: int | None = None, rows_covered: bool = True):
+                   max_seqlen_k: int | None = None, rows_covered: bool = True, page_table=None):
     """Launch the FP8 forward on checked packed rows: q (1, total_q, Hq, D), k/v (1, total_k, Hkv, D), sequence b
     = q rows cu_q[b]..cu_q[b+1], keys cu_k[b]..cu_k[b]+used_k[b] (int32 on q's device) -> (out (1, total_q, Hq,
     Dv), lse fp32 (1, Hq, total_q)).  ``pack_gqa``: fp8_pack's rule; ``num_splits``: already defaulted by the
     entry point (fp8_splits resolves <= 0 from the grid); ``max_seqlen_k``: the longest sequence's keys (an upper
     bound from shapes, never a device value; default total_k); ``rows_covered``: every q row lies in a sequence
-    (else the split partials' LSE starts at -inf so uncovered rows combine to O = 0, LSE = -inf)."""
+    (else the split partials' LSE starts at -inf so uncovered rows combine to O = 0, LSE = -inf); ``page_table``
+    (B, max_pages) int32: k/v are page pools (num_pages, page_size, Hkv, D), sequence b has used_k[b] keys
+    through its row of the table (cu_k unused: None), at most max_pages * page_size (the kernel's paged form)."""
     from .config_fp8 import check_target
     from .device import device_caps
 
@@ -283,6 +291,9 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     check_target(caps.arch, caps.describe())
     total_q, hq, d = q.shape[1:]
     total_k, hkv = k.shape[1:3]
+    paged = page_table is not None
+    if paged:  # the keys a sequence can hold (window bounds and the split count read it as total_k)
+        total_k = page_table.shape[1] * k.shape[1]
     batch = cu_q.shape[0] - 1
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -295,7 +306,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     lse = torch.empty(1, hq, total_q, dtype=torch.float32, device=q.device)
     rows = max_seqlen_q * pack
     cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True,
-                        pack_gqa=pack > 1, rows=rows)
+                        pack_gqa=pack > 1, rows=rows, paged=paged)
     if batch == 0 or total_q == 0 or hq == 0:
         return out, lse
     if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
@@ -313,7 +324,8 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
                         dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
     qd, kd, vd = descales
     args = (q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8))
-    tail = (qd, kd, vd, sink, cu_q, cu_k, used_k, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+    tail = (qd, kd, vd, sink, cu_q, None if paged else cu_k, used_k, page_table, scale * LOG2_E, left, right,
+            hq // hkv, num_m_blocks)
     if splits == 1:
         fn = get_fp8_kernel(cfg, q.device)
         with torch.cuda.device(q.device):
@@ -322,7 +334,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     from .splitkv import combine_into, partials
 
     fn = get_fp8_kernel(select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None,
-                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows), q.device)
+                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows, paged=paged), q.device)
     o_part, l_part, o_comb, l_comb = partials(out, lse, splits)  # (splits, 1, total_q, Hq, Dv), (splits, 1, Hq, .)
     if not rows_covered:
         l_part.fill_(-math.inf)
@@ -332,14 +344,16 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     return out, lse
 
 
-def default_splits(num_splits, q, k, *, causal, window_size, cu_seqlens_k=None, max_seqlen_k=None) -> int:
+def default_splits(num_splits, q, k, *, causal, window_size, cu_seqlens_k=None, max_seqlen_k=None,
+                   page_table=None) -> int:
     """The bf16 path's ``num_splits`` rule for an FP8 call (always inference): None -> splitkv.default_for_call
     (automatic only for a KV walk of at least AUTO_MIN_KEYS keys, never for a graph capture with a caller-given
     max_seqlen_k), an int as given (0 or less: automatic; checked by splitkv.check_num_splits)."""
     from . import splitkv as SK
 
     if num_splits is None:
-        kw = dict(causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        kw = dict(causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                  page_table=page_table)  # paged: the walk is the table's capacity (splitkv.default_kv_walk)
         return SK.default_for_call(q, k, kw, 0.0, False, False, False)
     return SK.check_num_splits(num_splits)
 

@@ -43,11 +43,18 @@ def _check_lengths(name, t, length, device):
 
 def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
                          k_descale, v_descale, out_dtype, softmax_scale, causal, window_size, return_lse,
-                         learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None):
+                         learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None,
+                         page_table=None):
     """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv).
     ``num_splits`` / ``pack_gqa``: the bf16 path's rules (dispatch_fp8.default_splits / fp8_pack); an int
-    ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read)."""
+    ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read).
+    ``page_table`` (B, max_pages) int32: k/v are e4m3 page pools (num_pages, page_size, Hkv, D), each sequence's
+    keys counted by seqused_k (default: the table's capacity); cu_seqlens_k is refused with it, as the bf16 path
+    (compat ``paged_cu_seqlens_k``)."""
     needs_grad = F8.entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_sink)
+    paged = page_table is not None
+    if paged and cu_seqlens_k is not None:
+        compat.refuse("paged_cu_seqlens_k")
     unsupported = dict(unsupported)
     unsupported["seqused_q"] = seqused_q is not None
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
@@ -63,8 +70,10 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     descales, out_name, out_torch = F8.check_fp8_call(
         q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
         needs_grad=needs_grad, unsupported=unsupported, varlen_q=varlen_q, varlen_k=varlen_k, batch=batch,
-        query_quantized_here=True)
+        query_quantized_here=True, paged=paged)
     dev = q.device
+    if paged:
+        V.check_page_table(page_table, k, v, batch, dev)
     F8.fp8_pack(pack_gqa, q.shape[-2], k.shape[-2], 0)  # names a bad value before any work
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
@@ -74,19 +83,28 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
         descales = (qd,) + tuple(descales[1:])
     qp = q.unsqueeze(0) if varlen_q else flatten_q(q)
-    kp = k.unsqueeze(0) if varlen_k else flatten(k, "k")
-    vp = v.unsqueeze(0) if varlen_k else flatten(v, "v")
     cu_q = cu_seqlens_q if varlen_q else dense_cu(batch, q.shape[1], dev)
-    cu_k = cu_seqlens_k if varlen_k else dense_cu(batch, k.shape[1], dev)
-    used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
+    if paged:  # the pools themselves, no cu_seqlens_k: the kernel's paged form
+        kp, vp, cu_k = k, v, None
+        capacity = page_table.shape[1] * k.shape[1]
+        used_k = (seqused_k if seqused_k is not None
+                  else torch.full((batch,), capacity, dtype=torch.int32, device=dev))
+    else:
+        kp = k.unsqueeze(0) if varlen_k else flatten(k, "k")
+        vp = v.unsqueeze(0) if varlen_k else flatten(v, "v")
+        cu_k = cu_seqlens_k if varlen_k else dense_cu(batch, k.shape[1], dev)
+        used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
     max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
-    max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else k.shape[1])
+    max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else
+                                                                (capacity if paged else k.shape[1]))
     splits = F8.default_splits(num_splits, q, k, causal=causal, window_size=window_size, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_k=max_seqlen_k if max_seqlen_k.__class__ is int else None)
+                               max_seqlen_k=max_seqlen_k if max_seqlen_k.__class__ is int else None,
+                               page_table=page_table)
     out, lse = F8.run_fp8_packed(qp, kp, vp, cu_q, cu_k, used_k, max_q, descales, softmax_scale=softmax_scale,
                                  causal=causal, out_name=out_name, out_dtype=out_torch, window_size=window_size,
                                  learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
-                                 max_seqlen_k=max_k, rows_covered=not varlen_q)
+                                 max_seqlen_k=max_k, rows_covered=not varlen_q,
+                                 page_table=_table_rows(page_table) if paged else None)
     return unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
 
 
@@ -110,12 +128,23 @@ def _check_new(k, v, k_cache, v_cache, batch):
     return k.shape[1]
 
 
+def _table_rows(page_table):
+    """The page table as the kernel's (B, max_pages) int32 with a unit column stride (a one-column table may carry
+    any stride there: a view, never a copy)."""
+    if page_table.shape[1] == 1 and page_table.stride(1) != 1:
+        return page_table.as_strided(tuple(page_table.shape), (page_table.stride(0), 1), page_table.storage_offset())
+    return page_table
+
+
 def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale, k_descale, v_descale, out_dtype,
                           softmax_scale, causal, window_size, return_lse, learnable_sink, unsupported: dict,
-                          num_splits=0, pack_gqa=None):
-    """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous cache -> (out, lse or None).
+                          num_splits=0, pack_gqa=None, page_table=None):
+    """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous or paged cache -> (out, lse or None).
     ``num_splits`` (default 0: automatic, from the grid and the SM count) and ``pack_gqa`` as the bf16 cache
-    path (splitkv.resolve_num_splits, plan.choose_pack)."""
+    path (splitkv.resolve_num_splits, plan.choose_pack).  ``page_table`` (B, max_pages) int32 (or its
+    FlashAttention-2 name block_table, resolved by the caller): k_cache/v_cache are e4m3 page pools (num_pages,
+    page_size, Hkv, D), any page size >= 1 (validate.check_page_table, the bf16 path's rules); appends go
+    through kvcache.append's paged writes on uint8 views, the kernel reads rows through the table."""
     from . import kvcache as KV
 
     needs_grad = F8.entry_checks(q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype, learnable_sink,
@@ -123,20 +152,28 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     if needs_grad:
         compat.refuse("kvcache_grad")
     batch = getattr(q, "shape", (0,))[0]
+    paged = page_table is not None
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.dim() != 4:
-            raise ValueError(f"{name} must be a contiguous cache (B_cache, S_cache, Hkv, D) here, got "
-                             f"{tuple(getattr(c, 'shape', ())) or type(c).__name__}")
-        if c.shape[0] < batch:
+            raise ValueError(f"{name} must be a " + ("paged cache (num_pages, page_size, Hkv, D)" if paged else
+                                                     "contiguous cache (B_cache, S_cache, Hkv, D)")
+                             + f" here, got {tuple(getattr(c, 'shape', ())) or type(c).__name__}")
+        if not paged and c.shape[0] < batch:
             raise ValueError(f"{name} has {c.shape[0]} rows for a batch of {batch}; a cache with one row per batch "
                              "entry is needed (cache_batch_idx is not supported with FP8 yet)")
-    kc, vc = k_cache[:batch], v_cache[:batch]
+    kc, vc = (k_cache, v_cache) if paged else (k_cache[:batch], v_cache[:batch])
     descales, out_name, out_torch = F8.check_fp8_call(
         q, kc, vc, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-        needs_grad=False, unsupported=unsupported, query_quantized_here=True)
-    if k_cache.shape[:2] != v_cache.shape[:2]:
+        needs_grad=False, unsupported=unsupported, query_quantized_here=True, paged=paged)
+    dev = q.device
+    if paged:  # ValueError naming the table's dtype / shape / device / the pools' page dims
+        V.check_page_table(page_table, k_cache, v_cache, batch, dev)
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    elif k_cache.shape[:2] != v_cache.shape[:2]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
                          "(batch, seqlen) dims")
+    else:
+        capacity = k_cache.shape[1]
     # the split count and pack_gqa are checked before anything is written into the cache
     splits = F8.default_splits(0 if num_splits is None else num_splits, q, k_cache, causal=causal,
                                window_size=window_size)
@@ -144,16 +181,21 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     new = _check_new(k, v, k_cache, v_cache, batch)
     if new and cache_seqlens is None:
         raise ValueError("cache_seqlens is required when appending k/v (it says where the new keys go)")
-    dev = q.device
-    seqlens = KV.check_cache_seqlens(cache_seqlens, batch, k_cache.shape[1], new, dev)
-    kp, vp = flatten(kc, "k_cache"), flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
+    seqlens = KV.check_cache_seqlens(cache_seqlens, batch, capacity, new, dev)
+    if not paged:
+        kp, vp = flatten(kc, "k_cache"), flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
     if new:
         k8, v8 = (x if x.dtype == _E4 else Q.quantize_with_descale(x, d) for x, d in ((k, descales[1]),
                                                                                         (v, descales[2])))
         KV.append(k_cache.view(torch.uint8), v_cache.view(torch.uint8), k8.view(torch.uint8), v8.view(torch.uint8),
-                  seqlens, None, None)
-    cu_k = dense_cu(batch, k_cache.shape[1], dev)
-    used_k = (cu_k[1:] - cu_k[:-1]) if seqlens is None else (seqlens + new if new else seqlens)
+                  seqlens, page_table, None)
+    if paged:
+        kp, vp, cu_k = k_cache, v_cache, None  # the pools themselves: the kernel's paged form reads no cu_seqlens_k
+        full = torch.full((batch,), capacity, dtype=torch.int32, device=dev) if seqlens is None else None
+    else:
+        cu_k = dense_cu(batch, k_cache.shape[1], dev)
+        full = cu_k[1:] - cu_k[:-1]
+    used_k = full if seqlens is None else (seqlens + new if new else seqlens)
     if q.dtype != _E4:  # a bf16/fp16 query over the e4m3 cache (check_fp8_call let only those through)
         q, qd = Q.quantize_query(q, k_cache.shape[2])
         descales = (qd,) + tuple(descales[1:])
@@ -161,5 +203,6 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
     out, lse = F8.run_fp8_packed(qp, kp, vp, dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                                  out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink,
-                                 pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=k_cache.shape[1], rows_covered=True)
+                                 pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=capacity, rows_covered=True,
+                                 page_table=_table_rows(page_table) if paged else None)
     return unpack(out, lse, batch, q.shape[1], True, return_lse)

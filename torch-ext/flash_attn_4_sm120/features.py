@@ -96,7 +96,8 @@ FEATURES: dict[str, Feature] = {
                 "block sparsity, paged KV or mods at head dim 256 (ValueError)"),
         Feature("fp8", SUPPORTED, "float8_e4m3fn q/k/v with q_descale/k_descale/v_descale (B, Hkv) fp32, out_dtype",
                 "FlashAttention-3's API through flash_attn_func, flash_attn_varlen_func (cu_seqlens_q/k, seqused_k) "
-                "and flash_attn_with_kvcache (contiguous e4m3 cache, cache_seqlens, e4m3 appends or bf16/fp16 "
+                "and flash_attn_with_kvcache (contiguous or paged e4m3 cache: page_table / block_table, any page "
+                "size, pages looked up per key row; cache_seqlens, e4m3 appends or bf16/fp16 "
                 "appends quantized with the cache's descales); an FP8 KV cache with a bf16/fp16 q in "
                 "flash_attn_with_kvcache and flash_attn_varlen_func (q quantized on the device per (sequence, KV "
                 "head) from its amax, output in q's dtype); mma.sync e4m3 "
@@ -104,7 +105,7 @@ FEATURES: dict[str, Feature] = {
                 "window, learnable sink, GQA with pack_gqa and split-KV (num_splits) under the bf16 path's rules; "
                 "bf16/fp16 output; inference only; fp8_quant.quantize_qkv (Hadamard "
                 "rotation, per-tensor/head/block scales) makes the inputs. Not yet: e5m2, a bf16/fp16 q in "
-                "flash_attn_func, paged K/V, softcap, torch.compile (each "
+                "flash_attn_func, cache_batch_idx, softcap, torch.compile (each "
                 "refused before launch); not on 8.0/8.6/8.9 devices (sm_80 cubins cannot hold the e4m3 mma)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",

@@ -35,7 +35,13 @@ Algorithm, per CTA:
     ceil(count / splits) tiles) and writes fp32 partials, out (splits, total_q, Hq, Dv) normalized by its own sum
     with v_descale applied and lse (splits, Hq, total_q); an empty share writes O = 0, LSE = -inf, and the sink
     joins split 0 only.  The host combines them (splitkv.combine_into, kernels/combine.py).
-Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap/paged K/V yet.
+  * Paged K/V (cfg.paged, varlen form only): k/v are page pools (num_pages, page_size, Hkv, D) and key j of
+    sequence b is row j % page_size of page page_table[b, j // page_size], looked up per K/V row (any page size
+    >= 1: a 64-key tile may span pages); the sequence holds clamp(seqused_k[b], 0, max_pages * page_size) keys
+    and page indices are clamped to [0, num_pages), so a lying table reads wrong pages, never outside the pool.
+    Lane l of a warp reads the page of the warp's l-th row of the tile once; the copies get it by a shuffle
+    (load_kv_paged).  The math is the contiguous kernel's: paged and contiguous give bit-identical results.
+Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap yet.
 Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
 """
 
@@ -43,7 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement
+from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement, paged_slot, paged_slot_row
 from . import cute_utils as cu
 from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
                       ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
@@ -56,8 +62,10 @@ LOG2_E = 1.4426950408889634
 
 class FlashFwdFp8:
     ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
-                 "cu_seqlens_k", "seqused_k", "scale_log2", "window_left", "window_right", "qheads_per_kvhead",
-                 "num_m_blocks")  # with cfg.split, out / lse are the fp32 partials (splits, ...)
+                 "cu_seqlens_k", "seqused_k", "page_table", "scale_log2", "window_left", "window_right",
+                 "qheads_per_kvhead", "num_m_blocks")
+    # with cfg.split, out / lse are the fp32 partials (splits, ...); with cfg.paged, k / v are the page pools
+    # (num_pages, page_size, Hkv, D), page_table (B, max_pages) int32, and cu_seqlens_k is None
 
     def __init__(self, cfg: Fp8FwdConfig):
         can_implement(cfg)
@@ -75,7 +83,7 @@ class FlashFwdFp8:
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                  q_descale: cute.Tensor, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
                  cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
-                 scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
+                 page_table: cute.Tensor | None, scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
                  num_m_blocks: Int32, stream):
         q_bytes = self.tile_m * self.k_row
         k_bytes = self.stages * self.tile_n * self.k_row
@@ -96,14 +104,15 @@ class FlashFwdFp8:
         if const_expr(self.cfg.split):  # z folds (sequence, split)
             batch = batch * out.shape[0]
         self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                    scale_log2, window_left, window_right, qheads_per_kvhead, SharedStorage).launch(
+                    page_table, scale_log2, window_left, window_right, qheads_per_kvhead, SharedStorage).launch(
             grid=(num_m_blocks, heads, batch), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None,
-               mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mUsedK: cute.Tensor | None, scale_log2: Float32,
+               mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mUsedK: cute.Tensor | None,
+               mPT: cute.Tensor | None, scale_log2: Float32,
                window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
@@ -129,8 +138,13 @@ class FlashFwdFp8:
             # numbers but never an out-of-bounds access (as the bf16 forward)
             q_off = cutlass.min(cutlass.max(mCuQ[b], 0), sq)
             sq = cutlass.min(cutlass.max(mCuQ[b + 1], q_off), sq) - q_off
-            k_off = cutlass.min(cutlass.max(mCuK[b], 0), sk)
-            # the host passes cu_seqlens_k's differences when no seqused_k is given
+            if const_expr(self.cfg.paged):
+                # a sequence holds at most max_pages * page_size keys (the host checks the product fits int32), so
+                # every page-table column read below is in range; no cu_seqlens_k (k_off stays 0)
+                sk = Int32(mPT.shape[1]) * Int32(mK.shape[1])
+            else:
+                k_off = cutlass.min(cutlass.max(mCuK[b], 0), sk)
+            # the host passes cu_seqlens_k's differences when no seqused_k is given (the capacity when paged)
             sk = cutlass.min(cutlass.max(mUsedK[b], 0), sk - k_off)
         hkv = h if const_expr(self.cfg.pack_gqa) else h // qheads_per_kvhead
         sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
@@ -205,6 +219,9 @@ class FlashFwdFp8:
                   + Int64(hkv) * Int64(mV.stride[2]))
         # a row stride is H * D bytes (the host checks it fits 32 bits): one register each across the loop
         k_rs, v_rs = Int32(mK.stride[1]), Int32(mV.stride[1])
+        pages = None  # paged: (table, batch entry, last page, page size, K / V page strides), read by load_kv
+        if const_expr(self.cfg.paged):  # k_base / v_base: head hkv of page 0 (bq = k_off = 0)
+            pages = (mPT, b, Int32(mK.shape[0]) - 1, Int32(mK.shape[1]), Int64(mK.stride[0]), Int64(mV.stride[0]))
 
         n_acc_s = self.tile_n // 8
         n_acc_o = self.dv // 8
@@ -217,13 +234,13 @@ class FlashFwdFp8:
         acc_s = cute.make_rmem_tensor((n_acc_s * 4,), Float32)
 
         if n_iters > 0:
-            self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+            self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
         cp_async_commit()
         for it in cutlass.range(n_iters, unroll=1):
             nb = n_max - 1 - it
             stage = it % 2
             if it + 1 < n_iters:  # the next tile lands in the other stage while this one is used
-                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
             cp_async_commit()
             cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
             cute.arch.barrier()
@@ -263,7 +280,14 @@ class FlashFwdFp8:
                       split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
 
     @cute.jit
-    def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
+    def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
+        if const_expr(self.cfg.paged):
+            self.load_kv_paged(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
+        else:
+            self.load_kv_rows(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
+
+    @cute.jit
+    def load_kv_rows(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
         for which in cutlass.range_constexpr(2):
             width = self.d if const_expr(which == 0) else self.dv
             row_bytes = self.k_row if const_expr(which == 0) else self.v_row
@@ -280,6 +304,54 @@ class FlashFwdFp8:
                 # fp8_gate_sm90a.jsonl)
                 for j in cutlass.range(self.tile_n * chunks // self.num_threads, unroll=1):
                     self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+
+    @cute.jit
+    def load_kv_paged(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
+        """Paged K/V: KV tile ``nb``, K and V rows together (d = dv: the same copies address both).  Lane l of each
+        warp looks up the (page, row in page) of the warp's slots l and l + 32 (``config_fp8.paged_slot_row``)
+        once per tile, so a thread waits for one page-table read, not one dependent read per copied row (the
+        one-warp tile copies 16 rows a thread); each copy takes its row's pair from the owning lane by a shuffle.
+        Keys past sk get row -1: zero-filled, nothing read (a last page's tail may hold anything)."""
+        mPT, b, last_page, page_size, k_ps, v_ps = pages
+        chunks = self.d // 16
+        warp, lane = tidx // 32, tidx % 32
+        slots = self.tile_n // self.cfg.num_warps
+        looked = []
+        for i in cutlass.range_constexpr((slots + 31) // 32):
+            slot = (lane + 32 * i) % slots  # the 4-warp tile has 16 slots: lanes 16-31 repeat 0-15 (same reads)
+            key = nb * self.tile_n + paged_slot_row(slot, warp, chunks, self.num_threads)
+            ok = key < sk
+            col = key // page_size if ok else 0  # column 0 exists whenever a tile is loaded (sk > 0)
+            # page indices are the caller's contract: clamped to the pool, a lie reads a wrong page, never outside
+            page = cutlass.min(cutlass.max(mPT[b, col], 0), last_page)
+            looked.append((page, key - col * page_size if ok else -1))
+        ks = sK_addr + stage * (self.tile_n * self.k_row)
+        vs = sV_addr + stage * (self.tile_n * self.v_row)
+        per = self.tile_n * chunks // self.num_threads
+        if const_expr(self.num_threads >= 128):
+            for j in cutlass.range_constexpr(per):
+                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
+        else:  # rolled, as load_kv_rows' one-warp loop
+            for j in cutlass.range(per, unroll=1):
+                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
+
+    @cute.jit
+    def copy_paged_row(self, j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs):
+        slot = paged_slot(lane, j, chunks)
+        page, row = looked[0]
+        if const_expr(len(looked) > 1):  # slot // 32 is the same for every lane of a copy (32 // chunks | 32)
+            hi = slot >= 32
+            page = looked[1][0] if hi else page
+            row = looked[1][1] if hi else row
+        page = cute.arch.shuffle_sync(page, slot % 32)
+        row = cute.arch.shuffle_sync(row, slot % 32)
+        ok = row >= 0
+        r, cidx = (tidx + self.num_threads * j) // chunks, tidx % chunks  # the tile row paged_slot_row names
+        page64, row64 = Int64(page if ok else 0), Int64(row if ok else 0)
+        cp_async_16(ks + r * self.k_row + cidx * 16, k_base + page64 * k_ps + row64 * Int64(k_rs) + Int64(cidx * 16),
+                    16 if ok else 0)
+        cp_async_16(vs + r * self.v_row + cidx * 16, v_base + page64 * v_ps + row64 * Int64(v_rs) + Int64(cidx * 16),
+                    16 if ok else 0)
 
     @cute.jit
     def load_row_chunk(self, idx, chunks, nb, sk, base, rs, s_addr, row_bytes):
