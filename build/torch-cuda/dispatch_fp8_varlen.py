@@ -28,6 +28,7 @@ import torch
 from . import compat
 from . import dispatch_fp8 as F8
 from . import fp8_quant as Q
+from .fp8_rows import dense_cu, flatten, flatten_q, unpack
 from . import validate as V
 
 _E4 = torch.float8_e4m3fn
@@ -38,35 +39,6 @@ def _check_lengths(name, t, length, device):
     if t is None:
         return
     V.check_index_tensor(name, t, length, device)
-
-
-def _flatten(t, name):
-    """(B, S, H, D) -> (1, B * S, H, D) view, without a copy (a cache is never copied)."""
-    b, s = t.shape[:2]
-    if b > 1 and s > 0 and t.stride(0) != s * t.stride(1):
-        raise ValueError(f"{name} (strides {t.stride()}) cannot be read as packed rows: its batch stride must be "
-                         f"seqlen x its row stride ({s} x {t.stride(1)}); use .contiguous()")
-    return t.as_strided((1, b * s) + tuple(t.shape[2:]), (b * s * t.stride(1) or 1,) + t.stride()[1:],
-                        t.storage_offset())
-
-
-def _flatten_q(q):
-    """A dense q as packed rows: a view, or a copy of q (never of K/V) when its layout does not allow one."""
-    ok = q.shape[0] <= 1 or q.shape[1] == 0 or q.stride(0) == q.shape[1] * q.stride(1)
-    return _flatten(q if ok else q.contiguous(), "q")
-
-
-def _dense_cu(batch, s, device):
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * s
-
-
-def _unpack(out, lse, batch, sq, dense_q, return_lse):
-    """The kernel's (1, total_q, Hq, Dv) / (1, Hq, total_q) back to the caller's layout."""
-    hq = out.shape[2]
-    if not dense_q:
-        return out[0], (lse[0] if return_lse else None)
-    out = out.view(batch, sq, hq, out.shape[3])
-    return out, (lse.view(hq, batch, sq).permute(1, 0, 2).contiguous() if return_lse else None)
 
 
 def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
@@ -110,17 +82,17 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         hkv = k.shape[-2]
         q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
         descales = (qd,) + tuple(descales[1:])
-    qp = q.unsqueeze(0) if varlen_q else _flatten_q(q)
-    cu_q = cu_seqlens_q if varlen_q else _dense_cu(batch, q.shape[1], dev)
+    qp = q.unsqueeze(0) if varlen_q else flatten_q(q)
+    cu_q = cu_seqlens_q if varlen_q else dense_cu(batch, q.shape[1], dev)
     if paged:  # the pools themselves, no cu_seqlens_k: the kernel's paged form
         kp, vp, cu_k = k, v, None
         capacity = page_table.shape[1] * k.shape[1]
         used_k = (seqused_k if seqused_k is not None
                   else torch.full((batch,), capacity, dtype=torch.int32, device=dev))
     else:
-        kp = k.unsqueeze(0) if varlen_k else _flatten(k, "k")
-        vp = v.unsqueeze(0) if varlen_k else _flatten(v, "v")
-        cu_k = cu_seqlens_k if varlen_k else _dense_cu(batch, k.shape[1], dev)
+        kp = k.unsqueeze(0) if varlen_k else flatten(k, "k")
+        vp = v.unsqueeze(0) if varlen_k else flatten(v, "v")
+        cu_k = cu_seqlens_k if varlen_k else dense_cu(batch, k.shape[1], dev)
         used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
     max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
     max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else
@@ -133,7 +105,7 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
                                  learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
                                  max_seqlen_k=max_k, rows_covered=not varlen_q,
                                  page_table=_table_rows(page_table) if paged else None)
-    return _unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
+    return unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
 
 
 def _check_new(k, v, k_cache, v_cache, batch):
@@ -211,7 +183,7 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
         raise ValueError("cache_seqlens is required when appending k/v (it says where the new keys go)")
     seqlens = KV.check_cache_seqlens(cache_seqlens, batch, capacity, new, dev)
     if not paged:
-        kp, vp = _flatten(kc, "k_cache"), _flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
+        kp, vp = flatten(kc, "k_cache"), flatten(vc, "v_cache")  # before the append: a bad layout writes nothing
     if new:
         k8, v8 = (x if x.dtype == _E4 else Q.quantize_with_descale(x, d) for x, d in ((k, descales[1]),
                                                                                         (v, descales[2])))
@@ -221,16 +193,16 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
         kp, vp, cu_k = k_cache, v_cache, None  # the pools themselves: the kernel's paged form reads no cu_seqlens_k
         full = torch.full((batch,), capacity, dtype=torch.int32, device=dev) if seqlens is None else None
     else:
-        cu_k = _dense_cu(batch, k_cache.shape[1], dev)
+        cu_k = dense_cu(batch, k_cache.shape[1], dev)
         full = cu_k[1:] - cu_k[:-1]
     used_k = full if seqlens is None else (seqlens + new if new else seqlens)
     if q.dtype != _E4:  # a bf16/fp16 query over the e4m3 cache (check_fp8_call let only those through)
         q, qd = Q.quantize_query(q, k_cache.shape[2])
         descales = (qd,) + tuple(descales[1:])
-    qp = _flatten_q(q)
-    out, lse = F8.run_fp8_packed(qp, kp, vp, _dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
+    qp = flatten_q(q)
+    out, lse = F8.run_fp8_packed(qp, kp, vp, dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                                  out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink,
                                  pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=capacity, rows_covered=True,
                                  page_table=_table_rows(page_table) if paged else None)
-    return _unpack(out, lse, batch, q.shape[1], True, return_lse)
+    return unpack(out, lse, batch, q.shape[1], True, return_lse)
