@@ -61,7 +61,8 @@ def paged(cache, table):
     table[b, j // PAGE_SIZE]."""
     b, width = table.shape
     pool = torch.empty((b * width, PAGE_SIZE) + tuple(cache.shape[2:]), dtype=cache.dtype, device=cache.device)
-    pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(b, width, PAGE_SIZE, *cache.shape[2:])
+    raw = cache.view(torch.uint8)  # bytes: a bf16 cache's last dim doubles in this view
+    pool.view(torch.uint8)[table.long()] = raw.view(b, width, PAGE_SIZE, *raw.shape[2:])
     return pool
 
 
