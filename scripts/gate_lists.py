@@ -286,7 +286,8 @@ def fused_gate_worklist() -> list:
     """The fused backward configurations the compile gate builds, with their convert kernels: per fused tile and
     walk, at the largest head-dim pair that tile serves and at the smallest dv beside its largest d, in bf16 the
     lightest set, the heaviest (every flag of the walk), dropout alone and with the heaviest set and a seed tensor;
-    fp16 at the heaviest.  (Every intermediate class the dispatcher selects is in the class sweep,
+    fp16 at the heaviest; each of them also in its relay form (``dq_relay``, what ``deterministic=True`` runs; its
+    convert kernel is the same).  (Every intermediate class the dispatcher selects is in the class sweep,
     scripts/gate_classes.py.)"""
     groups: dict[tuple, list] = {}
     for d, dv in sorted(supported_head_dim_pairs()):
@@ -305,7 +306,7 @@ def fused_gate_worklist() -> list:
                                  ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)):
                 cfg = select_fused_config(dtype, d, dv, **flags)
                 if cfg is not None:
-                    out += [cfg, dq_convert_config(cfg)]
+                    out += [cfg, dq_convert_config(cfg), replace(cfg, dq_relay=True)]
     return out
 
 

@@ -8,7 +8,7 @@ tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import SMEM_LIMIT_BYTES, copy_threads_per_row
 
@@ -50,8 +50,13 @@ class BwdKernelConfig:
     # shared memory and adds it into an fp32 workspace (``red.global.add.v2.f32``, whole 256-byte lines per warp
     # instruction), which kernels/bwd_dq_convert.py scales and casts: 5 GEMMs per block pair instead of the 7 of
     # the dK/dV + dQ kernel pair.  The order of the adds varies from run to run (``deterministic=True`` runs the
-    # two-kernel path)
+    # two-kernel path, or the relay below)
     fused_dq: bool = False
+    # the fused backward's deterministic form (``deterministic=True``, kernels/dq_relay.py): the CTAs that add into
+    # one query tile's workspace take turns, in the order of their key tiles (a turn counter per query tile, in
+    # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
+    # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
+    dq_relay: bool = False
 
     @property
     def block_sparse(self) -> bool:
@@ -70,7 +75,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
-                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "")
+                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "") + ("r" if self.dq_relay else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -155,6 +160,8 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
         if cfg.tile_n != 16 * cfg.num_warps or cfg.kv_warp_rows != 16:
             problems.append(f"key-row tile needs tile_n = 16 x num_warps and 16 key rows per warp, got tile_n="
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
+    if cfg.dq_relay and not cfg.fused_dq:
+        problems.append("the dQ relay (dq_relay) orders the fused kernel's dQ adds: it needs fused_dq")
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     if not tma:
         spilling = spilling | _BWD_SPILLING_WITHOUT_TMA.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
@@ -275,16 +282,28 @@ _FUSED_FLAGS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", 
                 "dropout_seed_tensor", "mods")
 
 
-def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
+def fused_for(bwd_cfg: BwdKernelConfig, relay: bool = False) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
     """(fused config, convert config) for the call whose dK/dV kernel pair is ``bwd_cfg``, or None where the pair
     runs it: block sparsity (the KV-major lists are made for the pair's tile) or no fused tile for its head dim,
-    walk and features (``select_fused_config``).  The caller also keeps the pair for a learnable sink,
-    ``deterministic=True`` and a device without vector reductions."""
+    walk and features (``select_fused_config``).  ``relay``: the deterministic form (``dq_relay``,
+    ``deterministic=True``), on the same tile as the default.  The caller also keeps the pair for a learnable sink
+    and a device without vector reductions."""
     if bwd_cfg.block_sparse:
         return None
     cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
                               **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
+    if cfg is not None and relay:
+        cfg = replace(cfg, dq_relay=True)
+        if bwd_problems(cfg):  # (none today: a relay tile that spills goes in _BWD_SPILLING after the gate)
+            return None
     return None if cfg is None else (cfg, dq_convert_config(cfg))
+
+
+def dq_turns_offset(accum_elems: int) -> int:
+    """Where the relay's turn counters start in the one zeroed fp32 allocation that holds the dQ workspace
+    (``accum_elems`` values) and then the counters (int32, one per workspace tile and head): rounded up to 16
+    bytes.  One allocation, one memset per call (dispatch_bwd)."""
+    return -(-accum_elems // 4) * 4
 
 
 
