@@ -120,7 +120,10 @@ _BWD_SPILLING = {
     ((32, 32, 4, 16, False), 256): {"sparse_mask_mod", "sparse_fp16"},
     # spills with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile gate's
     # class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
-    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
+    # the relay form (dq_relay) with mods spilled 2-4 STL/LDL with the causal, sliding-window and document mask mods
+    # in the heaviest plain-walk set (benchmarks/results/gate_relay_sm120a_s35.jsonl): such deterministic calls run
+    # the kernel pair
+    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap", "relay_mods"},
     # the key-row tiles (they use all 255 registers at d128 without features).  32x128 (d128): dropout with
     # softcap, a windowed call with a mod that reads aux tensors (document, relative bias), mods with dropout
     # (relative bias).  64x128 (d64, d96): mods that read aux tensors (relative bias, prefix-LM from a tensor),
@@ -173,6 +176,7 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
                         ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
                         ("mods_dropout", cfg.has_dropout and cfg.mods is not None),
+                        ("relay_mods", cfg.dq_relay and cfg.mods is not None),
                         ("partial_varlen", (cfg.has_dropout or cfg.has_aux) and not cfg.varlen_q
                          and (cfg.varlen_k or cfg.seqused_q or cfg.seqused_k))):
         if on and feature in spilling:
@@ -292,9 +296,9 @@ def fused_for(bwd_cfg: BwdKernelConfig, relay: bool = False) -> tuple[BwdKernelC
         return None
     cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
                               **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
-    if cfg is not None and relay:
+    if cfg is not None and relay:  # the same tile when the relay form compiles on it, else none (the pair)
         cfg = replace(cfg, dq_relay=True)
-        if bwd_problems(cfg):  # (none today: a relay tile that spills goes in _BWD_SPILLING after the gate)
+        if bwd_problems(cfg):
             return None
     return None if cfg is None else (cfg, dq_convert_config(cfg))
 
