@@ -244,6 +244,13 @@ BWD_LPT_ORDER = True
 BWD_LPT_MIN_COLUMNS = 16
 BWD_LPT_MAX_PAIRS = 64
 
+# The relay form (``dq_relay``, kernels/dq_relay.py): where a CTA passes a query tile's turn on, in its next
+# iteration: "top" right after the iteration's first CTA barrier (the adds drain under the next tile's row
+# statistics loads), "after_s" after the next tile's S mma (more time to drain before the release's fence, a longer
+# wait for the next CTA).  Not measured yet: "top" is the default; an A/B switch for
+# benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
+DQ_RELAY_RELEASE = "top"
+
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
 # "plain" (no window) or "windowed"),

@@ -84,6 +84,10 @@ class FlashBwdDkdv(KernelStateMixin):
         # document mask on sm_80: the full runs of 4f1bbf9, benchmarks/results/gate_full_*.jsonl)
         self.lpt_order = (_config_bwd.BWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse and cfg.mods is None
                           and not cfg.has_dropout)
+        # the relay (dq_relay): where a tile's turn is passed on, in the CTA's next iteration (config_bwd
+        # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
+        # drain before the release's fence but makes the next CTA wait longer)
+        self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
 
     @cute.jit
     def __call__(
@@ -412,8 +416,8 @@ class FlashBwdDkdv(KernelStateMixin):
                     cur_head, cur_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            if const_expr(cfg.dq_relay):  # the previous tile's adds are issued (barrier): pass its turn on
-                relay.pass_on(pend, tidx)
+            if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
+                relay.pass_on(pend, tidx)  # issued (barrier): pass its turn on
 
             # ---- S, then the score hook (softcap, masks)
             drop_bits = None
@@ -422,6 +426,8 @@ class FlashBwdDkdv(KernelStateMixin):
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            if const_expr(self.relay_release_after_s):
+                relay.pass_on(pend, tidx)
             acc_raw = None
             if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
                 acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
