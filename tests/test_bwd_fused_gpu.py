@@ -192,7 +192,8 @@ def _relay_cases():
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cases = []
     for d in (64, 96, 128):
-        dense = (_rand(2, 1536, 8, d), _rand(2, 1536, 2, d, seed=1), _rand(2, 1536, 2, d, seed=2))
+        # 2048 keys: 16 key tiles of 128 or more, so causal and windowed walks take the LPT launch order too
+        dense = (_rand(2, 2048, 8, d), _rand(2, 2048, 2, d, seed=1), _rand(2, 2048, 2, d, seed=2))
         cases += [
             (f"d{d}", lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=True), dense),
             (f"d{d}-causal", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, deterministic=True), dense),

@@ -32,8 +32,9 @@ workspace tile (their sums are wrong anyway) ``>=`` still lets every CTA through
 Memory ordering (the PTX model's release / acquire patterns): all threads issue their reds, the CTA barrier orders
 them before thread 0's ``red.release.gpu`` increment (cumulative over what the barrier ordered); in the next CTA,
 lane 0 of each warp spins with ``ld.acquire.gpu`` until its turn and ``bar.warp.sync`` orders the warp's reds
-after the acquire.  The increment is made at the top of the CTA's next query tile, after the barrier that is
-there anyway, so the reds drain under the loads of the next tile instead of stalling the CTA on the fence.
+after the acquire.  The increment is made in the CTA's next iteration, after the barrier that is there anyway
+(right after it, or after the S mma: config_bwd.DQ_RELAY_RELEASE), so the reds drain under the next tile's loads
+instead of stalling the CTA on the release's fence; after the last tile, behind one more barrier.
 
 Profile: ``ncu -k regex:kernel_cutlass_kernel.*FlashBwdDkdv`` (the relay's waits show as stalls on the spin).
 """
