@@ -134,8 +134,8 @@ def main(argv=None):
         out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
         check_then_time(row, "ours", lambda: torch.autograd.grad(out, (q, k, v), gout, retain_graph=True), refs,
                         group, fl)
-        # deterministic=True: the atomic-free dK/dV + dQ kernel pair (the default fuses dQ into one kernel with
-        # fp32 adds where that measured faster)
+        # deterministic=True: the fused kernel's relay form (its dQ adds in key-tile order, kernels/dq_relay.py)
+        # where a fused tile serves the call, else the atomic-free dK/dV + dQ kernel pair
         out_det, _ = fa.flash_attn_func(q, k, v, causal=causal, deterministic=True)
         check_then_time(row, "ours_deterministic",
                         lambda: torch.autograd.grad(out_det, (q, k, v), gout, retain_graph=True), refs, group, fl)

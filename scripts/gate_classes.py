@@ -24,8 +24,8 @@ KERNEL_FILES = {
     "fwd_tma": ("fwd_tma.py",),
     "fwd_cpasync": ("fwd_cpasync.py",),
     "fwd_decode": ("fwd_decode.py", "fwd_cpasync.py"),
-    "dkdv": ("bwd_dkdv.py",),
-    "dkdv_kvrows": ("bwd_dkdv_kvrows.py", "bwd_dkdv.py"),
+    "dkdv": ("bwd_dkdv.py", "dq_relay.py"),
+    "dkdv_kvrows": ("bwd_dkdv_kvrows.py", "bwd_dkdv.py", "dq_relay.py"),
     "dq": ("bwd_dq.py",),
     "dq_convert": ("bwd_dq_convert.py",),
     "combine": ("combine.py",),
@@ -67,7 +67,8 @@ def class_key(cfg) -> tuple | None:
         tile = cfg.tile.name()
     else:
         mode = tuple(n for n, on in (("dropout", cfg.has_dropout), ("sparse", cfg.block_sparse),
-                                     ("fused", getattr(cfg, "fused_dq", False))) if on)
+                                     ("fused", getattr(cfg, "fused_dq", False)),
+                                     ("relay", getattr(cfg, "dq_relay", False))) if on)
         tile = (f"{cfg.tile_m}x{cfg.tile_n}w{cfg.num_warps}r{cfg.kv_warp_rows}s{getattr(cfg, 'kv_stages', 1)}"
                 f"{'kw' if getattr(cfg, 'split_kv_wait', False) else ''}")
     return (k, tile, cfg.dtype, cfg.head_dim, cfg.head_dim_v, mode)
@@ -81,7 +82,7 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
     """Every attention configuration the dispatcher's plans produce on a device with (``tma``, ``pdl``): dtypes x
     head-dim pairs x modes x every subset of the flags in the plan key (window, softcap, sink, varlen q/k, seqused
     q/k), with and without grad, and the fused backward dispatch_bwd runs instead of the dK/dV + dQ pair (where the
-    device has vector reductions).  Yields FwdKernelConfig / BwdKernelConfig / DqKernelConfig."""
+    device has vector reductions), in both its forms (the default and ``deterministic=True``'s relay).  Yields FwdKernelConfig / BwdKernelConfig / DqKernelConfig."""
     from dataclasses import replace
 
     from flash_attn_4_sm120 import block_sparse as BS, compat, config, config_bwd, config_decode, plan as P
@@ -130,11 +131,12 @@ def dispatcher_configs(tma: bool, pdl: bool, red_f32x2: bool = True):
                         if plan.bwd_cfg is not None:
                             yield plan.bwd_cfg
                             yield plan.dq_cfg
-                            fused = config_bwd.fused_for(plan.bwd_cfg) if red_f32x2 else None
-                            if fused is not None:
-                                yield fused[0]
-                                if fused[0].has_dropout:
-                                    yield replace(fused[0], dropout_seed_tensor=True)
+                            for relay in ((False, True) if red_f32x2 else ()):
+                                fused = config_bwd.fused_for(plan.bwd_cfg, relay)
+                                if fused is not None:
+                                    yield fused[0]
+                                    if fused[0].has_dropout:
+                                        yield replace(fused[0], dropout_seed_tensor=True)
                             if plan.bwd_cfg.has_dropout:
                                 yield replace(plan.bwd_cfg, dropout_seed_tensor=True)
                                 yield replace(plan.dq_cfg, dropout_seed_tensor=True)

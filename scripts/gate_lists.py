@@ -286,7 +286,8 @@ def fused_gate_worklist() -> list:
     """The fused backward configurations the compile gate builds, with their convert kernels: per fused tile and
     walk, at the largest head-dim pair that tile serves and at the smallest dv beside its largest d, in bf16 the
     lightest set, the heaviest (every flag of the walk), dropout alone and with the heaviest set and a seed tensor;
-    fp16 at the heaviest.  (Every intermediate class the dispatcher selects is in the class sweep,
+    fp16 at the heaviest; each of them also in its relay form (``dq_relay``, what ``deterministic=True`` runs; its
+    convert kernel is the same).  (Every intermediate class the dispatcher selects is in the class sweep,
     scripts/gate_classes.py.)"""
     groups: dict[tuple, list] = {}
     for d, dv in sorted(supported_head_dim_pairs()):
@@ -305,8 +306,15 @@ def fused_gate_worklist() -> list:
                                  ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)), ("fp16", heavy)):
                 cfg = select_fused_config(dtype, d, dv, **flags)
                 if cfg is not None:
-                    out += [cfg, dq_convert_config(cfg)]
+                    out += [cfg, dq_convert_config(cfg)] + _relay_of(cfg)
     return out
+
+
+def _relay_of(fused) -> list:
+    """The relay form of a fused configuration, where the dispatcher can select it (config_bwd.fused_for: not on a
+    tile whose relay form spills with the call's features)."""
+    relay = replace(fused, dq_relay=True)
+    return [] if config_bwd.bwd_problems(relay) else [relay]
 
 
 def bwd_pre_gate_configs() -> list[BwdPreKernelConfig]:
@@ -355,7 +363,7 @@ def mods_worklist() -> list:
         for d, windowed in ((64, True), (96, True), (128, False), (128, True)):  # config_bwd._FUSED_TILES
             fused = config_bwd.select_fused_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=windowed))
             if fused is not None:
-                out.append(fused)
+                out += [fused] + _relay_of(fused)  # and its relay form (deterministic=True)
     # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
     # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
     # aux-reading mask mod and score mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both

@@ -351,10 +351,10 @@ def test_dense_backward_launches_carry_no_lists(recorded_launches):
     import flash_attn_4_sm120 as fa
 
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, requires_grad=True)
-    # the default backward at d64 is the fused kernel (dK, dV, dQ into the fp32 workspace) and the dQ convert;
-    # deterministic=True the atomic-free dK/dV + dQ pair
+    # the backward at d64 is the fused kernel (dK, dV, dQ into the fp32 workspace) and the dQ convert, with
+    # deterministic=True in its relay form (tests/test_bwd_relay.py)
     for det, expect in ((False, [arguments.BWD_DKDV_ARGS, arguments.DQ_CONVERT_ARGS]),
-                        (True, [arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS])):
+                        (True, [arguments.BWD_DKDV_ARGS, arguments.DQ_CONVERT_ARGS])):
         recorded_launches.clear()
         out, _ = fa.flash_attn_func(q, q, q, return_lse=True, deterministic=det)
         torch.autograd.grad(out, (q,), torch.ones_like(out))
@@ -365,7 +365,8 @@ def test_dense_backward_launches_carry_no_lists(recorded_launches):
             assert not cfg.block_sparse
             assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
             if rec is arguments.BWD_DKDV_ARGS:
-                assert cfg.fused_dq is (not det) and (vals["dq_accum"] is None) is det
+                assert cfg.fused_dq and vals["dq_accum"] is not None
+                assert cfg.dq_relay is det and (vals["dq_turns"] is None) is (not det)
 
 
 # ---- the kernels' schedules, emulated in PyTorch (design check: they visit exactly the right (query, key) pairs) ----

@@ -1,6 +1,8 @@
 """The fused backward on a GPU: it is the default where config_bwd.select_fused_config gives a tile, its gradients
-meet the fp32 bar (tests/test_bwd_gpu.py's check), ``deterministic=True`` runs the atomic-free pair and is bitwise
-reproducible under concurrent load, and the fused path works under CUDA-graph capture and torch.compile."""
+meet the fp32 bar (tests/test_bwd_gpu.py's check), ``deterministic=True`` runs its relay form (kernels/dq_relay.py)
+where it has a tile, which meets the same bar, agrees with the atomic-free pair and is bitwise reproducible under
+concurrent load (causal, window, varlen with empty sequences, GQA, dropout, d64/d96/d128), and the fused path works
+under CUDA-graph capture and torch.compile."""
 
 import pytest
 import torch
@@ -21,15 +23,17 @@ def _rand(*shape, dtype=torch.bfloat16, seed=0):
     return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g).to(dtype).requires_grad_()
 
 
-def _launched(monkeypatch):
-    """Record which backward path each call takes."""
+def _launched(monkeypatch, configs=None):
+    """Record which backward path each call takes (and, into ``configs``, the fused configuration or None)."""
     seen = []
     real = dispatch_bwd.fused_plan
 
-    def spy(bwd_cfg, device):
-        plan = real(bwd_cfg, device)
-        seen.append(plan is not None)
-        return plan
+    def spy(plan, device, relay=False):
+        fused = real(plan, device, relay)
+        seen.append(fused is not None)
+        if configs is not None:
+            configs.append(None if fused is None else fused[0])
+        return fused
     monkeypatch.setattr(dispatch_bwd, "fused_plan", spy)
     return seen
 
@@ -148,3 +152,92 @@ def test_deterministic_flag_is_checked():
     q = _rand(1, 8, 1, 64)
     with pytest.raises(ValueError, match="deterministic"):
         fa.flash_attn_func(q, q, q, deterministic="yes")
+
+
+# ---- deterministic=True: the relay form ----------------------------------------------------------------------
+@pytest.mark.parametrize("d,causal,relay", [(64, False, True), (64, True, True), (96, True, True),
+                                            (128, False, True), (128, True, True), (192, False, False),
+                                            (256, True, False)])
+def test_relay_runs_where_the_fused_kernel_serves(monkeypatch, d, causal, relay):
+    configs = []
+    _launched(monkeypatch, configs)
+    q, k, v = _rand(2, 113, 4, d), _rand(2, 211, 2, d, seed=1), _rand(2, 211, 2, d, seed=2)
+    check(q, k, v, causal=causal, deterministic=True)
+    assert configs
+    if relay:
+        assert configs[0] is not None and configs[0].fused_dq and configs[0].dq_relay
+    else:
+        assert configs[0] is None
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (7, 1)])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 113), (255, 1023), (700, 300)])
+def test_relay_matches_reference(hq, hkv, d, sq, sk):
+    q, k, v = _rand(2, sq, hq, d), _rand(2, sk, hkv, d, seed=1), _rand(2, sk, hkv, d, seed=2)
+    check(q, k, v, causal=False, deterministic=True)
+    check(q, k, v, causal=True, deterministic=True)
+    check(q, k, v, window_size=(32, 16), deterministic=True)
+
+
+def _det_grads(call, inputs, g):
+    out = call(*inputs)[0]
+    return torch.autograd.grad(out, inputs, g)
+
+
+def _relay_cases():
+    """(name, call, inputs): calls the relay serves, each with many key tiles per query tile."""
+    lens_q, lens_k = [0, 17, 1113, 1, 0, 640], [5, 17, 2000, 0, 3, 640]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cases = []
+    for d in (64, 96, 128):
+        # 2048 keys: 16 key tiles of 128 or more, so causal and windowed walks take the LPT launch order too
+        dense = (_rand(2, 2048, 8, d), _rand(2, 2048, 2, d, seed=1), _rand(2, 2048, 2, d, seed=2))
+        cases += [
+            (f"d{d}", lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=True), dense),
+            (f"d{d}-causal", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, deterministic=True), dense),
+            (f"d{d}-window", lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(300, 64),
+                                                               deterministic=True), dense),
+            (f"d{d}-dropout", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, dropout_p=0.1,
+                                                                dropout_seed=3, deterministic=True), dense),
+            (f"d{d}-varlen", lambda q, k, v: fa.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1113, max_seqlen_k=2000, causal=True,
+                deterministic=True),
+             (_rand(sum(lens_q), 8, d), _rand(sum(lens_k), 1, d, seed=1), _rand(sum(lens_k), 1, d, seed=2))),
+        ]
+    return cases
+
+
+def test_relay_bitwise_reproducible_under_load(monkeypatch):
+    configs = []
+    _launched(monkeypatch, configs)
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    for name, call, inputs in _relay_cases():
+        configs.clear()
+        g = torch.randn_like(call(*inputs)[0])
+        first = _det_grads(call, inputs, g)
+        assert configs and configs[-1] is not None and configs[-1].dq_relay, name  # the relay ran, not the pair
+        for _ in range(3):
+            with torch.cuda.stream(side):  # concurrent work competes for the SMs
+                for _ in range(4):
+                    a = a @ a / 64
+            again = _det_grads(call, inputs, g)
+            for x, y in zip(first, again):
+                assert torch.equal(x, y), name
+    torch.cuda.synchronize()
+
+
+def test_relay_agrees_with_the_pair(monkeypatch):
+    """The relay and the atomic-free pair (forced by hiding the fused kernel) add the same products in different
+    orders: equal to fp32 rounding, for every case above (the pair meets the reference in tests/test_bwd_gpu.py)."""
+    for name, call, inputs in _relay_cases():
+        g = torch.randn_like(call(*inputs)[0])
+        relay = _det_grads(call, inputs, g)
+        with monkeypatch.context() as m:
+            m.setattr(dispatch_bwd, "fused_plan", lambda plan, device, relay=False: None)
+            pair = _det_grads(call, inputs, g)
+        for x, y in zip(relay, pair):
+            assert torch.isfinite(x).all(), name
+            assert (x.float() - y.float()).abs().max().item() <= 1e-2 * y.float().abs().max().item() + 1e-3, name

@@ -206,7 +206,8 @@ def test_backward_key_is_the_forward_key_but_high_p():
 def test_fused_backward_is_memoised_in_the_plan(monkeypatch):
     calls = []
     real = dispatch_bwd.fused_for
-    monkeypatch.setattr(dispatch_bwd, "fused_for", lambda cfg: calls.append(cfg) or real(cfg))
+    monkeypatch.setattr(dispatch_bwd, "fused_for",
+                        lambda cfg, relay=False: calls.append((cfg, relay)) or real(cfg, relay))
     launched = []
     with plan_grid.stubbed(True, launched):
         run = dict(_training_calls())["causal"]
@@ -217,6 +218,13 @@ def test_fused_backward_is_memoised_in_the_plan(monkeypatch):
         dispatch_bwd.clear_caches()  # drops the plans, and the fused kernels with them
         run()
         assert len(calls) == 2
+        # deterministic=True: the relay form, memoised beside the default in its plan
+        launched.clear()
+        det = dict(_training_calls())["deterministic"]
+        det()
+        det()
+        assert [relay for _, relay in calls[2:]] == [True]
+        assert any(getattr(cfg, "dq_relay", False) for cfg, _ in launched)
 
 
 def _misaligned_gout(shape):

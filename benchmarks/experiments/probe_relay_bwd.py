@@ -1,0 +1,123 @@
+"""A/B of the deterministic backward in one process (a tuning aid for issue 30 item 2, not the peer benchmark): the
+default fused backward, its relay form (``deterministic=True``, kernels/dq_relay.py) with each place of the turn's
+release (config_bwd.DQ_RELAY_RELEASE "top" and "after_s"), and the atomic-free dK/dV + dQ pair (what
+``deterministic=True`` ran before the relay, forced by hiding the fused kernel), on bench_bwd's cells.
+
+    python benchmarks/experiments/probe_relay_bwd.py [--only mha-d64 ...] [--seqlens 1024 4096] [--rounds 3] [--out F]
+
+Each round times every variant (CUDA-event medians after warm-up, bench_fwd.time_fn) of the backward alone
+(torch.autograd.grad over one forward).  The relay's kernels of the two release places are compiled separately and
+swapped into jit's memory cache (the disk cache and the prebuilt set are off: the place is not part of the compile
+key).  Checked first, per cell: each relay variant gives bitwise-equal gradients on a second run, and agrees with the
+pair to fp32 rounding (the rows record the largest difference).  Reported: ms and TFLOPS per variant (median over
+rounds) and the ratios relay / default and pair / default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ["FA4_SM120_DISK_CACHE"] = "0"  # the release place is not part of the compile key
+os.environ["FA4_SM120_PREBUILT"] = "0"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
+from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
+
+VARIANTS = ("default", "relay_top", "relay_after_s", "pair")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--seqlens", nargs="*", type=int, default=list(SEQLENS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import flash_attn_4_sm120 as fa
+    from flash_attn_4_sm120 import config_bwd, dispatch_bwd, jit
+
+    memory = {"top": {}, "after_s": {}}  # each release place's jit memory
+    real_fused_plan = dispatch_bwd.fused_plan
+
+    def set_variant(variant: str):
+        place = "after_s" if variant == "relay_after_s" else "top"
+        if place != config_bwd.DQ_RELAY_RELEASE:
+            memory[config_bwd.DQ_RELAY_RELEASE].update(jit._MEMORY)
+            config_bwd.DQ_RELAY_RELEASE = place
+            jit._MEMORY.clear()
+            dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
+            jit._MEMORY.update(memory[place])
+        dispatch_bwd.fused_plan = (lambda plan, device, relay=False: None) if variant == "pair" else real_fused_plan
+
+    cells = [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d) in SHAPES.items()
+             if not args.only or name in args.only for s in args.seqlens]
+    if not args.only:
+        cells += [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d, s) in EXTRA_CELLS.items()]
+    rows = []
+    try:
+        for name, hq, hkv, d, s, b in cells:
+            for causal in (False, True):
+                g = torch.Generator(device="cuda").manual_seed(s + d)
+                mk = lambda n, h: torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                              generator=g).requires_grad_()
+                q, k, v = mk(s, hq), mk(s, hkv), mk(s, hkv)
+                gout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                outs = {det: fa.flash_attn_func(q, k, v, causal=causal, deterministic=det)[0] for det in (False, True)}
+
+                def call(variant):
+                    out = outs[variant != "default"]
+                    return torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+
+                row = dict(shape=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal,
+                           device=torch.cuda.get_device_name())
+                grads = {}
+                for variant in VARIANTS:
+                    set_variant(variant)
+                    grads[variant] = call(variant)
+                    if variant.startswith("relay"):
+                        again = call(variant)
+                        row[f"{variant}_bitwise"] = all(torch.equal(a, c) for a, c in zip(grads[variant], again))
+                scale = max(c.float().abs().max().item() for c in grads["pair"])
+                for variant in ("default", "relay_top", "relay_after_s"):
+                    row[f"{variant}_vs_pair_maxdiff"] = max(
+                        (a.float() - c.float()).abs().max().item() for a, c in zip(grads[variant], grads["pair"]))
+                row["pair_maxabs"] = scale
+                times = {v: [] for v in VARIANTS}
+                for _ in range(args.rounds):
+                    for variant in VARIANTS:
+                        set_variant(variant)
+                        times[variant].append(time_fn(lambda: call(variant)))
+                fl = 2.5 * flops(b, hq, s, d, causal)
+                for variant in VARIANTS:
+                    ms = statistics.median(times[variant])
+                    row[f"{variant}_ms"] = round(ms, 4)
+                    row[f"{variant}_tflops"] = round(fl / ms / 1e9, 1)
+                for variant in ("relay_top", "relay_after_s", "pair"):
+                    row[f"{variant}_vs_default"] = round(row["default_ms"] / row[f"{variant}_ms"], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        set_variant("default")
+        config_bwd.DQ_RELAY_RELEASE = "top"
+    if args.out:
+        for row in rows:
+            append_jsonl(args.out, row)
+    for variant in ("relay_top", "relay_after_s", "pair"):
+        ratios = [r[f"{variant}_vs_default"] for r in rows]
+        if ratios:
+            geo = statistics.geometric_mean(ratios)
+            worst = min(rows, key=lambda r: r[f"{variant}_vs_default"])
+            print(f"{variant} / default: geomean {geo:.3f}, weakest {worst[f'{variant}_vs_default']:.3f} "
+                  f"({worst['shape']} S={worst['seqlen']} causal={worst['causal']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
