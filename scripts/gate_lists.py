@@ -312,9 +312,9 @@ def fused_gate_worklist() -> list:
 
 def _relay_of(fused) -> list:
     """The relay form of a fused configuration, where the dispatcher can select it (config_bwd.fused_for: not on a
-    tile whose relay form spills with the call's features)."""
+    tile whose relay form spills with the call's features, nor at a head dim where the pair runs it: relay_serves)."""
     relay = replace(fused, dq_relay=True)
-    return [] if config_bwd.bwd_problems(relay) else [relay]
+    return [relay] if config_bwd.relay_serves(relay) else []
 
 
 def bwd_pre_gate_configs() -> list[BwdPreKernelConfig]:

@@ -23,3 +23,13 @@ def _fresh_tile_memo():
     config.clear_caches()
     yield
     config.clear_caches()
+
+
+@pytest.fixture
+def wide_relay(monkeypatch):
+    """The fused backward's relay form at every fused tile (d64, d96, d128), not only where deterministic=True takes
+    it by default (config_bwd.RELAY_HEAD_DIMS): keeps the relay kernel tested where the pair serves those calls.
+    (_fresh_tile_memo forgets the plans built under the wider table.)"""
+    from flash_attn_4_sm120 import config_bwd
+
+    monkeypatch.setattr(config_bwd, "RELAY_HEAD_DIMS", frozenset({64, 96, 128}))

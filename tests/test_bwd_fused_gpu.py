@@ -155,10 +155,11 @@ def test_deterministic_flag_is_checked():
 
 
 # ---- deterministic=True: the relay form ----------------------------------------------------------------------
-@pytest.mark.parametrize("d,causal,relay", [(64, False, True), (64, True, True), (96, True, True),
-                                            (128, False, True), (128, True, True), (192, False, False),
+@pytest.mark.parametrize("d,causal,relay", [(64, False, True), (64, True, True), (96, True, False),
+                                            (128, False, False), (128, True, False), (192, False, False),
                                             (256, True, False)])
 def test_relay_runs_where_the_fused_kernel_serves(monkeypatch, d, causal, relay):
+    """By default (config_bwd.RELAY_HEAD_DIMS) the relay serves d64; d96/d128 keep the pair, which beat it there."""
     configs = []
     _launched(monkeypatch, configs)
     q, k, v = _rand(2, 113, 4, d), _rand(2, 211, 2, d, seed=1), _rand(2, 211, 2, d, seed=2)
@@ -173,7 +174,7 @@ def test_relay_runs_where_the_fused_kernel_serves(monkeypatch, d, causal, relay)
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (7, 1)])
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 113), (255, 1023), (700, 300)])
-def test_relay_matches_reference(hq, hkv, d, sq, sk):
+def test_relay_matches_reference(wide_relay, hq, hkv, d, sq, sk):
     q, k, v = _rand(2, sq, hq, d), _rand(2, sk, hkv, d, seed=1), _rand(2, sk, hkv, d, seed=2)
     check(q, k, v, causal=False, deterministic=True)
     check(q, k, v, causal=True, deterministic=True)
@@ -209,7 +210,7 @@ def _relay_cases():
     return cases
 
 
-def test_relay_bitwise_reproducible_under_load(monkeypatch):
+def test_relay_bitwise_reproducible_under_load(wide_relay, monkeypatch):
     configs = []
     _launched(monkeypatch, configs)
     side = torch.cuda.Stream()
@@ -229,7 +230,7 @@ def test_relay_bitwise_reproducible_under_load(monkeypatch):
     torch.cuda.synchronize()
 
 
-def test_relay_agrees_with_the_pair(monkeypatch):
+def test_relay_agrees_with_the_pair(wide_relay, monkeypatch):
     """The relay and the atomic-free pair (forced by hiding the fused kernel) add the same products in different
     orders: equal to fp32 rounding, for every case above (the pair meets the reference in tests/test_bwd_gpu.py)."""
     for name, call, inputs in _relay_cases():

@@ -17,7 +17,7 @@ from test_block_sparse_bwd import recorded_launches  # noqa: F401  (fixture)
 @pytest.mark.parametrize("d,windowed,flags", [(64, False, {}), (64, True, {"has_dropout": True}), (96, True, {}),
                                               (128, False, {}), (128, True, {}), (128, True, {"has_dropout": True}),
                                               (128, False, {"varlen_q": True, "varlen_k": True, "has_softcap": True})])
-def test_relay_keeps_the_fused_tile(d, windowed, flags):
+def test_relay_keeps_the_fused_tile(wide_relay, d, windowed, flags):
     pair = config_bwd.select_bwd_config("bf16", d, d, windowed=windowed, **flags)
     fused, cvt = config_bwd.fused_for(pair)
     relay, rcvt = config_bwd.fused_for(pair, relay=True)
@@ -28,12 +28,22 @@ def test_relay_keeps_the_fused_tile(d, windowed, flags):
     assert not config_bwd.bwd_problems(relay)
 
 
+@pytest.mark.parametrize("d,windowed", [(64, False), (64, True), (96, False), (96, True), (128, False),
+                                        (128, True)])
+def test_relay_only_where_it_beat_the_pair(d, windowed):
+    # config_bwd.RELAY_HEAD_DIMS (benchmarks/experiments/results/relay_bwd_h200_s35.jsonl): d64 relay, d96/d128 pair
+    pair = config_bwd.select_bwd_config("bf16", d, d, windowed=windowed)
+    assert config_bwd.fused_for(pair) is not None  # the default is fused at every one of them
+    relay = config_bwd.fused_for(pair, relay=True)
+    assert (relay is not None) is (d in config_bwd.RELAY_HEAD_DIMS) is (d == 64)
+
+
 @pytest.mark.parametrize("d", [32, 192, 256])
 def test_no_relay_where_no_fused_tile(d):
     assert config_bwd.fused_for(config_bwd.select_bwd_config("bf16", d, d), relay=True) is None
 
 
-def test_relay_with_mods_on_the_plain_d128_tile_runs_the_pair():
+def test_relay_with_mods_on_the_plain_d128_tile_runs_the_pair(wide_relay):
     # its relay form spilled there (config_bwd._BWD_SPILLING "relay_mods"); the windowed 64x64 tile keeps it
     from flash_attn_4_sm120 import modspec
 

@@ -108,7 +108,7 @@ def main(argv=None):
         config_bwd.DQ_RELAY_RELEASE = "top"
     if args.out:
         for row in rows:
-            append_jsonl(args.out, row)
+            append_jsonl(args.out, [row])
     for variant in ("relay_top", "relay_after_s", "pair"):
         ratios = [r[f"{variant}_vs_default"] for r in rows]
         if ratios:

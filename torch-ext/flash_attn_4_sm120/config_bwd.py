@@ -247,9 +247,16 @@ BWD_LPT_MAX_PAIRS = 64
 # The relay form (``dq_relay``, kernels/dq_relay.py): where a CTA passes a query tile's turn on, in its next
 # iteration: "top" right after the iteration's first CTA barrier (the adds drain under the next tile's row
 # statistics loads), "after_s" after the next tile's S mma (more time to drain before the release's fence, a longer
-# wait for the next CTA).  Not measured yet: "top" is the default; an A/B switch for
+# wait for the next CTA).  "top" measured 1-4% faster on every cell (H200,
+# benchmarks/experiments/results/relay_bwd_h200_s35.jsonl); an A/B switch for
 # benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
 DQ_RELAY_RELEASE = "top"
+# Head dims (max(head_dim, head_dim_v), as _FUSED_TILES) where ``deterministic=True`` takes the relay form; the rest
+# keep the atomic-free dK/dV + dQ pair.  Measured against the pair in one process (H200, relay_bwd_h200_s35.jsonl):
+# d64 (64x128) 0.98-1.13x the pair (geomean 1.06); d128 (32x128) 0.62-0.90x, the serialised turns cost more than the
+# pair's extra GEMMs there, so d128 keeps the pair; d96 was not measured and keeps it.  Tests widen it to cover the
+# relay kernel at every fused tile.
+RELAY_HEAD_DIMS = frozenset({64})
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
@@ -297,17 +304,23 @@ def fused_for(bwd_cfg: BwdKernelConfig, relay: bool = False) -> tuple[BwdKernelC
     """(fused config, convert config) for the call whose dK/dV kernel pair is ``bwd_cfg``, or None where the pair
     runs it: block sparsity (the KV-major lists are made for the pair's tile) or no fused tile for its head dim,
     walk and features (``select_fused_config``).  ``relay``: the deterministic form (``dq_relay``,
-    ``deterministic=True``), on the same tile as the default.  The caller also keeps the pair for a learnable sink
-    and a device without vector reductions."""
+    ``deterministic=True``), on the same tile as the default, where it serves (``relay_serves``).  The caller also
+    keeps the pair for a learnable sink and a device without vector reductions."""
     if bwd_cfg.block_sparse:
         return None
     cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
                               **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
-    if cfg is not None and relay:  # the same tile when the relay form compiles on it, else none (the pair)
+    if cfg is not None and relay:  # the same tile where the relay serves and compiles on it, else none (the pair)
         cfg = replace(cfg, dq_relay=True)
-        if bwd_problems(cfg):
+        if not relay_serves(cfg):
             return None
     return None if cfg is None else (cfg, dq_convert_config(cfg))
+
+
+def relay_serves(relay_cfg: BwdKernelConfig) -> bool:
+    """Whether ``deterministic=True`` runs this relay-form configuration: its head dim is one where the relay beat the
+    pair (``RELAY_HEAD_DIMS``) and it compiles without problems (``bwd_problems``: e.g. its spills with mods)."""
+    return max(relay_cfg.head_dim, relay_cfg.head_dim_v) in RELAY_HEAD_DIMS and not bwd_problems(relay_cfg)
 
 
 def dq_turns_offset(accum_elems: int) -> int:
