@@ -149,6 +149,8 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     _act("dk", "head_dim", "varlen_k"),
     _act("dv", "head_dim_v", "varlen_k"),
     Arg("dq_accum", "dqacc", when="fused_dq"),
+    # the relay's turn counters (config dq_relay): int32 (workspace tiles, Hq), zeroed with the workspace
+    Arg("dq_turns", "i32nd", rank=2, when="dq_relay"),
     *_SEQ_META,
     *_SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),

@@ -8,7 +8,7 @@ tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import SMEM_LIMIT_BYTES, copy_threads_per_row
 
@@ -50,8 +50,13 @@ class BwdKernelConfig:
     # shared memory and adds it into an fp32 workspace (``red.global.add.v2.f32``, whole 256-byte lines per warp
     # instruction), which kernels/bwd_dq_convert.py scales and casts: 5 GEMMs per block pair instead of the 7 of
     # the dK/dV + dQ kernel pair.  The order of the adds varies from run to run (``deterministic=True`` runs the
-    # two-kernel path)
+    # two-kernel path, or the relay below)
     fused_dq: bool = False
+    # the fused backward's deterministic form (``deterministic=True``, kernels/dq_relay.py): the CTAs that add into
+    # one query tile's workspace take turns, in the order of their key tiles (a turn counter per query tile, in
+    # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
+    # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
+    dq_relay: bool = False
 
     @property
     def block_sparse(self) -> bool:
@@ -70,7 +75,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
-                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "")
+                + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "") + ("r" if self.dq_relay else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -115,7 +120,10 @@ _BWD_SPILLING = {
     ((32, 32, 4, 16, False), 256): {"sparse_mask_mod", "sparse_fp16"},
     # spills with the document mask_mod: 64x64 instead; fp16 dropout with softcap spilled too (the compile gate's
     # class sweep, benchmarks/results/gate_classes_sm120a_shard0_s30.jsonl), and the fused kernel shares the tile
-    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap"},
+    # the relay form (dq_relay) with mods spilled 2-4 STL/LDL with the causal, sliding-window and document mask mods
+    # in the heaviest plain-walk set (benchmarks/results/gate_relay_sm120a_s35.jsonl): such deterministic calls run
+    # the kernel pair
+    ((32, 128, 8, 16, False), 128): {"sparse_mask_mod", "dropout_softcap", "relay_mods"},
     # the key-row tiles (they use all 255 registers at d128 without features).  32x128 (d128): dropout with
     # softcap, a windowed call with a mod that reads aux tensors (document, relative bias), mods with dropout
     # (relative bias).  64x128 (d64, d96): mods that read aux tensors (relative bias, prefix-LM from a tensor),
@@ -155,6 +163,8 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
         if cfg.tile_n != 16 * cfg.num_warps or cfg.kv_warp_rows != 16:
             problems.append(f"key-row tile needs tile_n = 16 x num_warps and 16 key rows per warp, got tile_n="
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
+    if cfg.dq_relay and not cfg.fused_dq:
+        problems.append("the dQ relay (dq_relay) orders the fused kernel's dQ adds: it needs fused_dq")
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     if not tma:
         spilling = spilling | _BWD_SPILLING_WITHOUT_TMA.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
@@ -166,6 +176,7 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
                         ("dropout_softcap", cfg.has_dropout and cfg.has_softcap),
                         ("aux_mods", cfg.has_aux), ("window_aux_mods", cfg.windowed and cfg.has_aux),
                         ("mods_dropout", cfg.has_dropout and cfg.mods is not None),
+                        ("relay_mods", cfg.dq_relay and cfg.mods is not None),
                         ("partial_varlen", (cfg.has_dropout or cfg.has_aux) and not cfg.varlen_q
                          and (cfg.varlen_k or cfg.seqused_q or cfg.seqused_k))):
         if on and feature in spilling:
@@ -233,6 +244,20 @@ BWD_LPT_ORDER = True
 BWD_LPT_MIN_COLUMNS = 16
 BWD_LPT_MAX_PAIRS = 64
 
+# The relay form (``dq_relay``, kernels/dq_relay.py): where a CTA passes a query tile's turn on, in its next
+# iteration: "top" right after the iteration's first CTA barrier (the adds drain under the next tile's row
+# statistics loads), "after_s" after the next tile's S mma (more time to drain before the release's fence, a longer
+# wait for the next CTA).  "top" measured 1-4% faster on every cell (H200,
+# benchmarks/experiments/results/relay_bwd_h200_s35.jsonl); an A/B switch for
+# benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
+DQ_RELAY_RELEASE = "top"
+# Head dims (max(head_dim, head_dim_v), as _FUSED_TILES) where ``deterministic=True`` takes the relay form; the rest
+# keep the atomic-free dK/dV + dQ pair.  Measured against the pair in one process (H200, relay_bwd_h200_s35.jsonl):
+# d64 (64x128) 0.98-1.13x the pair (geomean 1.06); d128 (32x128) 0.62-0.90x, the serialised turns cost more than the
+# pair's extra GEMMs there, so d128 keeps the pair; d96 was not measured and keeps it.  Tests widen it to cover the
+# relay kernel at every fused tile.
+RELAY_HEAD_DIMS = frozenset({64})
+
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
 # "plain" (no window) or "windowed"),
@@ -275,16 +300,34 @@ _FUSED_FLAGS = ("windowed", "has_softcap", "varlen_q", "varlen_k", "seqused_q", 
                 "dropout_seed_tensor", "mods")
 
 
-def fused_for(bwd_cfg: BwdKernelConfig) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
+def fused_for(bwd_cfg: BwdKernelConfig, relay: bool = False) -> tuple[BwdKernelConfig, DqConvertKernelConfig] | None:
     """(fused config, convert config) for the call whose dK/dV kernel pair is ``bwd_cfg``, or None where the pair
     runs it: block sparsity (the KV-major lists are made for the pair's tile) or no fused tile for its head dim,
-    walk and features (``select_fused_config``).  The caller also keeps the pair for a learnable sink,
-    ``deterministic=True`` and a device without vector reductions."""
+    walk and features (``select_fused_config``).  ``relay``: the deterministic form (``dq_relay``,
+    ``deterministic=True``), on the same tile as the default, where it serves (``relay_serves``).  The caller also
+    keeps the pair for a learnable sink and a device without vector reductions."""
     if bwd_cfg.block_sparse:
         return None
     cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
                               **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
+    if cfg is not None and relay:  # the same tile where the relay serves and compiles on it, else none (the pair)
+        cfg = replace(cfg, dq_relay=True)
+        if not relay_serves(cfg):
+            return None
     return None if cfg is None else (cfg, dq_convert_config(cfg))
+
+
+def relay_serves(relay_cfg: BwdKernelConfig) -> bool:
+    """Whether ``deterministic=True`` runs this relay-form configuration: its head dim is one where the relay beat the
+    pair (``RELAY_HEAD_DIMS``) and it compiles without problems (``bwd_problems``: e.g. its spills with mods)."""
+    return max(relay_cfg.head_dim, relay_cfg.head_dim_v) in RELAY_HEAD_DIMS and not bwd_problems(relay_cfg)
+
+
+def dq_turns_offset(accum_elems: int) -> int:
+    """Where the relay's turn counters start in the one zeroed fp32 allocation that holds the dQ workspace
+    (``accum_elems`` values) and then the counters (int32, one per workspace tile and head): rounded up to 16
+    bytes.  One allocation, one memset per call (dispatch_bwd)."""
+    return -(-accum_elems // 4) * 4
 
 
 

@@ -48,8 +48,10 @@ FEATURES: dict[str, Feature] = {
         Feature("torch_compile", SUPPORTED, "torch.compile(model, fullgraph=True)",
                 "forward and backward are torch.library ops with fake implementations: no graph breaks"),
         Feature("deterministic", SUPPORTED, "deterministic=True",
-                "the atomic-free dK/dV + dQ kernel pair: bitwise reproducible gradients; the default fused "
-                "backward adds dQ with fp32 atomics (order-dependent in the last bits)"),
+                "bitwise reproducible gradients: at d64 the fused backward with its dQ adds taken in turns, in "
+                "key-tile order (a turn counter per query tile); elsewhere the atomic-free dK/dV + dQ kernel pair; "
+                "the default fused backward adds dQ with fp32 atomics in any order "
+                "(order-dependent in the last bits)"),
         Feature("paged_kv", SUPPORTED, "flash_attn_varlen_func(page_table=, seqused_k=)",
                 "k/v (num_pages, page_size, Hkv, D), any page size >= 1, every forward feature; fused (2, ...) "
                 "cache views; prefill calls whose page size is a multiple of the TMA tile's tile_n (e.g. 64 at "

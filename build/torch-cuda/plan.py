@@ -70,7 +70,7 @@ class Plan:
     """Memoised per key: the kernel configs (the backward's validated at forward time when gradients are needed,
     so a training step never fails half-way) and their compiled launchers, filled on first use."""
 
-    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn", "fused", "shapes")
+    __slots__ = ("fwd_cfg", "bwd_cfg", "dq_cfg", "fwd_fn", "bwd_fn", "dq_fn", "fused", "relay", "shapes")
 
     def __init__(self, fwd_cfg, bwd_cfg=None, dq_cfg=None):
         self.fwd_cfg, self.bwd_cfg, self.dq_cfg = fwd_cfg, bwd_cfg, dq_cfg
@@ -78,6 +78,8 @@ class Plan:
         # the fused backward of bwd_cfg on the plan's device (dispatch_bwd.fused_plan): False until first asked,
         # then its (configs, compiled kernels) or None where the kernel pair runs the backward
         self.fused = False
+        # the same for its deterministic form (config_bwd dq_relay), asked for by ``deterministic=True`` calls
+        self.relay = False
         # launch_plan's choices that depend on the call's shapes but not on its KV length, per shape (_ShapePlan)
         self.shapes = {}
 
@@ -134,7 +136,8 @@ class FwdMeta(NamedTuple):
     sparse: object = None  # block_sparse.SparseGrad of a block-sparse call that needs grad
     dropout: DropoutArgs | None = None  # p > 0 only; the backward reuses its seed and offset
     mods: object = None  # modspec.ModSpec of the call (with score_mod_bwd when it needs grad), or None
-    # the backward runs the atomic-free kernel pair (bitwise reproducible), not the fused kernel
+    # the backward is bitwise reproducible: the fused kernel's relay form (its dQ adds in a fixed order), or the
+    # atomic-free kernel pair where no fused tile serves the call
     deterministic: bool = False
     # the backward's PlanKey when the forward knew it (``backward_key``); None: the backward builds it
     plan_key: PlanKey | None = None
