@@ -215,9 +215,11 @@ def test_sparse_compile_key_and_records():
                                  sparse_q_ratio=2, sparse_kv_ratio=1)
     assert cfg.block_sparse and "sparse2x1" in cfg.name() and cfg.tile.tma
     assert not config.FwdKernelConfig("bf16", 128, 128, cfg.tile).block_sparse
-    names = arguments.FWD_ARGS.names
-    for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
-        assert n in names
+    (arg,) = [a for a in arguments.FWD_ARGS.args if a.name == "sparse"]
+    assert (arg.kind, arg.when, arg.record) == ("record", "block_sparse", arguments.BlockSparseLists)
+    assert tuple(f.name for f in arg.fields) == ("mask_block_cnt", "mask_block_idx", "full_block_cnt",
+                                                 "full_block_idx")
+    assert [f.rank for f in arg.fields] == [3, 4, 3, 4]
     gated = GL.sparse_gate_worklist()
     for c in gated:
         assert c.block_sparse and c.tile in config.reachable_sparse_tiles(c.head_dim, c.head_dim_v, c.windowed)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import DropoutParams
 from .compat import refuse
 
 PHILOX_ROUNDS = 7
@@ -71,14 +72,11 @@ class DropoutArgs:
         """Whether the forward tests the complement (``FwdKernelConfig.dropout_high_p``): p > 0.96875."""
         return self.threshold > F16_DIRECT_MAX_THRESHOLD
 
-    def kernel_values(self) -> dict:
+    def kernel_params(self) -> DropoutParams:
         """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**15)."""
-        thr = self.threshold
-        return dict(
-            dropout_threshold=_s32(thr), dropout_scale=1.0 / (1.0 - self.p), rng_seed_lo=_s32(self.seed & _U32),
-            rng_seed_hi=_s32(self.seed >> 32), rng_offset_lo=_s32(self.offset & _U32),
-            rng_offset_hi=_s32(self.offset >> 32), rng_seed=self.seed_tensor,
-        )
+        seed, offset = self.seed, self.offset
+        return DropoutParams(_s32(self.threshold), 1.0 / (1.0 - self.p), _s32(seed & _U32), _s32(seed >> 32),
+                             _s32(offset & _U32), _s32(offset >> 32), self.seed_tensor)
 
 
 def _s32(x: int) -> int:
@@ -109,17 +107,10 @@ def check_p(dropout_p) -> float:
     return p
 
 
-_NO_KERNEL_ARGS = (None,) * 7
-
-
-def kernel_args(drop) -> tuple:
-    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor) of a call whose
-    kernels apply dropout; all None for ``drop`` None (the p = 0 kernels take none of them)."""
-    if drop is None:
-        return _NO_KERNEL_ARGS
-    v = drop.kernel_values()
-    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
-            v["rng_offset_hi"], v["rng_seed"])
+def kernel_args(drop) -> DropoutParams | None:
+    """The kernels' dropout argument (one arguments.DropoutParams) of a call whose kernels apply dropout; None for
+    ``drop`` None (the p = 0 kernels take none)."""
+    return None if drop is None else drop.kernel_params()
 
 
 def _check_u64(name: str, value) -> int:
