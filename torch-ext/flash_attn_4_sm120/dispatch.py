@@ -121,7 +121,7 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         sparse=sparse_lists, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
         window_left=meta.left, window_right=meta.right, pack=pack, qheads_per_kvhead=ratio,
         num_m_blocks=num_m_blocks, num_head_groups=hq // pack, num_batch=batch * splits,
-        dropout=D.kernel_args(drop if in_kernel else None),
+        dropout=drop.kernel_params() if in_kernel else None,
     ))
     if splits > 1:
         SK.combine_into(o_comb, lse_comb, out, lse, varlen_q)

@@ -16,7 +16,6 @@ from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
 from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, fused_for
 from .device import device_caps
-from .dropout import kernel_args
 from .launch import compiled_kernel as _kernel, detached, launch as _launch
 
 
@@ -183,7 +182,7 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
                       seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2,
                       softcap_prescale=prescale, softmax_scale=meta.scale, window_left=meta.left,
                       window_right=meta.right, qheads_per_kvhead=hq // hkv, num_batch=meta.batch,
-                      dropout=kernel_args(drop))
+                      dropout=None if drop is None else drop.kernel_params())
         # block sparsity: the dK/dV kernel walks the KV-major lists (built here, on the device, when the caller
         # gave none), the dQ kernel the forward's
         sparse_dkdv = None if sg is None else sg.backward_tensors()
