@@ -170,7 +170,7 @@ class FlashBwdDq(KernelStateMixin):
         # (kernels/block_sparse.py): virtual tiles [0, F) full, [F, F + M) mask.  A fixed order either way: dQ stays
         # bitwise reproducible.
         if const_expr(cfg.block_sparse):
-            sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, *sparse, seq.batch, head,
+            sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, sparse, seq.batch, head,
                                             m_block)
             _, total, _, n_full, _ = sp.kv_plan(m_block)
         else:

@@ -231,7 +231,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         block = ts.block
         if const_expr(self.cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
             block = SparseBlockInfo.from_block(ts.block, self.cfg.sparse_q_ratio, self.cfg.sparse_kv_ratio,
-                                               *sparse, ts.seq.batch, ts.head_group * ts.pack, ts.m_block)
+                                               sparse, ts.seq.batch, ts.head_group * ts.pack, ts.m_block)
         plan = block.kv_plan(ts.m_block)
         n_min, n_max = plan[0], plan[1]
 

@@ -180,7 +180,7 @@ class FlashFwdTma(FwdKernelBase):
                              split=split, dropout=dropout, aux=mAux)
         if const_expr(cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
             ts = replace(ts, block=SparseBlockInfo.from_block(ts.block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio,
-                                                              *sparse, ts.seq.batch, head_group * pack, m_block))
+                                                              sparse, ts.seq.batch, head_group * pack, m_block))
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)
