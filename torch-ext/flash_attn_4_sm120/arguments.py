@@ -31,7 +31,8 @@ Kinds:
 ``when`` names a config flag: the argument is None when the flag is off (an optional tensor, or a whole record).
 
 Why a NamedTuple and not a dataclass: CuTe-DSL flattens both into the kernel's parameters (the same parameters,
-in the same order, as the fields spelled out one by one: the SASS does not change), but a compiled function
+in the same order, as the fields spelled out one by one: the SASS does not change,
+benchmarks/results/sass_compare_grouped_args_c279b00.txt), but a compiled function
 loaded from the disk cache or the prebuilt set (``tvm_ffi.load_module``) is called positionally, without the
 wrapper that unpacks a dataclass; a NamedTuple is a tuple, which that call takes as it is.
 """
