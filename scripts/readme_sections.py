@@ -263,10 +263,14 @@ def bench_fp8_decode_section() -> str:
     new = any("fp8_unsplit_ms" in r for r in cells)
     how = ("the default call: GQA packed into rows, automatic split-KV as the bf16 cache; `unsplit` is "
            "num_splits=1" if new else "one split")
+    # rows from the bench since the kernel quantizes a bf16 query itself (config_fp8 q_dtype) say so
+    q_how = ("its bf16 query read by the kernel and quantized there per (query row, head)"
+             if any(r.get("fp8_query") == "kernel_rows" for r in cells)
+             else "its query quantized on the device per KV head")
     out = [f"`python benchmarks/bench_fp8_decode.py` on {dev} (`{path.relative_to(ROOT)}`): one decode step "
            "(q_len 1, Hq/Hkv 32/8, d128), medians of CUDA-graph replays, each path checked against an fp32 "
            "reference first; the bf16 cache runs the default (automatic split-KV), the e4m3 cache the FP8 kernel "
-           f"({how}; its query quantized on the device per KV head; `pre-quantized q` passes an e4m3 q).",
+           f"({how}; {q_how}; `pre-quantized q` passes an e4m3 q).",
            ""]
     if new:
         out += ["| B | KV len | bf16 cache µs | e4m3 cache, bf16 q µs | e4m3 ÷ bf16 speed | e4m3 % of copy (FP8 "

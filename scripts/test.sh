@@ -20,7 +20,7 @@ fi
 # minutes on two cores).  Its status is returned after the test suite, so a stale full run does not hide the tests.
 gate=0
 .venv/bin/python scripts/compile_gate.py --ci --jobs "${GATE_JOBS:-2}" || gate=$?
-# the FP8 forward's gate (QMMA e4m3 in the SASS, 0 spills): a rotating sixteenth of its sm_120a worklist, about 3
+# the FP8 forward's gate (QMMA e4m3 in the SASS, 0 spills): a rotating thirty-second of its sm_120a worklist, about 3
 # minutes on two cores (scripts/gate_fp8.py; benchmarks/results/fp8_gate_sm120a_ci_shard0_cpu.jsonl)
 .venv/bin/python scripts/gate_fp8.py --ci || gate=$?
 .venv/bin/python -m pytest -q --timeout 900 tests "$@"

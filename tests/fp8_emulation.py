@@ -42,6 +42,18 @@ def fa3_outlier_inputs(b, sq, sk, hq, hkv, d, *, seed=0, outlier_frac=1e-3, outl
     return one(b, sq, hq, d), one(b, sk, hkv, d), one(b, sk, hkv, d)
 
 
+def quantize_rows(q):
+    """The FP8 kernel's quantization of a bf16/fp16 query (Fp8FwdConfig.q_dtype, kernels/fwd_fp8.py
+    quantize_q_rows) in torch: q (..., D) -> (q8 e4m3 (..., D), descale fp32 (...)), one scale per row (a (query
+    row, head) pair): scale = 448 / amax(|row|) in fp32 (0 for a row of zeros), q8 = e4m3(x * scale) saturated,
+    descale = amax * fp32(1 / 448).  NaN in a row stays NaN in q8 (the amax skips it, as the kernel's fmax)."""
+    x = q.float()
+    amax = torch.nan_to_num(x, nan=0.0).abs().amax(dim=-1)
+    scale = torch.where(amax > 0, torch.tensor(448.0) / amax, torch.zeros_like(amax))
+    q8 = (x * scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q8, amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)
+
+
 def _expand_descale(descale, s, hq, block_size):
     """(B, Hkv) or (B, Hkv, nblk) -> (B, Hq, S) fp32 per row."""
     b, hkv = descale.shape[:2]
@@ -54,17 +66,19 @@ def _expand_descale(descale, s, hq, block_size):
 
 def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                           tile_n=64, right_to_left=True, block_size=128, out_dtype=torch.bfloat16,
-                          quantize_p=True, window=(None, None), sink=None, return_slack=False):
+                          quantize_p=True, window=(None, None), sink=None, return_slack=False, q_rows=False):
     """Emulated FP8 forward -> out (B, Sq, Hq, Dv) in ``out_dtype``.  ``quantize_p=False`` keeps P in fp32 (to
     separate the error of P's rounding from that of the inputs').  ``return_slack=True`` -> (out, slack): slack
-    (B, Sq, Hq, Dv) fp32 bounds the output's move from near-tie P roundings (module docstring)."""
+    (B, Sq, Hq, Dv) fp32 bounds the output's move from near-tie P roundings (module docstring).  ``q_rows=True``:
+    q_descale is per row, (B, Sq, Hq) (``quantize_rows``, the kernel's bf16/fp16-query form)."""
     b, sq, hq, d = q8.shape
     sk, hkv = k8.shape[1], k8.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qf = q8.float().transpose(1, 2)  # (B, Hq, Sq, D)
     kf = k8.float().repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
     vf = v8.float().repeat_interleave(hq // hkv, dim=2).transpose(1, 2)
-    qd = _expand_descale(q_descale.float(), sq, hq, block_size)  # (B, Hq, Sq)
+    qd = (q_descale.float().transpose(1, 2) if q_rows
+          else _expand_descale(q_descale.float(), sq, hq, block_size))  # (B, Hq, Sq)
     kd = _expand_descale(k_descale.float(), sk, hq, block_size)  # (B, Hq, Sk)
     vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
     # the kernel's order: scale_log2 (rounded to fp32 on the host) times q_descale, times k_descale, times the score

@@ -23,7 +23,12 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     # + every packed configuration again with the one-warp decode tile
     contiguous = 2 * unsplit + unsplit + split + (unsplit + split // 2)
     # + every varlen configuration again with paged K/V (all but the dense unsplit ones)
-    assert len(cfgs) == contiguous + (contiguous - unsplit)
+    e4m3 = contiguous + (contiguous - unsplit)
+    # + every varlen one (contiguous or paged) with a bf16/fp16 query quantized in the kernel: unsplit ones with
+    # q_dtype = their out_dtype, split ones with either
+    varlen_split = 2 * (split + split // 2)
+    assert len(cfgs) == e4m3 + (e4m3 - unsplit - varlen_split) + 2 * varlen_split
+    assert all(c.varlen and (c.split or c.out_dtype == c.q_dtype) for c in cfgs if c.q_dtype != "e4m3")
     assert all(c.varlen for c in cfgs if c.paged)
     assert all(c.pack_gqa for c in cfgs if c.tile_m == C.FP8_DECODE_TILE_M)
     assert len({c.name() for c in cfgs}) == len(cfgs)

@@ -6,18 +6,24 @@ cache holds K/V quantized per (batch, KV head) (fp8_quant.quantize_qkv's descale
 bf16/fp16 and are quantized on the way in.  Bars, as tests/test_fp8_gpu.py derives them (measured:
 benchmarks/results/fp8_accuracy_cpu.jsonl): the RMS error against the fp32 reference of the UNquantized q/k/v is at
 most 1.1x that of the step-by-step emulation (tests/fp8_emulation.py) of the same quantized inputs, and the kernel
-differs from the emulation by at most a fifth of that error (the emulation's own error on decode shapes, 1.8-2.3e-2,
-is in benchmarks/results/fp8_kvcache_accuracy_cpu.jsonl, from benchmarks/experiments/fp8_kvcache_accuracy.py).
-Each batch entry (its own cache length) is checked on its own.  Beside the bars, exact identities: the appended
-cache rows are the bytes of x / descale rounded to e4m3, and a bf16 query gives bitwise the result of the e4m3
-path on ``fp8_quant.quantize_query``'s q8 and q_descale.
+differs from the emulation by at most a fifth of that error (the emulation's own error on decode shapes, 1.5-2.0e-2
+with the kernel's per-row query scales, 1.8-2.4e-2 with one per (batch, KV head), is in
+benchmarks/results/fp8_kvcache_accuracy_cpu.jsonl, from benchmarks/experiments/fp8_kvcache_accuracy.py).
+Each batch entry (its own cache length) is checked on its own.  The kernel quantizes a bf16/fp16 query itself,
+one scale per (query row, head) (Fp8FwdConfig.q_dtype): the emulation takes the same rule
+(tests/fp8_emulation.quantize_rows).  Beside the bars, exact identities: the appended cache rows are the bytes of
+x / descale rounded to e4m3; a query row of zeros scores every key 0 (LSE = log(keys), O = the mean of V); NaN in
+a query row stays in that row; and a varlen call whose out_dtype differs from q's (the host's per-(sequence, KV
+head) quantization, ``fp8_quant.quantize_query_packed``) gives bitwise the e4m3 path on that q8 and q_descale.
 """
+
+import math
 
 import pytest
 import torch
 
-from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query, quantize_query_packed
-from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms
+from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query_packed
+from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, quantize_rows, rms
 from tests.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -41,12 +47,12 @@ def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None)
     (tests/test_fp8_split_gpu.py): the emulation models the unsplit kernel, and a split rounds P against its own
     running max, so the kernel-emulation bar adds twice the RMS that P's rounding puts into the emulation (the
     split's bar there; emulated splits measured 0.49-0.57 of it: benchmarks/results/fp8_split_emulation_cpu.jsonl)."""
-    qs8, qd = quantize_query(q, k.shape[2])
+    qs8, qd = quantize_rows(q)  # the kernel's per-(row, head) quantization of a bf16/fp16 q
     for i, n in enumerate(lens):
         sl = slice(i, i + 1)
         ref, _ = attention_ref(q[sl], k[sl, :n], v[sl, :n], causal=causal, window=window, sink=sink)
         args = (qs8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl])
-        mask = dict(causal=causal, window=window, sink=sink)
+        mask = dict(causal=causal, window=window, sink=sink, q_rows=True)
         emu = emulate_fp8_attention(*args, **mask, out_dtype=q.dtype)
         p_rms = rms(*(emulate_fp8_attention(*args, **mask, quantize_p=p, out_dtype=torch.float32)
                       for p in (True, False)))
@@ -96,26 +102,37 @@ def test_window_and_sink(causal, window, with_sink, sq):
     _check(out, q, k, v, kc, vc, kd, vd, seqlens.tolist(), causal=causal, window=window, sink=sink)
 
 
-def test_a_bf16_query_is_the_e4m3_path_on_its_quantized_query():
-    q, k, v, kc, vc, kd, vd = _setup(2, 700, 32, 8, 1, seed=3)
-    seqlens = torch.tensor([700, 211], dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 1), (4, 4)])
+@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_kernels_query_quantization_split_and_zero_rows(dtype, hq, hkv, sq, num_splits):
+    """A bf16/fp16 query quantized per (row, head) in the kernel, split off and on, with a row of zeros (batch 0,
+    its last query row, head 1): every key scores 0 there, so LSE = log(keys) and O = the mean of V."""
+    b, cap = 2, 700
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, sq, seed=3 + hq + sq, dtype=dtype)
+    q[0, sq - 1, 1] = 0
+    seqlens = torch.tensor([cap, 211], dtype=torch.int32, device="cuda")
     out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
-                                         return_softmax_lse=True)
-    q8, qd = quantize_query(q, 8)
-    out8, lse8 = fa.flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=seqlens, q_descale=qd, k_descale=kd,
-                                           v_descale=vd, return_softmax_lse=True)
-    torch.testing.assert_close(out, out8, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse8, rtol=0, atol=0)
+                                         causal=True, num_splits=num_splits, return_softmax_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    _check(out, q, k, v, kc, vc, kd, vd, seqlens.tolist(), causal=True)
+    g = 1 // (hq // hkv)
+    mean_v = (vc[0, :cap, g].float() * vd[0, g]).mean(0)  # the last query row sees every key (causal, aligned)
+    torch.testing.assert_close(out[0, sq - 1, 1].float(), mean_v, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(lse[0, 1, sq - 1].item(), math.log(cap), rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="q_descale given with"):
-        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, q_descale=qd)
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, q_descale=kd)
 
 
-def test_nan_in_the_query_stays_in_its_group():
+def test_nan_in_the_query_stays_in_its_row():
     q, k, v, kc, vc, kd, vd = _setup(2, 300, 8, 2, 1, seed=4)
-    q[1, 0, 5, 3] = float("nan")  # batch 1, query head 5: KV head 1 (heads 4..7)
+    q[1, 0, 5, 3] = float("nan")  # batch 1, query head 5: its own scale, its own row
     out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=300, k_descale=kd, v_descale=vd)
-    assert torch.isnan(out[1, :, 4:]).all()
-    assert not torch.isnan(out[0]).any() and not torch.isnan(out[1, :, :4]).any()
+    assert torch.isnan(out[1, :, 5]).all()
+    nan = torch.isnan(out)
+    nan[1, :, 5] = False
+    assert not nan.any()
 
 
 def test_decode_step_under_cuda_graph_replay():
@@ -164,11 +181,14 @@ def test_varlen_packed_bf16_query_over_e4m3_rows(causal):
     qp = pack(q, lens_q)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), k_descale=kd, v_descale=vd,
                 causal=causal)
-    out, _ = fa.flash_attn_varlen_func(qp, pack(k8, lens_k), pack(v8, lens_k), **args)
+    out, _ = fa.flash_attn_varlen_func(qp, pack(k8, lens_k), pack(v8, lens_k), **args)  # quantized in the kernel
     assert out.dtype == torch.bfloat16 and out.shape == qp.shape
+    # another out_dtype: the host's per-(sequence, KV head) quantization, bitwise the e4m3 path on it
+    out16, _ = fa.flash_attn_varlen_func(qp, pack(k8, lens_k), pack(v8, lens_k), out_dtype=torch.float16, **args)
     q8, qd = quantize_query_packed(qp, hkv, cu_q)
-    out8, _ = fa.flash_attn_varlen_func(q8, pack(k8, lens_k), pack(v8, lens_k), q_descale=qd, **args)
-    torch.testing.assert_close(out, out8, rtol=0, atol=0)  # the e4m3 path on the packed quantization, bitwise
+    out8, _ = fa.flash_attn_varlen_func(q8, pack(k8, lens_k), pack(v8, lens_k), q_descale=qd,
+                                        out_dtype=torch.float16, **args)
+    torch.testing.assert_close(out16, out8, rtol=0, atol=0)
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         if lq == 0:
             continue

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flash_attn_4_sm120 as fa
+from flash_attn_4_sm120.dispatch_fp8_varlen import fp8_kvcache_attention
 from flash_attn_4_sm120.fp8_quant import quantize_query, quantize_query_packed, quantize_with_descale
 from tests.test_fp8_varlen_host import launches  # noqa: F401  (the stubbed launch, a fixture)
 
@@ -23,7 +24,45 @@ def _cache(b=2, s=16, hkv=2, d=64, seed=1):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq, hkv, sq", [(8, 2, 1), (4, 4, 3), (8, 1, 5)])
+def test_a_bf16_query_reaches_the_kernel_as_is(launches, dtype, hq, hkv, sq):
+    """The default output (q's dtype): the kernel quantizes q per tile row (Fp8FwdConfig.q_dtype), so the launch
+    gets q itself as packed rows (a view, no torch kernel on the host) and no q descale."""
+    b = 3
+    q = _randn(b, sq, hq, 64, dtype=dtype)
+    kc, vc = _cache(b, 16, hkv, 64)
+    kd = torch.full((b, hkv), 0.25)
+    out, lse = fa.flash_attn_with_kvcache(q, kc, vc, k_descale=kd, causal=True, return_softmax_lse=True)
+    (c,) = launches
+    assert c["q"].dtype == dtype and c["q"].data_ptr() == q.data_ptr() and c["q"].shape == (1, b * sq, hq, 64)
+    assert torch.equal(c["q"][0], q.flatten(0, 1))
+    qd, kd_got, vd_got = c["descales"]
+    assert qd is None and torch.equal(kd_got, kd) and torch.equal(vd_got, torch.ones(b, hkv))
+    assert c["out_dtype"] == dtype and out.dtype == dtype and out.shape == (b, sq, hq, 64)
+    assert lse.shape == (b, hq, sq)
+
+
+@pytest.mark.parametrize("make", ["odd_row_stride", "unaligned", "transposed", "size_one_seq"])
+def test_a_query_the_kernel_cannot_read_in_place_is_copied_in_its_dtype(launches, make):
+    q = {"odd_row_stride": _randn(2, 3, 8, 68)[..., :64],  # heads 136 bytes apart: not a multiple of 16
+         "unaligned": _randn(2 * 3 * 8 * 64 + 1)[1:].view(2, 3, 8, 64),
+         "transposed": _randn(2, 8, 3, 64).transpose(1, 2),
+         # Sq = 1 with a sequence stride torch's is_contiguous ignores: batch stride != seqlen x row stride
+         "size_one_seq": _randn(2, 8, 1, 64).transpose(1, 2)}[make]
+    kc, vc = _cache(2, 16, 2, 64)
+    fa.flash_attn_with_kvcache(q, kc, vc, causal=True)
+    (c,) = launches
+    got = c["q"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got[0], q.flatten(0, 1))
+    assert got.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in got.stride()[:-1]) and got.stride(-1) == 1
+    if make != "size_one_seq":
+        assert got.data_ptr() != q.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv, sq", [(8, 2, 1), (4, 4, 3), (8, 1, 5)])
 def test_a_bf16_query_is_quantized_per_kv_head_group(launches, dtype, hq, hkv, sq):
+    """Another out_dtype than q's (flash_attn_varlen_func's out_dtype): the host quantizes q first (the kernel's
+    bf16/fp16-query forms write q's dtype), one scale per (batch, KV head)."""
     b = 3
     # group g of batch entry i gets its own range, so one shared scale would be visibly wrong
     spread = torch.tensor([[0.01, 1.0, 30.0, 200.0][: hkv]] * b) * torch.tensor([1.0, 3.0, 0.5])[:, None]
@@ -31,7 +70,11 @@ def test_a_bf16_query_is_quantized_per_kv_head_group(launches, dtype, hq, hkv, s
          * spread.view(b, 1, hkv, 1, 1)).view(b, sq, hq, 64).to(dtype)
     kc, vc = _cache(b, 16, hkv, 64)
     kd = torch.full((b, hkv), 0.25)
-    out, lse = fa.flash_attn_with_kvcache(q, kc, vc, k_descale=kd, causal=True, return_softmax_lse=True)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    # flash_attn_with_kvcache has no out_dtype (its output is q's dtype): the FP8 branch called directly
+    out, lse = fp8_kvcache_attention(q, kc, vc, None, None, cache_seqlens=None, q_descale=None, k_descale=kd,
+                                     v_descale=None, out_dtype=other, softmax_scale=None, causal=True,
+                                     window_size=None, return_lse=True, learnable_sink=None, unsupported={})
     (c,) = launches
     q8, (qd, kd_got, vd_got) = c["q"], c["descales"]
     amax = q.float().view(b, sq, hkv, hq // hkv, 64).abs().amax(dim=(1, 3, 4))
@@ -44,7 +87,7 @@ def test_a_bf16_query_is_quantized_per_kv_head_group(launches, dtype, hq, hkv, s
     assert (err[normal] <= E4_REL * q.float().abs()[normal]).all()
     assert q8.float().abs().max() == 448  # each group's amax lands on e4m3's largest value
     assert c["cu_q"].tolist() == [0, sq, 2 * sq, 3 * sq] and c["max_q"] == sq and c["causal"] is True
-    assert c["out_dtype"] == dtype and out.dtype == dtype and out.shape == (b, sq, hq, 64)
+    assert c["out_dtype"] == other and out.dtype == other and out.shape == (b, sq, hq, 64)
     assert lse.shape == (b, hq, sq)
 
 
@@ -169,18 +212,26 @@ def test_packed_query_scales_are_per_sequence():
 
 
 @pytest.mark.parametrize("varlen_q", [False, True])
-def test_varlen_with_a_bf16_query(launches, varlen_q):
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_varlen_with_a_bf16_query(launches, varlen_q, in_kernel):
     cu_k = torch.tensor([0, 5, 21], dtype=torch.int32)
     k, v = (torch.randn(21, 2, 64).to(E4) for _ in range(2))
     q = _randn(2, 3, 8, 64, seed=11, dtype=torch.float16)
     kw = dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3) if varlen_q else {}
+    out_dtype = torch.float16 if in_kernel else torch.bfloat16
     out, _ = fa.flash_attn_varlen_func(q.flatten(0, 1) if varlen_q else q, k, v, cu_seqlens_k=cu_k, causal=True,
-                                       v_descale=torch.full((2, 2), 0.5), **kw)
+                                       v_descale=torch.full((2, 2), 0.5), out_dtype=out_dtype, **kw)
     (c,) = launches
-    q8_ref, qd_ref = quantize_query(q, 2)
-    assert c["q"].dtype == E4 and torch.equal(c["q"].view(torch.uint8).flatten(), q8_ref.view(torch.uint8).flatten())
-    assert torch.equal(c["descales"][0], qd_ref) and torch.equal(c["descales"][2], torch.full((2, 2), 0.5))
-    assert out.dtype == torch.float16 and out.shape == ((6,) if varlen_q else (2, 3)) + (8, 64)
+    assert torch.equal(c["descales"][2], torch.full((2, 2), 0.5))
+    if in_kernel:  # q's own dtype out: the kernel quantizes each row
+        assert c["q"].dtype == torch.float16 and torch.equal(c["q"][0], q.flatten(0, 1))
+        assert c["descales"][0] is None
+    else:  # the host fallback, per (sequence, KV head)
+        q8_ref, qd_ref = quantize_query(q, 2)
+        assert c["q"].dtype == E4 and torch.equal(c["q"].view(torch.uint8).flatten(),
+                                                  q8_ref.view(torch.uint8).flatten())
+        assert torch.equal(c["descales"][0], qd_ref)
+    assert out.dtype == out_dtype and out.shape == ((6,) if varlen_q else (2, 3)) + (8, 64)
 
 
 def test_without_the_stub_a_bf16_query_reaches_the_device_check():

@@ -4,10 +4,13 @@ The paged kernel is the contiguous kernel with other addresses: same tiles, same
 test here compares a paged call with the same call over the same bytes laid out contiguously and asks for BITWISE
 equality (out and lse); the contiguous path's accuracy against the fp32 reference is tests/test_fp8_kvcache_gpu.py's.
 Page sizes 1 (every row its own page), 16 (a 64-key tile spans four pages), 64 (one page per tile) and 256 (four
-tiles per page); GQA 1/4/8; Sq 1 (the one-warp decode tile) and 5; split off and on; appends crossing pages; a
+tiles per page); GQA 1/4/8; Sq 1 (the one-warp decode tile) and 5; split off and on; bf16 and fp16 queries (quantized
+per (row, head) in the kernel) with a row of zeros; appends crossing pages; a
 lying page table and lying cache_seqlens (clamped: must not fault; run this file under compute-sanitizer too);
 pools that are views of a fused cache; CUDA-graph replay.
 """
+
+import math
 
 import pytest
 import torch
@@ -89,6 +92,24 @@ def test_window_sink_query_dtypes_and_fused_pools(dtype, page_size):
     for fused in (False, True):
         paged, contiguous, _ = _paged_and_contiguous(q, kc, vc, page_size, fused=fused, **kw)
         _same(paged, contiguous)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", [(8, 8), (32, 8), (16, 2)])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_kernels_query_quantization_on_pages(dtype, hq, hkv, sq, num_splits):
+    """A bf16/fp16 query quantized per (row, head) in the kernel (Fp8FwdConfig.q_dtype) over pages, with a row of
+    zeros: bitwise the contiguous call, and the zero row scores every key 0 (LSE = log(keys))."""
+    b = 2
+    q, _, _, kc, vc, kd, vd = _setup(b, hq, hkv, sq, seed=11 + hq + sq, dtype=dtype)
+    q[1, sq - 1, hq - 1] = 0
+    seqlens = torch.tensor([CAP, 130], dtype=torch.int32, device="cuda")
+    paged, contiguous, _ = _paged_and_contiguous(q, kc, vc, 16, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                                 causal=True, num_splits=num_splits)
+    _same(paged, contiguous)
+    assert paged[0].dtype == dtype
+    torch.testing.assert_close(paged[1][1, hq - 1, sq - 1].item(), math.log(130), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 256])

@@ -62,7 +62,7 @@ def test_each_copy_takes_its_rows_page_from_the_lane_that_looked_it_up(d, warps)
 def test_paged_configs_are_varlen_and_in_the_worklist():
     cfgs = C.all_configs()
     paged = [c for c in cfgs if c.paged]
-    assert len(paged) == 144 and all(c.varlen for c in paged)
+    assert len(paged) == 144 + 192 and all(c.varlen for c in paged)  # 192: bf16/fp16-query forms (q_dtype)
     # one paged twin per varlen configuration, and nothing else
     assert {dataclasses.replace(c, paged=False) for c in paged} == {c for c in cfgs if c.varlen and not c.paged}
     with pytest.raises(ValueError, match="paged=True needs varlen=True"):

@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
-from flash_attn_4_sm120.fp8_quant import quantize_qkv, quantize_query
-from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms
+from flash_attn_4_sm120.fp8_quant import quantize_qkv
+from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, quantize_rows, rms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -41,14 +41,15 @@ def _cache(b, cap, hq, hkv, sq, d=128, seed=0):
 
 
 def _p_rounding_rms(q, k8, v8, kd, vd, lens, **mask):
-    """RMS that rounding P to e4m3 puts into the emulated output, over the batch entries (each its own length)."""
-    q8, qd = quantize_query(q, k8.shape[2])
+    """RMS that rounding P to e4m3 puts into the emulated output, over the batch entries (each its own length); the
+    query quantized per (row, head) as the kernel does with a bf16 q (tests/fp8_emulation.quantize_rows)."""
+    q8, qd = quantize_rows(q)
     diffs = []
     for i, n in enumerate(lens):
         sl = slice(i, i + 1)
         args = (q8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl])
-        a = emulate_fp8_attention(*args, quantize_p=True, out_dtype=torch.float32, **mask)
-        b = emulate_fp8_attention(*args, quantize_p=False, out_dtype=torch.float32, **mask)
+        a = emulate_fp8_attention(*args, quantize_p=True, out_dtype=torch.float32, q_rows=True, **mask)
+        b = emulate_fp8_attention(*args, quantize_p=False, out_dtype=torch.float32, q_rows=True, **mask)
         diffs.append((a - b).pow(2).mean())
     return float(torch.stack(diffs).mean().sqrt())
 

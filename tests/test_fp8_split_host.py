@@ -13,6 +13,7 @@ import torch
 
 from flash_attn_4_sm120 import config_fp8, device, splitkv
 from flash_attn_4_sm120 import dispatch_fp8 as F8
+from tests.fp8_emulation import quantize_rows
 
 E4 = torch.float8_e4m3fn
 TILE_N = config_fp8.FP8_TILE_N
@@ -28,7 +29,13 @@ def _model_kernel(cfg, calls):
         calls.append(dict(cfg=cfg, out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), ratio=ratio,
                           num_m_blocks=num_m_blocks, cu_k=cu_k, page_table=page_table, left=left, right=right))
         assert cfg.paged == (page_table is not None) and (cu_k is None) == cfg.paged
-        qf = q.view(E4).float()[0]
+        row_qd = None
+        if cfg.q_dtype == "e4m3":
+            qf = q.view(E4).float()[0]
+        else:  # the kernel quantizes each (row, head) of a bf16/fp16 q itself (tests/fp8_emulation.quantize_rows)
+            assert qd is None and q.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.q_dtype]
+            q8, row_qd = quantize_rows(q[0])
+            qf = q8.float()
         if cfg.paged:  # the paged form's contract: key j of b is row j % ps of the clamped page of column j // ps
             ps, last = k.shape[1], k.shape[0] - 1
             cols = torch.arange(page_table.shape[1] * ps) // ps
@@ -51,8 +58,9 @@ def _model_kernel(cfg, calls):
                 lo, hi = min(s * per, sk), min((s + 1) * per, sk)
                 for h in range(qf.shape[1]):
                     g = h // ratio
+                    q_scale = qd[b, g] if row_qd is None else row_qd[q0:q1, h, None]
                     sc = (qf[q0:q1, h] @ kf[k0 + lo:k0 + hi, g].T) * (scale_log2 / math.log2(math.e)) \
-                        * qd[b, g] * kd[b, g]
+                        * q_scale * kd[b, g]
                     if hi > lo:
                         p = torch.softmax(sc, -1)
                         o, l_ = p @ vf[k0 + lo:k0 + hi, g] * vd[b, g], torch.logsumexp(sc, -1)
