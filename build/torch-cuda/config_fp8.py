@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 
 FP8_HEAD_DIMS = (64, 128)
 FP8_OUT_DTYPES = ("bf16", "fp16")
+# the query the kernel reads: e4m3 with a (B, Hkv) q_descale, or a bf16/fp16 query (an FP8 KV cache under a
+# high-precision model) that the kernel quantizes itself, one scale per tile row from that row's amax
+FP8_Q_DTYPES = ("e4m3", "bf16", "fp16")
 SPLIT_OUT_DTYPE = "fp32"  # a split writes fp32 partials; the combine (kernels/combine.py) converts to bf16/fp16
 FP8_TILE_M = 64  # 4 warps x 16 query rows
 # packed decode rows (query rows x heads of a KV group <= 16, e.g. Sq 1-4 at Hq/Hkv = 4): one warp of 16 rows, so a
@@ -45,6 +48,9 @@ class Fp8FwdConfig:
     # paged K/V: k/v (num_pages, page_size, Hkv, D) with a page_table (B, max_pages) int32; key j of sequence b is
     # row j % page_size of page page_table[b, j // page_size] (looked up per row: a page may be smaller than a tile)
     paged: bool = False
+    # "bf16" / "fp16": q is read in that dtype and each tile row (a (query row, head) pair) is quantized to e4m3 in
+    # the kernel with scale 448 / amax(row); the row's descale joins its softmax scale and no q_descale is read
+    q_dtype: str = "e4m3"
     tile_m: int = FP8_TILE_M
     tile_n: int = FP8_TILE_N
     num_warps: int = FP8_NUM_WARPS
@@ -54,7 +60,7 @@ class Fp8FwdConfig:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
                 f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
                 f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}{'paged_' if self.paged else ''}"
-                f"{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
+                f"{'' if self.q_dtype == 'e4m3' else 'q' + self.q_dtype + '_'}{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
 
 
 def paged_slot(lane, j, chunks: int):
@@ -94,6 +100,17 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
                              "partials (the combine gives bf16/fp16)")
     elif cfg.out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"out_dtype={cfg.out_dtype!r} is not served by the FP8 forward (served: {FP8_OUT_DTYPES})")
+    if cfg.q_dtype not in FP8_Q_DTYPES:
+        raise ValueError(f"q_dtype={cfg.q_dtype!r} is not served by the FP8 forward (served: {FP8_Q_DTYPES})")
+    if cfg.q_dtype != "e4m3":
+        if not cfg.varlen:
+            raise ValueError(f"q_dtype={cfg.q_dtype!r} needs varlen=True: a bf16/fp16 query over e4m3 K/V comes "
+                             "from flash_attn_with_kvcache / flash_attn_varlen_func, which run the packed-rows form")
+        if not cfg.split and cfg.out_dtype != cfg.q_dtype:
+            # one configuration per query dtype, not per (query, output) pair: the host quantizes q itself for
+            # the rare call whose out_dtype differs from q's (dispatch_fp8_varlen.quantize_in_kernel)
+            raise ValueError(f"q_dtype={cfg.q_dtype!r} with out_dtype={cfg.out_dtype!r}: the in-kernel query "
+                             "quantization serves an output in q's dtype (or split partials)")
     for flag in ("pack_gqa", "split", "paged"):
         if getattr(cfg, flag) and not cfg.varlen:
             raise ValueError(f"{flag}=True needs varlen=True: the host runs packed GQA, split-KV and paged K/V on "
@@ -119,13 +136,14 @@ def check_target(arch: str, device_text: str) -> None:
 
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
                   has_sink: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                  split: bool = False, rows: int | None = None, paged: bool = False) -> Fp8FwdConfig:
+                  split: bool = False, rows: int | None = None, paged: bool = False,
+                  q_dtype: str = "e4m3") -> Fp8FwdConfig:
     """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
-    of them runs the one-warp decode tile."""
+    of them runs the one-warp decode tile.  ``q_dtype``: FP8_Q_DTYPES (bf16/fp16: quantized in the kernel)."""
     decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                        out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
-                       varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged,
+                       varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged, q_dtype=q_dtype,
                        tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
                        num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
     can_implement(cfg)
@@ -139,7 +157,10 @@ def all_configs() -> list[Fp8FwdConfig]:
     writes fp32 partials whatever the output dtype: 64 unsplit configurations x 1 + 32 varlen ones packed, 16
     split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176.  Paged
     K/V (flash_attn_with_kvcache's page_table) runs on the varlen form and may pick any of its 144 configurations
-    (packing, splitting and the decode tile follow the same rules as a contiguous cache): 144 more -> 320."""
+    (packing, splitting and the decode tile follow the same rules as a contiguous cache): 144 more -> 320.
+    A bf16/fp16 query over e4m3 K/V (q_dtype, quantized in the kernel) runs on any varlen configuration, contiguous
+    or paged: each unsplit one again with q_dtype = its out_dtype (96 x 2) and each split one with either query
+    dtype (48 x 2 x 2) -> 384 more -> 704."""
     base = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
             for k in (False, True) for vl in (False, True)]
@@ -151,4 +172,7 @@ def all_configs() -> list[Fp8FwdConfig]:
     decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS)
               for c in packed + split if c.pack_gqa]
     contiguous = base + packed + split + decode
-    return contiguous + [replace(c, paged=True) for c in contiguous if c.varlen]
+    e4m3 = contiguous + [replace(c, paged=True) for c in contiguous if c.varlen]
+    hp_q = [replace(c, q_dtype=qd) for c in e4m3 if c.varlen
+            for qd in (("bf16", "fp16") if c.split else (c.out_dtype,))]
+    return e4m3 + hp_q

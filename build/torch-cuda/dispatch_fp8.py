@@ -24,6 +24,8 @@ from .config_fp8 import FP8_HEAD_DIMS, Fp8FwdConfig, select_config
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the kernel's q_dtype (config_fp8.FP8_Q_DTYPES): a bf16/fp16 q is quantized per tile row in the kernel
+_Q_DTYPE = {torch.float8_e4m3fn: "e4m3", torch.bfloat16: "bf16", torch.float16: "fp16"}
 LOG2_E = math.log2(math.e)
 
 
@@ -154,6 +156,8 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
         return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
 
     u8 = cutlass.Uint8
+    q_dt = {"e4m3": u8, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.q_dtype]  # bf16/fp16: no q_descale
+    q_descale = f32(2) if cfg.q_dtype == "e4m3" else None
     sink = f32(1) if cfg.has_sink else None
     lens = (i32(), i32(), i32()) if cfg.varlen else (None, None, None)
     table = None
@@ -161,8 +165,8 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
         lens = (lens[0], None, lens[2])
         table = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                               assumed_align=4)
-    return (act(u8, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), f32(2), f32(2), f32(2), sink, *lens, table, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+    return (act(q_dt, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
+            f32(3), q_descale, f32(2), f32(2), sink, *lens, table, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -283,7 +287,9 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     bound from shapes, never a device value; default total_k); ``rows_covered``: every q row lies in a sequence
     (else the split partials' LSE starts at -inf so uncovered rows combine to O = 0, LSE = -inf); ``page_table``
     (B, max_pages) int32: k/v are page pools (num_pages, page_size, Hkv, D), sequence b has used_k[b] keys
-    through its row of the table (cu_k unused: None), at most max_pages * page_size (the kernel's paged form)."""
+    through its row of the table (cu_k unused: None), at most max_pages * page_size (the kernel's paged form).
+    A bf16/fp16 ``q`` (16-byte aligned rows, out_dtype its own dtype) is quantized per tile row by the kernel
+    (``q_dtype``); its descale entry is then None."""
     from .config_fp8 import check_target
     from .device import device_caps
 
@@ -305,8 +311,9 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     out = torch.empty(1, total_q, hq, v.shape[3], dtype=out_dtype, device=q.device)
     lse = torch.empty(1, hq, total_q, dtype=torch.float32, device=q.device)
     rows = max_seqlen_q * pack
+    q_dtype = _Q_DTYPE[q.dtype]
     cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True,
-                        pack_gqa=pack > 1, rows=rows, paged=paged)
+                        pack_gqa=pack > 1, rows=rows, paged=paged, q_dtype=q_dtype)
     if batch == 0 or total_q == 0 or hq == 0:
         return out, lse
     if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
@@ -323,7 +330,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
                         max_seqlen_k=total_k if max_seqlen_k is None else min(max_seqlen_k, total_k),
                         dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
     qd, kd, vd = descales
-    args = (q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8))
+    args = (q.view(torch.uint8) if q_dtype == "e4m3" else q, k.view(torch.uint8), v.view(torch.uint8))
     tail = (qd, kd, vd, sink, cu_q, None if paged else cu_k, used_k, page_table, scale * LOG2_E, left, right,
             hq // hkv, num_m_blocks)
     if splits == 1:
@@ -334,7 +341,8 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     from .splitkv import combine_into, partials
 
     fn = get_fp8_kernel(select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None,
-                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows, paged=paged), q.device)
+                                      varlen=True, pack_gqa=pack > 1, split=True, rows=rows, paged=paged,
+                                      q_dtype=q_dtype), q.device)
     o_part, l_part, o_comb, l_comb = partials(out, lse, splits)  # (splits, 1, total_q, Hq, Dv), (splits, 1, Hq, .)
     if not rows_covered:
         l_part.fill_(-math.inf)

@@ -9,14 +9,16 @@ int32 cu_seqlens_q / cu_seqlens_k / seqused_k — and ``dispatch_fp8.run_fp8_pac
   writes as the bf16 path, on uint8 views: torch has no index_put for float8).  e4m3 k/v are the caller's values
   under the cache's k_descale / v_descale; bf16/fp16 k/v are quantized on the way in with those descales
   (``fp8_quant.quantize_with_descale``: x / descale saturated to +-448).  The query is e4m3 with its q_descale, or
-  bf16/fp16 (an FP8 KV cache under a high-precision model): quantized here per (batch, KV head) from its amax
-  (``fp8_quant.quantize_query``, whose docstring gives the reasoning), the output then in q's dtype.
+  bf16/fp16 (an FP8 KV cache under a high-precision model), the output then in q's dtype: the kernel reads it as
+  is and quantizes each tile row (a (query row, head) pair) with its own amax scale (``Fp8FwdConfig.q_dtype``;
+  ``quantize_in_kernel``).  Only a call whose out_dtype differs from q's takes the host's per-(batch, KV head)
+  quantization first (``fp8_quant.quantize_query``): the kernel's bf16/fp16-query forms write q's dtype.
 
 Refused before launch (NotImplementedError naming the argument): paged K/V (page_table / block_table),
 cache_batch_idx, varlen q in the cache call, seqused_q, and the features ``flash_attn_func``'s FP8 path refuses;
 ValueError for a q_descale with a bf16/fp16 q.  ``flash_attn_varlen_func`` takes a bf16/fp16 q over e4m3 k/v too:
-a dense q as the cache call quantizes it, packed rows per (sequence, KV head) (``fp8_quant.quantize_query_packed``:
-each row finds its sequence in cu_seqlens_q on the device).
+the same rule (the host fallback for packed rows: ``fp8_quant.quantize_query_packed``, one scale per (sequence,
+KV head), each row finding its sequence in cu_seqlens_q on the device).
 Descales are (B, Hkv) per sequence.  No host read of a device value, but a varlen call's missing max_seqlen_q
 (``validate.max_len``: read once, as the bf16 path).
 """
@@ -33,6 +35,32 @@ from . import validate as V
 
 _E4 = torch.float8_e4m3fn
 _APPEND = (_E4, torch.bfloat16, torch.float16)  # what may be appended into an e4m3 cache
+
+
+def quantize_in_kernel(q, out_dtype) -> bool:
+    """Whether the kernel quantizes this bf16/fp16 q itself (per tile row; no torch kernel on the host): yes unless
+    out_dtype differs from q's dtype (the kernel's bf16/fp16-query forms write q's dtype; config_fp8)."""
+    return out_dtype == q.dtype
+
+
+def kernel_query(q):
+    """A bf16/fp16 q as the kernel reads it: unit last stride, 16-byte aligned rows and start, and (dense) a batch
+    stride of seqlen x row stride (flatten_q's packed-rows view).  A copy in q's dtype only when q is not so laid
+    out (``empty`` strides are canonical even where torch's is_contiguous ignores a size-1 dim's stride)."""
+    ok = q.stride(-1) == 1 and not any(s % 8 for s in q.stride()[:-1]) and q.data_ptr() % 16 == 0
+    if q.dim() == 4 and q.shape[0] > 1 and q.shape[1] > 0:
+        ok = ok and q.stride(0) == q.shape[1] * q.stride(1)
+    if ok:
+        return q
+    return torch.empty(tuple(q.shape), dtype=q.dtype, device=q.device).copy_(q)
+
+
+def _query(q, descales, hkv, out_torch, cu_seqlens_q=None):
+    """(q, descales) for the launch of a bf16/fp16 q: the kernel's per-row quantization, or the host's fallback."""
+    if quantize_in_kernel(q, out_torch):
+        return kernel_query(q), (None,) + tuple(descales[1:])
+    q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if cu_seqlens_q is not None else Q.quantize_query(q, hkv)
+    return q, (qd,) + tuple(descales[1:])
 
 
 def _check_lengths(name, t, length, device):
@@ -79,9 +107,7 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
     _check_lengths("seqused_k", seqused_k, batch, dev)
     if q.dtype != _E4:  # a bf16/fp16 query over e4m3 K/V (check_fp8_call let only those through)
-        hkv = k.shape[-2]
-        q, qd = Q.quantize_query_packed(q, hkv, cu_seqlens_q) if varlen_q else Q.quantize_query(q, hkv)
-        descales = (qd,) + tuple(descales[1:])
+        q, descales = _query(q, descales, k.shape[-2], out_torch, cu_seqlens_q if varlen_q else None)
     qp = q.unsqueeze(0) if varlen_q else flatten_q(q)
     cu_q = cu_seqlens_q if varlen_q else dense_cu(batch, q.shape[1], dev)
     if paged:  # the pools themselves, no cu_seqlens_k: the kernel's paged form
@@ -197,8 +223,7 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
         full = cu_k[1:] - cu_k[:-1]
     used_k = full if seqlens is None else (seqlens + new if new else seqlens)
     if q.dtype != _E4:  # a bf16/fp16 query over the e4m3 cache (check_fp8_call let only those through)
-        q, qd = Q.quantize_query(q, k_cache.shape[2])
-        descales = (qd,) + tuple(descales[1:])
+        q, descales = _query(q, descales, k_cache.shape[2], out_torch)
     qp = flatten_q(q)
     out, lse = F8.run_fp8_packed(qp, kp, vp, dense_cu(batch, q.shape[1], dev), cu_k, used_k, q.shape[1],
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,

@@ -121,3 +121,29 @@ def exp2_approx(x, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def log2_approx(x, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
+def ld_global_v4_u32(addr, *, loc=None, ip=None):
+    """16 bytes of global memory (read-only for the kernel's lifetime) -> 4 registers."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+               "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+    return [Uint32(x) for x in _unpack(res, 4, T.i32())]
+
+
+@dsl_user_op
+def unpack_x2_f32(w, fp16: bool, *, loc=None, ip=None):
+    """One register of two 16-bit floats (bf16, or fp16 with ``fp16``) -> (low, high) as fp32 (exact)."""
+    if fp16:
+        text = "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}"
+    else:  # a bf16 is the top half of its fp32
+        text = ("{\n.reg .b32 a, b;\nshl.b32 a, $2, 16;\nand.b32 b, $2, 0xffff0000;\nmov.b32 $0, a;\n"
+                "mov.b32 $1, b;\n}")
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 2), [Uint32(w).ir_value(loc=loc, ip=ip)], text, "=f,=f,r")
+    return [Float32(x) for x in _unpack(res, 2, T.f32())]
+
+
+@dsl_user_op
+def st_shared_v2(addr, r, *, loc=None, ip=None) -> None:
+    args = [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in r]
+    _asm(None, args, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r", side_effects=True)

@@ -41,6 +41,12 @@ Algorithm, per CTA:
     and page indices are clamped to [0, num_pages), so a lying table reads wrong pages, never outside the pool.
     Lane l of a warp reads the page of the warp's l-th row of the tile once; the copies get it by a shuffle
     (load_kv_paged).  The math is the contiguous kernel's: paged and contiguous give bit-identical results.
+  * A bf16/fp16 query (cfg.q_dtype, varlen form only: an FP8 KV cache under a high-precision model): q is read
+    in its dtype (no q_descale) and each tile row, a (query row, head) pair, is quantized to e4m3 in registers
+    with scale 448 / amax(row) into the same sQ rows (quantize_q_rows); the row's descale amax / 448 multiplies
+    its scores with softmax_scale · log2(e) · k_descale, so the LSE is the unquantized problem's.  This replaces
+    the host's per-(B, Hkv) quantization (several torch kernels a call) and is finer: one outlier only coarsens
+    its own row's scale.
 Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap yet.
 Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
 """
@@ -52,9 +58,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement, paged_slot, paged_slot_row
 from . import cute_utils as cu
 from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
-                      ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
-                      transpose_bytes_4x4)
+                      ld_global_v4_u32, ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
+                      st_shared_v2, transpose_bytes_4x4, unpack_x2_f32)
 
+E4M3_MAX = 448.0
 P_SHIFT_LOG2 = 4.0  # P is scaled by 2^4 before the e4m3 conversion (tests/fp8_emulation.py models the same)
 LN_2 = 0.6931471805599453
 LOG2_E = 1.4426950408889634
@@ -77,11 +84,12 @@ class FlashFwdFp8:
         self.v_row = self.dv + ROW_PAD
         self.stages = cfg.num_stages
         self.has_right = cfg.causal or cfg.local  # a right bound on the keys a row sees
+        self.hp_q = cfg.q_dtype != "e4m3"  # a bf16/fp16 q, quantized per tile row here (quantize_q_rows)
         self.launch_smem_bytes = None
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 q_descale: cute.Tensor, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
+                 q_descale: cute.Tensor | None, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
                  cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
                  page_table: cute.Tensor | None, scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
                  num_m_blocks: Int32, stream):
@@ -110,7 +118,7 @@ class FlashFwdFp8:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None,
+               mQd: cute.Tensor | None, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None,
                mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mUsedK: cute.Tensor | None,
                mPT: cute.Tensor | None, scale_log2: Float32,
                window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
@@ -147,7 +155,11 @@ class FlashFwdFp8:
             # the host passes cu_seqlens_k's differences when no seqused_k is given (the capacity when paged)
             sk = cutlass.min(cutlass.max(mUsedK[b], 0), sk - k_off)
         hkv = h if const_expr(self.cfg.pack_gqa) else h // qheads_per_kvhead
-        sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
+        if const_expr(self.hp_q):  # each row's q descale joins after quantize_q_rows
+            sl2k = scale_log2 * mKd[b, hkv]
+        else:
+            sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
+            sl2 = (sl2, sl2)  # (row g, row g + 8): one value for the whole tile
         row0 = m_block * self.tile_m + warp * 16 + g
         prow = (row0, row0 + 8)  # packed row indices (the query rows themselves without pack_gqa)
         rows = prow
@@ -164,7 +176,7 @@ class FlashFwdFp8:
         # where the mma is emulated (sm_90a: benchmarks/results/fp8_gate_sm90a.jsonl)
         q_base = mQ.iterator.toint() + Int64(bq) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])
         q_chunks = self.d // 16
-        for j in cutlass.range_constexpr(self.tile_m * q_chunks // self.num_threads):
+        for j in cutlass.range_constexpr(0 if self.hp_q else self.tile_m * q_chunks // self.num_threads):
             idx = tidx + self.num_threads * j
             r, cidx = idx // q_chunks, idx % q_chunks
             q_row = cutlass.min(m_block * self.tile_m + r, sq - 1)
@@ -236,6 +248,9 @@ class FlashFwdFp8:
         if n_iters > 0:
             self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
         cp_async_commit()
+        if const_expr(self.hp_q):  # while the first K/V tile is in flight; the loop's first barrier publishes it
+            dq = self.quantize_q_rows(mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr)
+            sl2 = (sl2k * dq[0], sl2k * dq[1])
         for it in cutlass.range(n_iters, unroll=1):
             nb = n_max - 1 - it
             stage = it % 2
@@ -278,6 +293,44 @@ class FlashFwdFp8:
         # with split, out / lse's leading index is the split (the varlen form has one batch of packed rows)
         self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
                       split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
+
+    @cute.jit
+    def quantize_q_rows(self, mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr):
+        """A bf16/fp16 q (cfg.q_dtype) -> e4m3 rows of sQ, each tile row with its own scale; returns the descales
+        (amax / 448) of this thread's rows (g, g + 8 of its warp).  Quad g owns those two rows, lane t the 16-byte
+        chunks t, t + 4, ... of each (8 values a chunk), so the row amax is a quad reduction and lands in the lanes
+        whose S registers it scales.  The fragments are read by the warp that wrote them, after the loop's first
+        barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as unquantized); NaN in a row gives NaN
+        e4m3 values and so a NaN output row; rows past the sequence read its last row and are never stored."""
+        fp16 = self.cfg.q_dtype == "fp16"
+        esize = 2
+        q_base = mQ.iterator.toint() + (Int64(bq) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])) * esize
+        descales = []
+        for hf in cutlass.range_constexpr(2):
+            r = warp * 16 + g + 8 * hf
+            p = m_block * self.tile_m + r
+            q_row = cutlass.min(p, sq - 1)
+            q_h = Int64(0)
+            if const_expr(self.cfg.pack_gqa):  # packed row p: query row p // pack of head h * pack + p % pack
+                q_row = cutlass.min(p // pack, sq - 1)
+                q_h = Int64(h * pack + p % pack - h) * Int64(mQ.stride[2])
+            q_ok = q_row >= 0  # an empty sequence reads row 0 of the tensor (host: total_q > 0), never stored
+            row_addr = q_base + (q_h + Int64((q_off + q_row) if q_ok else 0) * Int64(mQ.stride[1])) * esize
+            words = []
+            for i in cutlass.range_constexpr(self.d // 32):
+                words.extend(ld_global_v4_u32(row_addr + (t + 4 * i) * 16))
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(len(words)):
+                for x in unpack_x2_f32(words[i], fp16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
+            amax = cu.quad_allreduce_max(amax)
+            scale = Float32(E4M3_MAX) / amax if amax > 0.0 else Float32(0.0)
+            for i in cutlass.range_constexpr(self.d // 32):
+                vals = [x * scale for j in range(4) for x in unpack_x2_f32(words[4 * i + j], fp16)]
+                st_shared_v2(sQ_addr + r * self.k_row + (t + 4 * i) * 8,
+                             [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
+            descales.append(amax * Float32(1.0 / E4M3_MAX))
+        return descales
 
     @cute.jit
     def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
@@ -373,8 +426,8 @@ class FlashFwdFp8:
             need = need | (last > row_first + shift + right)
         if const_expr(self.cfg.local):  # the last row's left edge
             need = need | (n0 < row_last + shift - left)
-        for i in cutlass.range_constexpr(cute.size(acc_s.shape)):
-            acc_s[i] = acc_s[i] * sl2
+        for i in cutlass.range_constexpr(cute.size(acc_s.shape)):  # registers 0, 1: row g; 2, 3: row g + 8
+            acc_s[i] = acc_s[i] * sl2[(i % 4) // 2]
         if need:
             for jt in cutlass.range_constexpr(self.tile_n // 8):
                 for e in cutlass.range_constexpr(4):
