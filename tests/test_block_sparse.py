@@ -210,14 +210,48 @@ def test_from_mask_rejects_bad_masks():
         block_sparse_from_flex(object())
 
 
+def test_sparse_fake_args_are_one_record():
+    """The compile path builds the block lists as one BlockSparseLists of int32 tensors (counts rank 3, indices rank
+    4, last dim contiguous) for a block-sparse configuration, and None for a dense one."""
+    pytest.importorskip("cutlass")
+    from flash_attn_4_sm120 import jit
+
+    sparse = config.FwdKernelConfig("bf16", 128, 128, config.select_sparse_tile(128, 128, False),
+                                    sparse_q_ratio=1, sparse_kv_ratio=1)
+    dense = config.FwdKernelConfig("bf16", 128, 128, config.select_fwd_tile(128, 128, False))
+    for cfg in (sparse, dense):
+        fakes = dict(zip(arguments.FWD_ARGS.names, jit.fake_args(arguments.FWD_ARGS, cfg)))
+        rec = fakes["sparse"]
+        if not cfg.block_sparse:
+            assert rec is None
+            continue
+        assert isinstance(rec, arguments.BlockSparseLists)
+        assert [len(t.shape) for t in rec] == [3, 4, 3, 4]
+        assert all(t.stride[-1] == 1 and str(t.element_type) == "Int32" for t in rec)
+
+
+def test_checked_lists_are_the_kernels_record():
+    """check_block_sparse hands the kernels one BlockSparseLists, with the empty full lists when none were given."""
+    cnt = torch.zeros(1, 1, 2, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 3, dtype=torch.int32)
+    _, lists = BS.check_block_sparse(BlockSparseTensors(cnt, idx), batch=1, heads=1, max_q=256, max_k=384,
+                                     head_dim=128, head_dim_v=128, windowed=False, device=torch.device("cpu"))
+    assert isinstance(lists, arguments.BlockSparseLists)
+    assert lists.mask_block_cnt is cnt and lists.mask_block_idx is idx
+    assert lists.full_block_cnt.shape == (1, 1, 1) and lists.full_block_idx.shape == (1, 1, 1, 1)
+    assert isinstance(BS.transpose_block_sparse(lists, 3), arguments.BlockSparseLists)
+
+
 def test_sparse_compile_key_and_records():
     cfg = config.FwdKernelConfig("bf16", 128, 128, config.select_sparse_tile(128, 128, False),
                                  sparse_q_ratio=2, sparse_kv_ratio=1)
     assert cfg.block_sparse and "sparse2x1" in cfg.name() and cfg.tile.tma
     assert not config.FwdKernelConfig("bf16", 128, 128, cfg.tile).block_sparse
-    names = arguments.FWD_ARGS.names
-    for n in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
-        assert n in names
+    (arg,) = [a for a in arguments.FWD_ARGS.args if a.name == "sparse"]
+    assert (arg.kind, arg.when, arg.record) == ("record", "block_sparse", arguments.BlockSparseLists)
+    assert tuple(f.name for f in arg.fields) == ("mask_block_cnt", "mask_block_idx", "full_block_cnt",
+                                                 "full_block_idx")
+    assert [f.rank for f in arg.fields] == [3, 4, 3, 4]
     gated = GL.sparse_gate_worklist()
     for c in gated:
         assert c.block_sparse and c.tile in config.reachable_sparse_tiles(c.head_dim, c.head_dim_v, c.windowed)

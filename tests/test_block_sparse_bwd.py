@@ -212,11 +212,11 @@ def test_bwd_debug_checks_name_lying_values():
 
 # ---- compile keys, records, plans -------------------------------------------------------------------------------
 def test_sparse_backward_configs_records_and_plan():
-    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
     for rec in (arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS):
-        for n in names:
-            assert n in rec.names
-            assert next(a for a in rec.args if a.name == n).when == "block_sparse"
+        arg = next(a for a in rec.args if a.name == "sparse")
+        assert (arg.kind, arg.when, arg.record) == ("record", "block_sparse", arguments.BlockSparseLists)
+        assert tuple(f.name for f in arg.fields) == arguments.BlockSparseLists._fields
+        assert not any(n.endswith(("_block_cnt", "_block_idx")) for n in rec.names)
     cfg = config_bwd.select_bwd_config("bf16", 128, 128, sparse_q_ratio=2, sparse_kv_ratio=1)
     assert cfg.block_sparse and cfg.name().endswith("sparse2x1")
     assert not config_bwd.select_bwd_config("bf16", 128, 128).block_sparse
@@ -334,15 +334,16 @@ def test_autograd_passes_the_right_lists_to_each_kernel(recorded_launches, given
     assert (dkdv_cfg.sparse_q_ratio, dkdv_cfg.sparse_kv_ratio) == (128 // tiles[1].tile_m, 128 // tiles[1].tile_n)
     assert (dq_cfg.sparse_q_ratio, dq_cfg.sparse_kv_ratio) == (128 // tiles[2].tile_m, 128 // tiles[2].tile_n)
     assert dkdv_cfg.windowed and dq_cfg.windowed
-    # the dQ kernel gets the forward's lists (the very tensors), the dK/dV kernel the KV-major ones
-    names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
-    for n in names:
-        assert dq_vals[n] is fwd_vals[n]
-    expect = BS.transpose_block_sparse(tuple(fwd_vals[n] for n in names), nk)
-    for n, e in zip(names, expect):
-        assert torch.equal(dkdv_vals[n], e)
+    # the dQ kernel gets the forward's lists (the very tensors), the dK/dV kernel the KV-major ones, each as one
+    # arguments.BlockSparseLists
+    fwd_lists, dq_lists, dkdv_lists = fwd_vals["sparse"], dq_vals["sparse"], dkdv_vals["sparse"]
+    assert all(isinstance(x, arguments.BlockSparseLists) for x in (fwd_lists, dq_lists, dkdv_lists))
+    assert all(x is y for x, y in zip(dq_lists, fwd_lists))
+    expect = BS.transpose_block_sparse(fwd_lists, nk)
+    for i, e in enumerate(expect):
+        assert torch.equal(dkdv_lists[i], e)
         if given:
-            assert dkdv_vals[n] is bwd[names.index(n)]
+            assert dkdv_lists[i] is bwd[i]
     assert dkdv_vals["num_n_blocks"] == -(-sk // dkdv_cfg.tile_n)
     assert dq_vals["num_m_blocks"] == -(-sq // dq_cfg.tile_m)
 
@@ -363,7 +364,7 @@ def test_dense_backward_launches_carry_no_lists(recorded_launches):
             if rec in (arguments.BWD_PRE_ARGS, arguments.DQ_CONVERT_ARGS):  # no block lists
                 continue
             assert not cfg.block_sparse
-            assert vals["mask_block_cnt"] is None and vals["full_block_idx"] is None
+            assert vals["sparse"] is None
             if rec is arguments.BWD_DKDV_ARGS:
                 assert cfg.fused_dq and vals["dq_accum"] is not None
                 assert cfg.dq_relay is det and (vals["dq_turns"] is None) is (not det)

@@ -272,28 +272,41 @@ def test_dropout_with_paged_kv_raises():
             call(q, q, q, dropout_p=0.1, page_table=pages)
 
 
-def test_kernel_values_are_int32_bit_patterns():
+def test_kernel_params_are_int32_bit_patterns():
     a = dropout.DropoutArgs(0.5, (0xFFFFFFFE << 32) | 0x80000001, (5 << 32) | 0xFFFFFFFC)
-    v = a.kernel_values()
-    assert v["dropout_threshold"] == 1 << (dropout.KEEP_BITS - 1)
-    assert v["rng_seed_lo"] == -(1 << 31) + 1 and v["rng_seed_hi"] == -2
-    assert v["rng_offset_lo"] == -4 and v["rng_offset_hi"] == 5
-    assert v["dropout_scale"] == 2.0 and v["rng_seed"] is None
+    v = a.kernel_params()
+    assert isinstance(v, arguments.DropoutParams)
+    assert v.threshold == 1 << (dropout.KEEP_BITS - 1)
+    assert v.seed_lo == -(1 << 31) + 1 and v.seed_hi == -2
+    assert v.offset_lo == -4 and v.offset_hi == 5
+    assert v.scale == 2.0 and v.seed is None
+    seed_t = torch.zeros(1, dtype=torch.int64)
+    assert dropout.DropoutArgs(0.25, 0, 7, seed_t).kernel_params().seed is seed_t
 
 
 def test_dropout_arguments_only_when_compiled_with_dropout():
-    names = ("dropout_threshold", "dropout_scale", "rng_seed_lo", "rng_seed_hi", "rng_offset_lo", "rng_offset_hi")
+    """One ``dropout`` record per kernel (arguments.DropoutParams), present only in the kernels compiled with
+    dropout; its seed tensor only when compiled to read the seed from the device."""
+    names = arguments.DropoutParams._fields
     for rec in (arguments.FWD_ARGS, arguments.BWD_DKDV_ARGS, arguments.BWD_DQ_ARGS):
         by_name = {a.name: a for a in rec.args}
-        for n in names:
-            assert by_name[n].when == "has_dropout"
-        assert by_name["rng_seed"].when == "dropout_seed_tensor"
+        arg = by_name["dropout"]
+        assert (arg.kind, arg.when, arg.record) == ("record", "has_dropout", arguments.DropoutParams)
+        assert tuple(f.name for f in arg.fields) == names
+        assert {f.name: f.when for f in arg.fields}["seed"] == "dropout_seed_tensor"
+        assert not any(n.startswith(("rng_", "dropout_")) for n in rec.names)
     pytest.importorskip("cutlass")
     base = config.FwdKernelConfig("bf16", 128, 128, config.select_fwd_tile(128, 128, False))
-    for cfg, present in ((base, False), (config.replace(base, has_dropout=True), True)):
+    for cfg, present, seed in ((base, False, False), (config.replace(base, has_dropout=True), True, False),
+                               (config.replace(base, has_dropout=True, dropout_seed_tensor=True), True, True)):
         fakes = dict(zip(arguments.FWD_ARGS.names, jit.fake_args(arguments.FWD_ARGS, cfg)))
-        assert all((fakes[n] is not None) == present for n in names)
-        assert fakes["rng_seed"] is None
+        if not present:
+            assert fakes["dropout"] is None
+            continue
+        rec = fakes["dropout"]
+        assert isinstance(rec, arguments.DropoutParams)
+        assert all(getattr(rec, n) is not None for n in names[:-1])
+        assert (rec.seed is not None) == seed
 
 
 def test_column_groups_cover_each_column_once():

@@ -70,16 +70,16 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
     elif dropout_seed is not None or dropout_offset is not None:
         D.check_seed(dropout_seed, dropout_offset, dev)  # a wrong type raises even when p = 0
     in_kernel = drop is not None and drop.p < 1.0
-    ratios, sparse_args, sparse_grad = (0, 0), (None, None, None, None), None
+    ratios, sparse_lists, sparse_grad = (0, 0), None, None
     if sparse:
-        ratios, sparse_args = BS.check_block_sparse(
+        ratios, sparse_lists = BS.check_block_sparse(
             block_sparse_tensors, batch=batch, heads=hq, max_q=max_q, max_k=max_k, head_dim=d, head_dim_v=dv,
             windowed=windowed, device=dev, debug=V.debug_checks_enabled(debug_checks), tma=caps.tma)
         # the plan key carries the block size: it picks the tile (config.select_sparse_tile)
         ratios = (*ratios, *(getattr(block_sparse_tensors, "block_size", None) or BS.DEFAULT_BLOCK_SIZE))
         if needs_grad:
             sparse_grad = BS.prepare_backward(
-                block_sparse_tensors, block_sparse_tensors_bwd, sparse_args, batch=batch, heads=hq, max_q=max_q,
+                block_sparse_tensors, block_sparse_tensors_bwd, sparse_lists, batch=batch, heads=hq, max_q=max_q,
                 max_k=max_k, head_dim=d, head_dim_v=dv, windowed=windowed, device=dev,
                 debug=V.debug_checks_enabled(debug_checks), mods=mods,
                 call=dict(dtype=V.DTYPE_NAMES[q.dtype], tma=caps.tma, has_softcap=softcap_v > 0, varlen_q=varlen_q,
@@ -114,17 +114,14 @@ def run_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None
         o_dst, lse_dst, o_comb, lse_comb = SK.partials(out, lse, splits, varlen_q)
     if plan.fwd_fn is None:
         plan.fwd_fn = _kernel(plan.fwd_cfg, dev)
-    thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = D.kernel_args(drop if in_kernel else None)
     scale_log2, prescale = meta.log2_scales()
     _launch(plan.fwd_fn, FWD_ARGS, dev, dict(
         q=detached(q), k=detached(k), v=detached(v), out=o_dst, lse=lse_dst, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, sink=sink,
-        mask_block_cnt=sparse_args[0], mask_block_idx=sparse_args[1], full_block_cnt=sparse_args[2],
-        full_block_idx=sparse_args[3], aux_tensors=aux_tensors or None, scale_log2=scale_log2,
-        softcap_prescale=prescale, window_left=meta.left, window_right=meta.right, pack=pack,
-        qheads_per_kvhead=ratio, num_m_blocks=num_m_blocks, num_head_groups=hq // pack,
-        num_batch=batch * splits, dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo,
-        rng_seed_hi=seed_hi, rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t,
+        sparse=sparse_lists, aux_tensors=aux_tensors or None, scale_log2=scale_log2, softcap_prescale=prescale,
+        window_left=meta.left, window_right=meta.right, pack=pack, qheads_per_kvhead=ratio,
+        num_m_blocks=num_m_blocks, num_head_groups=hq // pack, num_batch=batch * splits,
+        dropout=drop.kernel_params() if in_kernel else None,
     ))
     if splits > 1:
         SK.combine_into(o_comb, lse_comb, out, lse, varlen_q)

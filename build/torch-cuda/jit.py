@@ -74,53 +74,54 @@ def fake_args(record: ArgRecord, cfg) -> tuple:
     def vec(dtype):
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
 
-    out = []
-    for arg in record.args:
+    def fake(arg):
         if arg.when is not None and not getattr(cfg, arg.when):
-            out.append(None)
-            continue
+            return None
         varlen = arg.varlen is not None and getattr(cfg, arg.varlen)
         split = arg.split is not None and getattr(cfg, arg.split)  # + a leading num_splits dim, fp32
         if arg.kind == "act":
-            out.append(act((2 if varlen else 3) + split, getattr(cfg, arg.dim), Float32 if split else None))
-        elif arg.kind == "rowstat":
-            out.append(rowstat((2 if varlen else 3) + split))
-        elif arg.kind == "rows":
-            out.append(rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim)))
-        elif arg.kind == "strided":
-            out.append(strided(arg.rank))
-        elif arg.kind == "dqacc":  # (blocks, H, tile_m * head_dim), contiguous: 16-byte aligned tiles
+            return act((2 if varlen else 3) + split, getattr(cfg, arg.dim), Float32 if split else None)
+        if arg.kind == "rowstat":
+            return rowstat((2 if varlen else 3) + split)
+        if arg.kind == "rows":
+            return rows(arg.rank, all_dtypes[getattr(cfg, arg.dtype)], getattr(cfg, arg.dim))
+        if arg.kind == "strided":
+            return strided(arg.rank)
+        if arg.kind == "dqacc":  # (blocks, H, tile_m * head_dim), contiguous: 16-byte aligned tiles
             per_tile = cfg.tile_m * cfg.head_dim
-            out.append(cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), per_tile),
-                                                     stride=(cute.sym_int64(), per_tile, 1), assumed_align=16))
-        elif arg.kind == "i32vec":
-            out.append(vec(cutlass.Int32))
-        elif arg.kind == "i32mat":
-            out.append(cute.runtime.make_fake_tensor(
-                cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4))
-        elif arg.kind == "i64vec":
-            out.append(cute.runtime.make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8))
-        elif arg.kind == "i32nd":  # int32 strides (the host checks the extents), last dim contiguous
-            out.append(cute.runtime.make_fake_tensor(
+            return cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), per_tile),
+                                                 stride=(cute.sym_int64(), per_tile, 1), assumed_align=16)
+        if arg.kind == "i32vec":
+            return vec(cutlass.Int32)
+        if arg.kind == "i32mat":
+            return cute.runtime.make_fake_tensor(
+                cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
+        if arg.kind == "i64vec":
+            return cute.runtime.make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8)
+        if arg.kind == "i32nd":  # int32 strides (the host checks the extents), last dim contiguous
+            return cute.runtime.make_fake_tensor(
                 cutlass.Int32, tuple(cute.sym_int() for _ in range(arg.rank)),
-                stride=tuple(cute.sym_int() for _ in range(arg.rank - 1)) + (1,), assumed_align=4))
-        elif arg.kind == "aux":
+                stride=tuple(cute.sym_int() for _ in range(arg.rank - 1)) + (1,), assumed_align=4)
+        if arg.kind == "aux":
             aux_dtypes = {"fp32": Float32, "i32": cutlass.Int32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
                           "i64": cutlass.Int64}
             # int32 extents and strides (the host checks numel < 2**31), last dim contiguous: few registers
-            out.append(tuple(cute.runtime.make_fake_tensor(
+            return tuple(cute.runtime.make_fake_tensor(
                 aux_dtypes[name], tuple(cute.sym_int() for _ in range(rank)),
                 stride=tuple(cute.sym_int() for _ in range(rank - 1)) + (1,),
                 assumed_align=aux_dtypes[name].width // 8)
-                for name, rank in cfg.mods.aux_sig))
-        elif arg.kind == "f32vec":
-            out.append(vec(Float32))
-        elif arg.kind == "f32":
-            out.append(Float32(1.0))
-        elif arg.kind == "i32":
-            out.append(Int32(1))
-        else:
-            raise ValueError(f"{record.kernel}: unknown argument kind {arg.kind!r} of {arg.name!r}")
+                for name, rank in cfg.mods.aux_sig)
+        if arg.kind == "record":  # a NamedTuple of its fields (arguments.py says why not a dataclass)
+            return arg.record(*map(fake, arg.fields))
+        if arg.kind == "f32vec":
+            return vec(Float32)
+        if arg.kind == "f32":
+            return Float32(1.0)
+        if arg.kind == "i32":
+            return Int32(1)
+        raise ValueError(f"{record.kernel}: unknown argument kind {arg.kind!r} of {arg.name!r}")
+
+    out = [fake(arg) for arg in record.args]
     out.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     return tuple(out)
 

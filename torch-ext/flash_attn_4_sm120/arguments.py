@@ -26,12 +26,48 @@ Kinds:
   dqacc   the fused backward's fp32 dQ workspace (blocks, H, tile_m * head_dim): contiguous, the last extent static
   strided an fp32 tensor of ``rank`` dims with every stride dynamic (the combine kernel's LSE views, the
           preprocess kernel's dLSE)
-``when`` names a config flag: the argument is None when the flag is off (an optional tensor).
+  record  a group of arguments passed as one NamedTuple (``record``), its ``fields`` declared as above: the
+          dropout scalars (``DropoutParams``) and the block-sparse lists (``BlockSparseLists``)
+``when`` names a config flag: the argument is None when the flag is off (an optional tensor, or a whole record).
+
+Why a NamedTuple and not a dataclass: CuTe-DSL flattens both into the kernel's parameters (the same parameters,
+in the same order, as the fields spelled out one by one: the SASS does not change,
+benchmarks/results/sass_compare_grouped_args_c279b00.txt), but a compiled function
+loaded from the disk cache or the prebuilt set (``tvm_ffi.load_module``) is called positionally, without the
+wrapper that unpacks a dataclass; a NamedTuple is a tuple, which that call takes as it is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class DropoutParams(NamedTuple):
+    """The kernels' dropout arguments (``dropout.DropoutArgs.kernel_params`` builds them; kernels/philox.py
+    ``DropoutRng`` reads them): keep threshold (uint32 bits as int32), 1/(1-p), Philox seed and offset as 32-bit
+    halves (int32 bit patterns), and the (1,) int64 seed tensor that replaces the scalar seed under CUDA graphs
+    (config.dropout_seed_tensor; None otherwise)."""
+
+    threshold: Any
+    scale: Any
+    seed_lo: Any
+    seed_hi: Any
+    offset_lo: Any
+    offset_hi: Any
+    seed: Any = None
+
+
+class BlockSparseLists(NamedTuple):
+    """The block lists a block-sparse kernel walks (block_sparse.py checks and builds them): counts (B|1, H|1,
+    blocks) and indices (B|1, H|1, blocks, width), int32, last dim contiguous.  The forward and the dQ kernel take
+    the Q-major lists (per query block, its KV blocks), the dK/dV kernel the KV-major ones (per KV block, its
+    query blocks); "full" blocks skip the masks, "mask" blocks get them."""
+
+    mask_block_cnt: Any
+    mask_block_idx: Any
+    full_block_cnt: Any
+    full_block_idx: Any
 
 
 @dataclass(frozen=True)
@@ -44,6 +80,8 @@ class Arg:
     rank: int = 0  # kinds "rows" / "strided"
     dtype: str | None = None  # kind "rows": the config attribute holding the dtype name
     split: str | None = None  # kinds "act" / "rowstat": the config flag that makes it a split-KV partial
+    record: type | None = None  # kind "record": the NamedTuple the fields are passed in
+    fields: tuple["Arg", ...] = ()  # kind "record": its fields, in the NamedTuple's order
 
 
 @dataclass(frozen=True)
@@ -78,18 +116,27 @@ _SEQ_META = (
     Arg("seqused_k", "i32vec", when="seqused_k"),
 )
 
-# Dropout (config.has_dropout): keep threshold (uint32 bits), 1/(1-p), Philox seed and offset (32-bit halves);
-# the seed tensor replaces the scalar seed when config.dropout_seed_tensor.  All None without dropout, so the
-# p = 0 kernel is the kernel without dropout.
-_DROPOUT = (
-    Arg("dropout_threshold", "i32", when="has_dropout"),
-    Arg("dropout_scale", "f32", when="has_dropout"),
-    Arg("rng_seed_lo", "i32", when="has_dropout"),
-    Arg("rng_seed_hi", "i32", when="has_dropout"),
-    Arg("rng_offset_lo", "i32", when="has_dropout"),
-    Arg("rng_offset_hi", "i32", when="has_dropout"),
-    Arg("rng_seed", "i64vec", when="dropout_seed_tensor"),
-)
+# Dropout (config.has_dropout): one DropoutParams; the seed tensor replaces the scalar seed when
+# config.dropout_seed_tensor.  None without dropout, so the p = 0 kernel is the kernel without dropout.
+_DROPOUT = Arg("dropout", "record", when="has_dropout", record=DropoutParams, fields=(
+    Arg("threshold", "i32"),
+    Arg("scale", "f32"),
+    Arg("seed_lo", "i32"),
+    Arg("seed_hi", "i32"),
+    Arg("offset_lo", "i32"),
+    Arg("offset_hi", "i32"),
+    Arg("seed", "i64vec", when="dropout_seed_tensor"),
+))
+
+# Block sparsity (config flag ``block_sparse``): one BlockSparseLists, counts rank 3, indices rank 4.  The forward
+# and the dQ kernel take the Q-major lists (per query block, the KV blocks it sees), the dK/dV kernel the KV-major
+# ones (per KV block, the query blocks that see it).  None without block sparsity.
+_SPARSE = Arg("sparse", "record", when="block_sparse", record=BlockSparseLists, fields=(
+    Arg("mask_block_cnt", "i32nd", rank=3),
+    Arg("mask_block_idx", "i32nd", rank=4),
+    Arg("full_block_cnt", "i32nd", rank=3),
+    Arg("full_block_idx", "i32nd", rank=4),
+))
 
 FWD_ARGS = ArgRecord("forward", (
     _act("q", "head_dim", "varlen_q"),
@@ -100,10 +147,7 @@ FWD_ARGS = ArgRecord("forward", (
     *_SEQ_META,
     Arg("page_table", "i32mat", when="paged"),
     Arg("sink", "f32vec", when="has_sink"),
-    Arg("mask_block_cnt", "i32nd", rank=3, when="block_sparse"),
-    Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
-    Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
-    Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
+    _SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),
     Arg("scale_log2", "f32"),
     Arg("softcap_prescale", "f32"),
@@ -114,7 +158,7 @@ FWD_ARGS = ArgRecord("forward", (
     Arg("num_m_blocks", "i32"),
     Arg("num_head_groups", "i32"),
     Arg("num_batch", "i32"),
-    *_DROPOUT,
+    _DROPOUT,
 ))
 
 # The two backward kernels share their inputs; each adds its outputs and grid extents.
@@ -135,15 +179,6 @@ _BWD_SCALARS = (
     Arg("qheads_per_kvhead", "i32"),
 )
 
-# Block sparsity (config flag ``block_sparse``): the dK/dV kernel takes the KV-major lists (per KV block, the query
-# blocks that see it), the dQ kernel the forward's Q-major lists; same names, counts rank 3, indices rank 4.
-_SPARSE = (
-    Arg("mask_block_cnt", "i32nd", rank=3, when="block_sparse"),
-    Arg("mask_block_idx", "i32nd", rank=4, when="block_sparse"),
-    Arg("full_block_cnt", "i32nd", rank=3, when="block_sparse"),
-    Arg("full_block_idx", "i32nd", rank=4, when="block_sparse"),
-)
-
 BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     *_BWD_INPUTS,
     _act("dk", "head_dim", "varlen_k"),
@@ -152,13 +187,13 @@ BWD_DKDV_ARGS = ArgRecord("backward dK/dV", (
     # the relay's turn counters (config dq_relay): int32 (workspace tiles, Hq), zeroed with the workspace
     Arg("dq_turns", "i32nd", rank=2, when="dq_relay"),
     *_SEQ_META,
-    *_SPARSE,
+    _SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),
     *_BWD_SCALARS,
     Arg("num_n_blocks", "i32"),
     Arg("num_kv_heads", "i32"),
     Arg("num_batch", "i32"),
-    *_DROPOUT,
+    _DROPOUT,
 ))
 
 BWD_DQ_ARGS = ArgRecord("backward dQ", (
@@ -166,13 +201,13 @@ BWD_DQ_ARGS = ArgRecord("backward dQ", (
     _act("dq", "head_dim", "varlen_q"),
     Arg("pdpsum", "rowstat", varlen="varlen_q", when="sink_grad"),
     *_SEQ_META,
-    *_SPARSE,
+    _SPARSE,
     Arg("aux_tensors", "aux", when="has_aux"),
     *_BWD_SCALARS,
     Arg("num_m_blocks", "i32"),
     Arg("num_heads", "i32"),
     Arg("num_batch", "i32"),
-    *_DROPOUT,
+    _DROPOUT,
 ))
 
 # The fused backward's dQ convert: the fp32 workspace (blocks, Hq, tile_m * D) -> dq (B, Sq, Hq, D) or (total_q, Hq, D),

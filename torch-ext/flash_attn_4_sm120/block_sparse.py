@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from .arguments import BlockSparseLists
 from .compat import refuse
 from .config import select_sparse_tile, sparse_tiles
 from .config_bwd import select_bwd_config, select_dq_config
@@ -147,8 +148,8 @@ def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: 
         _check_pair("full", full_cnt, full_idx, batch, heads, num_rows, device, rows, arg)
     # the kernel takes the last dim contiguous and int32 strides (a strided or broadcast view is copied, on the
     # device, without a sync)
-    tensors = tuple(t if t.stride(-1) == 1 else t.contiguous()
-                    for t in (bst.mask_block_cnt, bst.mask_block_idx, full_cnt, full_idx))
+    tensors = BlockSparseLists._make(t if t.stride(-1) == 1 else t.contiguous()
+                                     for t in (bst.mask_block_cnt, bst.mask_block_idx, full_cnt, full_idx))
     for name, t in zip(_NAMES, tensors):
         if max((abs(st) * max(n - 1, 0) for st, n in zip(t.stride(), t.shape)), default=0) >= 2**31:
             _fail(f"{name} spans {t.numel()} elements: its offsets must fit int32", arg)
@@ -157,7 +158,7 @@ def _check_tensors(bst, *, batch: int, heads: int, num_rows: int, device, rows: 
 
 def check_block_sparse(bst, *, batch: int, heads: int, max_q: int, max_k: int, head_dim: int, head_dim_v: int,
                        windowed: bool, device, debug: bool = False, tma: bool = True):
-    """Validate ``bst`` for one call; returns ((q_ratio, kv_ratio), (mask_cnt, mask_idx, full_cnt, full_idx)) with
+    """Validate ``bst`` for one call; returns ((q_ratio, kv_ratio), the kernels' arguments.BlockSparseLists) with
     empty full tensors when none were given.  Raises ValueError before any launch."""
     if not all(hasattr(bst, n) for n in _NAMES):
         _fail(f"expected a BlockSparseTensors (fields {', '.join(_NAMES)}, block_size), got {type(bst).__name__}")
@@ -236,14 +237,14 @@ class SparseGrad:
     lists (for the dQ kernel) with their ratios to the dQ tile, the KV-major lists (None: built at backward
     time by ``transpose_block_sparse``) with their ratios to the dK/dV tile."""
 
-    fwd_tensors: tuple
+    fwd_tensors: BlockSparseLists
     fwd_block_size: tuple[int, int]
     dq_ratios: tuple[int, int]
-    bwd_tensors: tuple | None
+    bwd_tensors: BlockSparseLists | None
     dkdv_ratios: tuple[int, int]
     num_kv_blocks: int  # ceil(max_seqlen_k / kv_block) of the forward's block size
 
-    def backward_tensors(self) -> tuple:
+    def backward_tensors(self) -> BlockSparseLists:
         if self.bwd_tensors is not None:
             return self.bwd_tensors
         return _transposed_memo(self.fwd_tensors, self.num_kv_blocks)
@@ -257,7 +258,7 @@ _TRANSPOSED: OrderedDict = OrderedDict()
 _TRANSPOSED_MAX = 8
 
 
-def _transposed_memo(tensors, num_kv_blocks: int) -> tuple:
+def _transposed_memo(tensors, num_kv_blocks: int) -> BlockSparseLists:
     live = [t for t in tensors if t is not None]
     if not live or not live[0].is_cuda or torch.cuda.is_current_stream_capturing():
         return transpose_block_sparse(tensors, num_kv_blocks)
@@ -326,7 +327,7 @@ def _dense_blocks(cnt: torch.Tensor, idx: torch.Tensor, num_blocks: int) -> torc
     return out[..., :num_blocks]
 
 
-def transpose_block_sparse(tensors, num_kv_blocks: int) -> tuple:
+def transpose_block_sparse(tensors, num_kv_blocks: int) -> BlockSparseLists:
     """The KV-major lists (``block_sparse_tensors_bwd``) of the forward's Q-major tensors (mask_cnt, mask_idx,
     full_cnt, full_idx): per KV block, the query blocks that list it, ascending, packed left; counts
     (B|1, H|1, num_kv_blocks), indices (B|1, H|1, num_kv_blocks, rows of the forward's counts).  On the device
@@ -336,7 +337,7 @@ def transpose_block_sparse(tensors, num_kv_blocks: int) -> tuple:
         dense = _dense_blocks(cnt, idx, num_kv_blocks).transpose(-1, -2)  # (B, H, num_kv_blocks, num_q_blocks)
         c, i = _pack_left(dense)
         out += [c.contiguous(), i.contiguous()]
-    return tuple(out)
+    return BlockSparseLists(*out)
 
 
 def _pack_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,6 @@ from . import validate as V
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
 from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, dq_turns_offset, fused_for
 from .device import device_caps
-from .dropout import kernel_args
 from .launch import compiled_kernel as _kernel, detached, launch as _launch
 
 
@@ -79,10 +78,6 @@ def clear_caches() -> None:
     _PRE_KERNELS.clear()
     P.clear()
 
-
-# the block-sparse launch arguments, all None for a call without block sparsity (read-only: unpacked into each launch)
-_SPARSE_NAMES = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
-_NO_SPARSE_ARGS = dict.fromkeys(_SPARSE_NAMES)
 
 # rows (batch * heads * seqlen) one preprocess launch covers: the kernel indexes rows in int32, with room for the
 # last CTA's rows past the end
@@ -202,35 +197,32 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
         if plan.bwd_fn is None and fused is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, dev), _kernel(plan.dq_cfg, dev)
         scale_log2, prescale = meta.log2_scales()
-        thr, dscale, seed_lo, seed_hi, off_lo, off_hi, seed_t = kernel_args(drop)
         common = dict(q=detached(q), k=detached(k), v=detached(v), dout=detached(dout), lse=lse, dpsum=dpsum,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, aux_tensors=aux_tensors or None, scale_log2=scale_log2,
                       softcap_prescale=prescale, softmax_scale=meta.scale, window_left=meta.left,
                       window_right=meta.right, qheads_per_kvhead=hq // hkv, num_batch=meta.batch,
-                      dropout_threshold=thr, dropout_scale=dscale, rng_seed_lo=seed_lo, rng_seed_hi=seed_hi,
-                      rng_offset_lo=off_lo, rng_offset_hi=off_hi, rng_seed=seed_t)
+                      dropout=None if drop is None else drop.kernel_params())
         # block sparsity: the dK/dV kernel walks the KV-major lists (built here, on the device, when the caller
         # gave none), the dQ kernel the forward's
-        sparse_dkdv = _NO_SPARSE_ARGS if sg is None else dict(zip(_SPARSE_NAMES, sg.backward_tensors()))
+        sparse_dkdv = None if sg is None else sg.backward_tensors()
         if fused is not None:
             fcfg, _, fused_fn, cvt_fn = fused
             rows_q = q.shape[0] if varlen_q else q.shape[1]
             dq_accum, dq_turns = dq_workspace(fcfg, meta.batch, rows_q, hq, varlen_q, dev)
             _launch(fused_fn, BWD_DKDV_ARGS, dev, dict(
-                common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum, dq_turns=dq_turns,
+                common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum, dq_turns=dq_turns,
                 num_n_blocks=-(-meta.max_k // fcfg.tile_n), num_kv_heads=hkv))
             _launch(cvt_fn, DQ_CONVERT_ARGS, dev, dict(
                 dq_accum=dq_accum, dq=dq, cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q, softmax_scale=meta.scale,
                 num_m_blocks=-(-meta.max_q // fcfg.tile_m), num_heads=hq, num_batch=meta.batch))
             return dq, dk, dv, None
-        sparse_dq = _NO_SPARSE_ARGS if sg is None else dict(zip(_SPARSE_NAMES, sg.fwd_tensors))
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, dev, dict(
-            common, **sparse_dkdv, dk=dk, dv=dv, dq_accum=None, dq_turns=None, num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n),
-            num_kv_heads=hkv))
+            common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=None, dq_turns=None,
+            num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n), num_kv_heads=hkv))
         _launch(plan.dq_fn, BWD_DQ_ARGS, dev, dict(
-            common, **sparse_dq, dq=dq, pdpsum=pdpsum, num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m),
-            num_heads=hq))
+            common, sparse=None if sg is None else sg.fwd_tensors, dq=dq, pdpsum=pdpsum,
+            num_m_blocks=-(-meta.max_q // plan.dq_cfg.tile_m), num_heads=hq))
     elif not partial:
         dq.zero_(), dk.zero_(), dv.zero_()
         if pdpsum is not None:

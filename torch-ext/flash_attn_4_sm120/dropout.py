@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import DropoutParams
 from .compat import refuse
 
 PHILOX_ROUNDS = 7
@@ -49,6 +50,7 @@ PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 OFFSET_INCREMENT = 4  # what one call takes from the generator (torch wants multiples of 4)
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
+_I32_SIGN = 1 << 31
 _MAX_HEADS = 1 << 16  # (b << 16) | h: both fit in 16 bits (the grid limits them to 65535)
 
 
@@ -71,19 +73,13 @@ class DropoutArgs:
         """Whether the forward tests the complement (``FwdKernelConfig.dropout_high_p``): p > 0.96875."""
         return self.threshold > F16_DIRECT_MAX_THRESHOLD
 
-    def kernel_values(self) -> dict:
-        """The kernels' dropout arguments (32-bit patterns as signed Int32; the threshold is at most 2**15)."""
-        thr = self.threshold
-        return dict(
-            dropout_threshold=_s32(thr), dropout_scale=1.0 / (1.0 - self.p), rng_seed_lo=_s32(self.seed & _U32),
-            rng_seed_hi=_s32(self.seed >> 32), rng_offset_lo=_s32(self.offset & _U32),
-            rng_offset_hi=_s32(self.offset >> 32), rng_seed=self.seed_tensor,
-        )
-
-
-def _s32(x: int) -> int:
-    x &= _U32
-    return x - (1 << 32) if x >= 1 << 31 else x
+    def kernel_params(self) -> DropoutParams:
+        """The kernels' dropout argument, one record (32-bit patterns as signed Int32; the threshold is at most
+        2**15).  Kernels compiled without dropout (p = 0) take None instead."""
+        seed, offset = self.seed, self.offset  # unsigned 64-bit: each half (x ^ 2**31) - 2**31 is its int32 pattern
+        return DropoutParams(self.threshold, 1.0 / (1.0 - self.p), ((seed & _U32) ^ _I32_SIGN) - _I32_SIGN,
+                             ((seed >> 32) ^ _I32_SIGN) - _I32_SIGN, ((offset & _U32) ^ _I32_SIGN) - _I32_SIGN,
+                             ((offset >> 32) ^ _I32_SIGN) - _I32_SIGN, self.seed_tensor)
 
 
 HALF_BITS = 16  # one Philox call decides 8 elements: a 16-bit half of a word each
@@ -107,19 +103,6 @@ def check_p(dropout_p) -> float:
     if not (0.0 <= p <= 1.0):  # False for NaN too
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
     return p
-
-
-_NO_KERNEL_ARGS = (None,) * 7
-
-
-def kernel_args(drop) -> tuple:
-    """The kernels' dropout arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor) of a call whose
-    kernels apply dropout; all None for ``drop`` None (the p = 0 kernels take none of them)."""
-    if drop is None:
-        return _NO_KERNEL_ARGS
-    v = drop.kernel_values()
-    return (v["dropout_threshold"], v["dropout_scale"], v["rng_seed_lo"], v["rng_seed_hi"], v["rng_offset_lo"],
-            v["rng_offset_hi"], v["rng_seed"])
 
 
 def _check_u64(name: str, value) -> int:
@@ -251,4 +234,4 @@ def expected_keep_rate(p: float) -> float:
 
 __all__ = ["DropoutArgs", "F16_DIRECT_MAX_THRESHOLD", "HALF_BITS", "KEEP_BITS", "PHILOX_ROUNDS", "check_p",
            "check_seed", "dropout_mask", "expected_keep_rate", "keep_threshold", "philox4x32", "random_words",
-           "kernel_args", "resolve"]
+           "resolve"]

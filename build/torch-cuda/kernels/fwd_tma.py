@@ -32,6 +32,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..arguments import BlockSparseLists, DropoutParams
 from . import cute_utils as cu
 from .block_sparse import SparseBlockInfo
 from .fwd_base import FwdKernelBase
@@ -74,10 +75,7 @@ class FlashFwdTma(FwdKernelBase):
         page_table: cute.Tensor | None,  # paged K/V with page_size % tile_n == 0 (config.paged_tma_tile)
         sink: cute.Tensor | None,
         # block sparsity (config.select_sparse_tile): the listed KV blocks of each query block, else None
-        mask_block_cnt: cute.Tensor | None,
-        mask_block_idx: cute.Tensor | None,
-        full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None,
+        sparse: BlockSparseLists | None,
         aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -88,13 +86,7 @@ class FlashFwdTma(FwdKernelBase):
         num_m_blocks: Int32,
         num_head_groups: Int32,
         num_batch: Int32,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None,
-        rng_offset_lo: Int32 | None,
-        rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        dropout: DropoutParams | None,
         stream,
     ):
         mQ, mK, mV = q, k, v
@@ -130,13 +122,11 @@ class FlashFwdTma(FwdKernelBase):
         copy_q = cu.gmem_tiled_copy(dt, self.d, self.num_mma_threads, is_async=True)
         copy_o = cu.gmem_tiled_copy(dt, self.dv, self.num_mma_threads, is_async=False)
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
-        sparse = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx)
         self.kernel(
             mQ, tK, tV, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink, sparse,
             aux_tensors,
             scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
-            rows_q, rows_k, dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-            rng_offset_hi, rng_seed,
+            rows_q, rows_k, dropout,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
@@ -150,10 +140,7 @@ class FlashFwdTma(FwdKernelBase):
     def kernel(
         self, mQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, window_left: Int32, window_right: Int32, pack: Int32,
-        qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32,
-        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        qheads_per_kvhead: Int32, num_m_blocks: Int32, rows_q: Int32, rows_k: Int32, dropout: DropoutParams | None,
         tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
         copy_q: cute.TiledCopy, copy_o: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -167,7 +154,7 @@ class FlashFwdTma(FwdKernelBase):
             scale_log2,
             softcap_prescale, window_left, window_right, pack, qheads_per_kvhead, num_m_blocks, rows_q, rows_k,
             tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_o, SharedStorage,
-            (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
+            dropout,
         )
         self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads + 128)
 
@@ -193,7 +180,7 @@ class FlashFwdTma(FwdKernelBase):
                              split=split, dropout=dropout, aux=mAux)
         if const_expr(cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
             ts = replace(ts, block=SparseBlockInfo.from_block(ts.block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio,
-                                                              *sparse, ts.seq.batch, head_group * pack, m_block))
+                                                              sparse, ts.seq.batch, head_group * pack, m_block))
         if m_block * self.tile_m < ts.num_rows:  # uniform over the CTA
             if warp_idx == self.num_warps:
                 cpasync.prefetch_descriptor(tma_k)

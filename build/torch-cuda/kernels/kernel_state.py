@@ -77,8 +77,7 @@ class KernelStateMixin:
         """``pack``: query rows per position in a tile (packed GQA in the forward), 1 for the backward.
         ``mK``/``mPageTable``: needed by a paged configuration only.  ``split``: (split index, number of splits) of
         a split-KV forward (its KV range comes from SplitBlockInfo), else None.  ``dropout``: the kernel's dropout
-        arguments (threshold, scale, seed lo/hi, offset lo/hi, seed tensor), all None when the config has no
-        dropout.  ``aux``: the mods' aux tensors (a tuple) when the config has mods."""
+        arguments (an arguments.DropoutParams), None when the config has no dropout.  ``aux``: the mods' aux tensors (a tuple) when the config has mods."""
         cfg = self.cfg
         seq = SeqInfo.create(cfg, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if const_expr(split is not None):

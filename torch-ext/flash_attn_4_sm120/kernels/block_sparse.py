@@ -50,11 +50,13 @@ class SparseBlockInfo(BlockInfo):
 
     @staticmethod
     @cute.jit
-    def from_block(block: BlockInfo, q_ratio: cutlass.Constexpr[int], kv_ratio: cutlass.Constexpr[int], mMaskCnt,
-                   mMaskIdx, mFullCnt, mFullIdx, batch, head, m_block) -> "SparseBlockInfo":
+    def from_block(block: BlockInfo, q_ratio: cutlass.Constexpr[int], kv_ratio: cutlass.Constexpr[int], sparse,
+                   batch, head, m_block) -> "SparseBlockInfo":
+        """``sparse``: the kernel's Q-major lists (arguments.BlockSparseLists)."""
         qb = m_block // q_ratio
         rows = []
-        for mCnt, mIdx in ((mMaskCnt, mMaskIdx), (mFullCnt, mFullIdx)):
+        mask_cnt, mask_idx, full_cnt, full_idx = sparse
+        for mCnt, mIdx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
             # B or H extent 1 broadcasts (the host checks the extent is 1 or the call's)
             bb = cutlass.min(batch, mCnt.shape[0] - 1)
             hh = cutlass.min(head, mCnt.shape[1] - 1)
@@ -165,7 +167,8 @@ class SparseQList:
     def create(q_ratio: cutlass.Constexpr[int], kv_ratio: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
                sparse, batch, first_head, group, n_block, seqlen_q) -> "SparseQList":
         views = []
-        for mCnt, mIdx in ((sparse[0], sparse[1]), (sparse[2], sparse[3])):
+        mask_cnt, mask_idx, full_cnt, full_idx = sparse  # the KV-major lists (arguments.BlockSparseLists)
+        for mCnt, mIdx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
             # B extent 1 broadcasts; the H extent is clamped per head in _count
             bb = cutlass.min(batch, mCnt.shape[0] - 1)
             kk = _clamp(n_block // kv_ratio, 0, mCnt.shape[2] - 1)

@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..arguments import BWD_DKDV_ARGS
+from ..arguments import BlockSparseLists, BWD_DKDV_ARGS, DropoutParams
 from .. import config_bwd as _config_bwd
 from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
@@ -106,10 +106,7 @@ class FlashBwdDkdv(KernelStateMixin):
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
         seqused_k: cute.Tensor | None,
-        mask_block_cnt: cute.Tensor | None,
-        mask_block_idx: cute.Tensor | None,
-        full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None,
+        sparse: BlockSparseLists | None,
         aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -120,13 +117,7 @@ class FlashBwdDkdv(KernelStateMixin):
         num_n_blocks: Int32,
         num_kv_heads: Int32,
         num_batch: Int32,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None,
-        rng_offset_lo: Int32 | None,
-        rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        dropout: DropoutParams | None,
         stream,
     ):
         dt = self.dtype
@@ -134,9 +125,8 @@ class FlashBwdDkdv(KernelStateMixin):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             q, k, v, dout, lse, dpsum, dk, dv, dq_accum, dq_turns, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
-            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            sparse, aux_tensors, scale_log2, softcap_prescale, softmax_scale, window_left, window_right,
+            qheads_per_kvhead, dropout,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, *self.tiled_mmas(),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
@@ -181,10 +171,7 @@ class FlashBwdDkdv(KernelStateMixin):
     def kernel(
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, mTurns, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
-        window_right: Int32, qheads_per_kvhead: Int32,
-        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        window_right: Int32, qheads_per_kvhead: Int32, dropout: DropoutParams | None,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
         sP_l: cute.ComposedLayout, mma_m: cute.TiledMma, mma_n: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -192,9 +179,8 @@ class FlashBwdDkdv(KernelStateMixin):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = self.cta_coords()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1,
-                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-                                        rng_offset_hi, rng_seed), aux=mAux)
+                               scale_log2, softcap_prescale, window_left, window_right, 1, dropout=dropout,
+                               aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(

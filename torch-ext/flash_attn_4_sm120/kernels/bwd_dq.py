@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..arguments import BWD_DQ_ARGS
+from ..arguments import BlockSparseLists, BWD_DQ_ARGS, DropoutParams
 from ..config_bwd import BwdKernelConfig
 from . import cute_utils as cu
 from .fwd_base import DTYPES
@@ -55,14 +55,11 @@ class FlashBwdDq(KernelStateMixin):
         self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
         dpsum: cute.Tensor, dq: cute.Tensor, pdpsum: cute.Tensor | None, cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None, seqused_q: cute.Tensor | None, seqused_k: cute.Tensor | None,
-        mask_block_cnt: cute.Tensor | None, mask_block_idx: cute.Tensor | None, full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None,
+        sparse: BlockSparseLists | None,
         aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None, stream,
+        dropout: DropoutParams | None, stream,
     ):
         dt = self.dtype
         a = cu.smem_layout_atom
@@ -80,10 +77,9 @@ class FlashBwdDq(KernelStateMixin):
 
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx), aux_tensors, scale_log2,
-            softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
-            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            q, k, v, dout, lse, dpsum, dq, pdpsum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sparse,
+            aux_tensors, scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
+            dropout,
             sQ_l, sdO_l, sK_l, sV_l,
             cu.tiled_mma_16816(dt, self.num_warps), cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True), SharedStorage,
@@ -96,10 +92,7 @@ class FlashBwdDq(KernelStateMixin):
     def kernel(
         self, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
-        window_right: Int32, qheads_per_kvhead: Int32,
-        dropout_threshold: Int32 | None, dropout_scale: Float32 | None, rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None, rng_offset_lo: Int32 | None, rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        window_right: Int32, qheads_per_kvhead: Int32, dropout: DropoutParams | None,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, tiled_mma: cute.TiledMma, copy_d: cute.TiledCopy,
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -112,9 +105,8 @@ class FlashBwdDq(KernelStateMixin):
             num_m, _, _ = cute.arch.grid_dim()
             m_block = num_m - 1 - m_block
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                               scale_log2, softcap_prescale, window_left, window_right, 1,
-                               dropout=(dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo,
-                                        rng_offset_hi, rng_seed), aux=mAux)
+                               scale_log2, softcap_prescale, window_left, window_right, 1, dropout=dropout,
+                               aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if m_block * self.tile_m < seq.seqlen_q:
             self.process(seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdQ, mPdPsum, sparse, softmax_scale,
@@ -178,7 +170,7 @@ class FlashBwdDq(KernelStateMixin):
         # (kernels/block_sparse.py): virtual tiles [0, F) full, [F, F + M) mask.  A fixed order either way: dQ stays
         # bitwise reproducible.
         if const_expr(cfg.block_sparse):
-            sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, *sparse, seq.batch, head,
+            sp = SparseBlockInfo.from_block(block, cfg.sparse_q_ratio, cfg.sparse_kv_ratio, sparse, seq.batch, head,
                                             m_block)
             _, total, _, n_full, _ = sp.kv_plan(m_block)
         else:

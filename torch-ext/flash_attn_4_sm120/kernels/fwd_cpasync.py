@@ -30,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..arguments import BlockSparseLists, DropoutParams
 from . import cute_utils as cu
 from .block_sparse import SparseBlockInfo
 from .fwd_base import FwdKernelBase
@@ -57,10 +58,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         seqused_k: cute.Tensor | None,
         page_table: cute.Tensor | None,
         sink: cute.Tensor | None,
-        mask_block_cnt: cute.Tensor | None,
-        mask_block_idx: cute.Tensor | None,
-        full_block_cnt: cute.Tensor | None,
-        full_block_idx: cute.Tensor | None,
+        sparse: BlockSparseLists | None,
         aux_tensors,  # the mods' aux tensors (a tuple) or None
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -71,13 +69,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         num_m_blocks: Int32,
         num_head_groups: Int32,
         num_batch: Int32,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None,
-        rng_offset_lo: Int32 | None,
-        rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        dropout: DropoutParams | None,
         stream,
     ):
         dt = self.dtype
@@ -101,9 +93,8 @@ class FlashFwdCpAsync(FwdKernelBase):
         self.launch_smem_bytes = SharedStorage.size_in_bytes()  # read by the compile gate
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, sink,
-            mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, aux_tensors, scale_log2, softcap_prescale,
-            window_left, window_right, pack, qheads_per_kvhead, num_m_blocks,
-            dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed,
+            sparse, aux_tensors, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead,
+            num_m_blocks, dropout,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
         ).launch(
             grid=(num_m_blocks + self.grid_x_extra, num_head_groups, num_batch),
@@ -130,10 +121,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         mSeqUsedK: cute.Tensor | None,
         mPageTable: cute.Tensor | None,
         mSink: cute.Tensor | None,
-        mMaskCnt: cute.Tensor | None,
-        mMaskIdx: cute.Tensor | None,
-        mFullCnt: cute.Tensor | None,
-        mFullIdx: cute.Tensor | None,
+        sparse: BlockSparseLists | None,
         mAux,
         scale_log2: Float32,
         softcap_prescale: Float32,
@@ -142,13 +130,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         pack: Int32,
         qheads_per_kvhead: Int32,
         num_m_blocks: Int32,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        rng_seed_lo: Int32 | None,
-        rng_seed_hi: Int32 | None,
-        rng_offset_lo: Int32 | None,
-        rng_offset_hi: Int32 | None,
-        rng_seed: cute.Tensor | None,
+        dropout: DropoutParams | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -163,14 +145,12 @@ class FlashFwdCpAsync(FwdKernelBase):
         # around the producer's setmaxnreg
         bx, _, _ = self.cta_coords()
         rows_q, rows_k = self.seq_rows(mQ, mK, mPageTable)
-        sparse = (mMaskCnt, mMaskIdx, mFullCnt, mFullIdx)
         tile = partial(
             self.run_tile, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
             sparse, mAux, scale_log2, softcap_prescale, window_left, window_right, pack, qheads_per_kvhead,
             num_m_blocks,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma, copy_q, copy_v, copy_o, SharedStorage,
-            rows_q, rows_k,
-            (dropout_threshold, dropout_scale, rng_seed_lo, rng_seed_hi, rng_offset_lo, rng_offset_hi, rng_seed),
+            rows_q, rows_k, dropout,
         )
         self.tile_or_fill(bx, num_m_blocks, tile, mO, mLSE, mCuSeqlensQ, mSeqUsedQ, rows_q, pack, self.num_mma_threads)
 
@@ -251,7 +231,7 @@ class FlashFwdCpAsync(FwdKernelBase):
         block = ts.block
         if const_expr(self.cfg.block_sparse):  # the listed KV blocks of this query block (kernels/block_sparse.py)
             block = SparseBlockInfo.from_block(ts.block, self.cfg.sparse_q_ratio, self.cfg.sparse_kv_ratio,
-                                               *sparse, ts.seq.batch, ts.head_group * ts.pack, ts.m_block)
+                                               sparse, ts.seq.batch, ts.head_group * ts.pack, ts.m_block)
         plan = block.kv_plan(ts.m_block)
         n_min, n_max = plan[0], plan[1]
 
