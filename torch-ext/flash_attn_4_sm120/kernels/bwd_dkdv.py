@@ -399,10 +399,8 @@ class FlashBwdDkdv(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
-            else:
-                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
+            score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             if const_expr(self.wants_raw_scores()):
                 score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             rP = cute.make_rmem_tensor_like(acc_P, dt)

@@ -202,10 +202,8 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_n, acc_dP, tPrV, tPrdO, tPsV, tPsdO[None, None, None, stage], cpA, cpB, False)
-            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds(acc_S, acc_P, acc_dP, dps, drop_bits)
-            else:
-                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
+            score.backward_ds(acc_S, acc_P, acc_dP, dps, drop_bits)
             if const_expr(self.wants_raw_scores()):
                 score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             # both to 16 bits before the dV mma: the fp32 dS is not live across it (registers)

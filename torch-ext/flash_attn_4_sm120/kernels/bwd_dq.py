@@ -380,10 +380,7 @@ class FlashBwdDq(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
-        if const_expr(cfg.has_dropout):
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad, drop_bits)
-        else:
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad)
+        score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad, drop_bits)
         if const_expr(self.wants_raw_scores()):
             score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)

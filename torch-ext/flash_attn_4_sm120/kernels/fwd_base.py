@@ -179,7 +179,7 @@ class FwdKernelBase(KernelStateMixin):
     def dropout_apply(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
         """Trace time: this KV block's dropout, as a function ``apply(rP)`` that zeroes the dropped elements of the
         16-bit P tile (None without dropout).  Where ``Dropout.fwd_direct_ok``, ``apply`` makes the keep masks
-        from the Philox words after the softmax (``dropout_fwd_direct``); elsewhere (packed GQA rows, the group
+        from the Philox words after the softmax (``Dropout.apply_fwd_direct``); elsewhere (packed GQA rows, the group
         loop) the drop bits are made here, before the S mma, while S is not live, and ``apply`` reads them."""
         drop = score.dropout
         if drop is None:

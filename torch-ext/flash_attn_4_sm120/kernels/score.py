@@ -10,6 +10,8 @@ the running max as the offset); the backward calls ``apply`` and then the P path
 ``backward_ds`` (the dK/dV kernels) or ``backward_p_ds`` (the dQ kernel) recompute P = ``probs`` with the saved LSE
 as the offset and form dS, including the derivative of whatever ``apply`` did (softcap's 1 - tanh^2 here, the
 score_mod's through ``backward_mods``) and, when given the tile's keep bits, dropout.
+The components hold what the hook held as one object before; the split emits the same operations in the same
+order, and the kernels' SASS did not change (benchmarks/results/sass_compare_score_components_d13c2ba.txt).
 
 Dropout (the keep mask is the Philox function of (seed, offset, b, h, i, j) in kernels/philox.py, never of the
 tile): the forward's row sums / LSE take the undropped P and O accumulates P * keep (``Dropout.apply_fwd``; the
