@@ -365,7 +365,7 @@ def mods_worklist() -> list:
             if fused is not None:
                 out += [fused] + _relay_of(fused)  # and its relay form (deterministic=True)
     # mods with block sparsity (the mask_mod on "mask" blocks only): a mask mod without aux tensors (causal: the
-    # key-row dK/dV kernel puts it behind a branch on the block kind, ScoreHook.gate_branch), the heaviest
+    # key-row dK/dV kernel puts it behind a branch on the block kind, Mask.gate_branch), the heaviest
     # aux-reading mask mod and score mod on the sparse forward tiles (cp.async at d = 256, TMA and cp.async at 192, TMA at 128 and 64) and both
     # sparse backward kernels at the widest head dim, 2x2 blocks
     sparse = dict(sparse_q_ratio=2, sparse_kv_ratio=2)

@@ -336,7 +336,7 @@ def test_row_pairs_match_the_m16_rows_of_a_thread():
 @pytest.mark.parametrize("wm,wn,tile_m,tile_n", [(8, 1, 128, 64), (4, 2, 64, 64), (2, 4, 32, 64), (4, 1, 64, 32),
                                                  (8, 1, 256, 64)])
 def test_thread_fragments_read_the_contract(wm, wn, tile_m, tile_n):
-    """A CPU mirror of ScoreHook.dropout_bits on m16n8k16 accumulator fragments (warps wm x wn; lane 4 g + t
+    """A CPU mirror of Dropout.bits (kernels/score_dropout.py) on m16n8k16 accumulator fragments (warps wm x wn; lane 4 g + t
     holds rows g, g + 8 and columns 2t, 2t + 1 of each 16 x 8 atom): grouping columns with ``column_groups`` and
     rows with ``row_pairs`` (thread 0's offsets, as the kernels do), one Philox call per (row pair, group), low
     halves for the first row and high halves for the second (their low KEEP_BITS bits), reproduces

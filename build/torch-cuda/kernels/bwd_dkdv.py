@@ -379,7 +379,7 @@ class FlashBwdDkdv(KernelStateMixin):
             # ---- S, then the score hook (softcap, masks)
             drop_bits = None
             if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
-                drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
+                drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
@@ -399,10 +399,8 @@ class FlashBwdDkdv(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
-            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dpsum, drop_bits)
-            else:
-                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
+            score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             if const_expr(self.wants_raw_scores()):
                 score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             rP = cute.make_rmem_tensor_like(acc_P, dt)
@@ -446,7 +444,7 @@ class FlashBwdDkdv(KernelStateMixin):
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
         if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
-            acc_dV.store(acc_dV.load() * score.rng.scale)
+            acc_dV.store(acc_dV.load() * score.dropout.scale)
         store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr_n, first_key, seq.seqlen_k,
                             (self.tile_n, self.d), dt)
         store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr_n, first_key, seq.seqlen_k,

@@ -1,7 +1,8 @@
 """The state every kernel builds first, one implementation for the forward and both backward kernels: the
 sequence bounds of its batch entry (``SeqInfo``, clamped to the tensors), its block schedule (``BlockInfo``), the
-score hook (``ScoreHook``) and the K/V source (``ContiguousKV``).  A kernel class mixes in ``KernelStateMixin``;
-a variant changes the schedule or the K/V storage by overriding ``block_info_cls`` / ``kv_source_cls``.
+score hook (``ScoreHook``, holding its ``Mask`` and ``Dropout`` components) and the K/V source (``ContiguousKV``).
+A kernel class mixes in ``KernelStateMixin``; a variant changes the schedule or the K/V storage by overriding
+``block_info_cls`` / ``kv_source_cls``.
 """
 
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from .block_info import BlockInfo, SplitBlockInfo
 from .kv_source import ContiguousKV, PagedKV
 from .philox import DropoutRng
 from .score import ScoreHook
+from .score_dropout import Dropout
+from .score_mask import Mask
 from .seqlen_info import SeqInfo
 
 
@@ -31,10 +34,10 @@ class KernelStateMixin:
     # dropout: every thread's first S-accumulator column is even and < 8 mod 16 (true when warps are stacked
     # along M), so one Philox call serves 4 of its elements (kernels/philox.py); else one call per column pair
     dropout_quad_ok = True
-    # dropout: make a tile's keep bits one row per loop iteration (ScoreHook.dropout_bits); a kernel may turn it
+    # dropout: make a tile's keep bits one row per loop iteration (Dropout.bits); a kernel may turn it
     # off where the compile gate measured fewer registers unrolled
     dropout_row_loop = True
-    # dropout: make a row pair's Philox calls one per iteration of a loop that is not unrolled (ScoreHook._pair_rows);
+    # dropout: make a row pair's Philox calls one per iteration of a loop that is not unrolled (Dropout._pair_rows);
     # a kernel turns it on where the unrolled calls spill (measured by the compile gate)
     dropout_group_loop = False
 
@@ -86,9 +89,10 @@ class KernelStateMixin:
         else:
             block = self.block_info_cls(self.tile_m, self.tile_n, cfg.windowed, seq, window_left, window_right,
                                         pack)
-        rng = None
+        drop = None
         if const_expr(cfg.has_dropout):
-            rng = DropoutRng.create(*dropout)
-        score = ScoreHook.create(cfg, self.tile_n, seq, scale_log2, softcap_prescale, window_left, window_right,
-                                 rng, self.dropout_quad_ok, self.dropout_row_loop, self.dropout_group_loop, aux)
+            drop = Dropout.create(cfg, self.tile_n, DropoutRng.create(*dropout), self.dropout_quad_ok,
+                                  self.dropout_row_loop, self.dropout_group_loop)
+        mask = Mask.create(cfg, self.tile_n, seq, window_left, window_right, aux)
+        score = ScoreHook.create(cfg, scale_log2, softcap_prescale, mask, drop)
         return KernelState(seq, block, score, self.kv_source(seq, mK, mPageTable))

@@ -1,19 +1,19 @@
-"""The dropout part of the score hook (CuTe-DSL device code, trace time): the keep bits of an S tile from the
-Philox function of (seed, offset, b, h, i, j) (kernels/philox.py; the contract is stated in dropout.py), their
-application to the forward's 16-bit P tile, and the backward's dS / P * keep with them.  ``DropoutScore`` is a
-mixin of ``score.ScoreHook``: its methods read the hook's fields (``rng``, ``tile_n``, ``quad_ok``, ``row_loop``,
-``dropout_packed``, ``dropout_high_p``, ``group_loop``, ``sign_test``, ``has_softcap``, ``scale_log2``).
+"""The dropout component of the score hook (CuTe-DSL device code, trace time): the Philox parameters of a kernel
+(``DropoutRng``), the keep bits of an S tile from the Philox function of (seed, offset, b, h, i, j)
+(kernels/philox.py; the contract is stated in dropout.py) and their application to the forward's 16-bit P tile.
+``score.ScoreHook`` holds one ``Dropout`` (None without dropout); the backward's dS / P * keep read its keep bits
+through the hook's P path (``ScoreHook.backward_ds`` / ``backward_p_ds``).
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Int32, Uint32, const_expr
 
 from .cute_utils import acc_mn_view, lt_abs_mask_f16x2
 from ..dropout import KEEP_BITS
-from .philox import column_groups, row_pairs
+from .philox import DropoutRng, column_groups, row_pairs
 
 
 VALUE_MASK = (1 << KEEP_BITS) - 1  # an element's random value: the low KEEP_BITS bits of its 16-bit half
@@ -66,15 +66,38 @@ def _regular_step(groups):
     return step if n * len(groups) <= 32 else None
 
 
-class DropoutScore:
-    """Dropout methods of the score hook (a mixin: no fields of its own)."""
+@dataclass(frozen=True)
+class Dropout:
+    """A kernel's dropout: its Philox parameters (``rng``, runtime) and how it makes the keep bits of its tiles
+    (compile-time choices of the kernel and the config).  Build it with ``Dropout.create(cfg, ...)``."""
 
-    # ---- dropout
-    # The keep mask of a tile is produced as packed bits (``dropout_bits``: one bit per accumulator element of
+    rng: DropoutRng
+    tile_n: int
+    quad_ok: bool = True  # every thread's first accumulator column is even and < 8 mod 16 (see philox.py)
+    row_loop: bool = True  # ``bits``: one row per iteration of a loop that is not unrolled (else unrolled)
+    group_loop: bool = False  # ``bits``: one column group (Philox call) per iteration of a loop not unrolled
+    packed: bool = False  # forward with packed GQA rows: keep bits row by row (``bits``)
+    high_p: bool = False  # forward, threshold > dropout.F16_DIRECT_MAX_THRESHOLD: the direct test's complement
+    # ``bits``: the keep test as sign bits moved in by funnel shifts (the forward, ``as_drop``); else ISETP + SEL +
+    # OR per element (the backward: the sign test's unrolled word chains spill its dS code)
+    sign_test: bool = False
+
+    @staticmethod
+    def create(cfg, tile_n: int, rng: DropoutRng, quad_ok: bool = True, row_loop: bool = True,
+               group_loop: bool = False) -> "Dropout":
+        return Dropout(rng, tile_n, quad_ok, row_loop, group_loop, getattr(cfg, "dropout_packed", False),
+                       getattr(cfg, "dropout_high_p", False))
+
+    @property
+    def scale(self):
+        """1 / (1 - p), applied once to what accumulated P * keep (O in the forward, dV in the backward)."""
+        return self.rng.scale
+
+    # The keep mask of a tile is produced as packed bits (``bits``: one bit per accumulator element of
     # this thread, 32 per Uint32 word) by the kernels *before* their S = Q K^T mma, when neither S nor dP is
     # live, so the Philox work never adds to the peak register pressure of the score / softmax / dS code (in the
     # PTX: ptxas may still move it, e.g. the d128 TMA forward's SASS interleaves it with the softmax, unspilled); the
-    # backward consumers read one bit per element, the forward (``dropout_fwd``, drop bits) two per PRMT + LOP3.
+    # backward consumers read one bit per element, the forward (``apply_fwd``, drop bits) two per PRMT + LOP3.
     def _dropout_groups(self, t0ScS_mn):
         """Trace time: this thread's accumulator columns grouped by Philox call (kernels/philox.py)."""
         ncols = cute.size(t0ScS_mn, mode=[1])
@@ -85,7 +108,7 @@ class DropoutScore:
         of (qpos, bh, k0, k1).  For t0 and tile_n multiples of 16 the column group is n_block * tile_n / 4 plus
         (g_thr + t0 / 4), the group of an in-tile column (< tile_n / 4); when tile_n / 4 is a power of two that sum
         is an XOR of disjoint bits, which Philox's first XOR absorbs: the per-call group costs one LOP3 with the
-        loop-invariant rest, not a shift-and-add chain from the column.  The forward's (``dropout_fwd_direct``);
+        loop-invariant rest, not a shift-and-add chain from the column.  The forward's (``apply_fwd_direct``);
         the keep-bit paths form the group from the column (folded in the windowed dQ kernel, its loop-invariant
         parts held registers for the whole loop, up to the 255 limit, and the loop grew on sm_120a)."""
         g_tile = Uint32(n_block) * Uint32(self.tile_n // 4)
@@ -101,7 +124,7 @@ class DropoutScore:
 
         return words
 
-    def dropout_num_words(self, tScS_mn) -> int:
+    def num_words(self, tScS_mn) -> int:
         return -(-cute.size(tScS_mn) // 32)
 
     @cute.jit
@@ -139,7 +162,7 @@ class DropoutScore:
         for b0 in range(0, len(xs), 8):
             chunk = Uint32(0)
             for i in range(min(b0 + 8, len(xs)) - 1, b0 - 1, -1):
-                chunk = DropoutScore._shift_in(chunk, xs[i])
+                chunk = Dropout._shift_in(chunk, xs[i])
             word = chunk if word is None else word | (chunk << Uint32(b0))
         return word
 
@@ -320,7 +343,7 @@ class DropoutScore:
                 self._place(bits, r * ncols, ncols, self._row_bits(groups, col_base, row_qpos[r], bh, k0, k1, t))
 
     @cute.jit
-    def dropout_bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
+    def bits(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, row_bh,
                      n_block: Int32, as_drop: cutlass.Constexpr[bool] = False) -> cute.Tensor:
         """Keep bits of this thread's elements of an S tile: bit ``e % 32`` of word ``e // 32`` for element
         ``e = r * ncols + c`` of the mn view.  ``row_bh``: (batch << 16) | query head, one per row (an rmem tensor,
@@ -329,21 +352,21 @@ class DropoutScore:
 
         A thread's rows g and g + 8 of each m16 atom are query positions i, i + 8 (i % 16 < 8) of one head in the
         backward kernels and in the forward without GQA packing: one Philox call then decides 8 elements, all
-        this thread's.  A forward compiled for packed GQA rows (``dropout_packed``: a row is a (position, head)
+        this thread's.  A forward compiled for packed GQA rows (``packed``: a row is a (position, head)
         pair; the dispatcher picks that config whenever pack > 1) makes each row on its own, using half of each
         call."""
         nrows = cute.size(tScS_mn, mode=[0])
         ncols = cute.size(tScS_mn, mode=[1])
         groups = self._dropout_groups(t0ScS_mn)
         pairs = row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)])
-        bits = cute.make_rmem_tensor(self.dropout_num_words(tScS_mn), Uint32)
+        bits = cute.make_rmem_tensor(self.num_words(tScS_mn), Uint32)
         bits.fill(0)
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
         col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
         scalar_bh = isinstance(row_bh, (int, cutlass.Numeric))
         hook = replace(self, sign_test=as_drop)
-        if const_expr(pairs is None or self.dropout_packed):
+        if const_expr(pairs is None or self.packed):
             hook._single_row_bits(bits, groups, nrows, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
         else:
             hook._paired_bits(bits, pairs, groups, ncols, col_base, row_qpos, row_bh, scalar_bh, k0, k1, t)
@@ -353,9 +376,9 @@ class DropoutScore:
         return bits
 
     @cute.jit
-    def dropout_bits_keyrows(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, bh: Int32,
+    def bits_keyrows(self, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor, row_qpos: cute.Tensor, bh: Int32,
                              n_block: Int32) -> cute.Tensor:
-        """Keep bits (element ``e = r * ncols + c`` of the [query, key] view, as ``dropout_bits``) of an S^T tile of
+        """Keep bits (element ``e = r * ncols + c`` of the [query, key] view, as ``bits``) of an S^T tile of
         the key-row dK/dV kernel (bwd_dkdv_kvrows.py), where a thread holds two keys of one Philox column group,
         j0 + p and j0 + 8 + p (p = 0 or 1), and query pairs (i, i + 8) with i % 16 < 8: of one call it needs only
         words p and 2 + p.  The lanes holding keys j0 + p and j0 + 1 - p (lane ^ 4) hold the same queries, so of the
@@ -367,10 +390,10 @@ class DropoutScore:
         rows = [int(t0ScS_mn[r, 0][0]) for r in range(nrows)]
         cols = [int(t0ScS_mn[0, c][1]) for c in range(ncols)]
         if const_expr(cols != [0, 8] or nrows % 4 or rows != [8 * (r // 2) + r % 2 for r in range(nrows)]):
-            raise ValueError(f"dropout_bits_keyrows: thread layout of the key-row tile not as expected: query "
+            raise ValueError(f"bits_keyrows: thread layout of the key-row tile not as expected: query "
                              f"offsets {rows}, key offsets {cols}")
         if const_expr(nrows * ncols > 32):
-            raise ValueError(f"dropout_bits_keyrows: {nrows * ncols} elements per thread, at most 32")
+            raise ValueError(f"bits_keyrows: {nrows * ncols} elements per thread, at most 32")
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
         key = n_block * self.tile_n + tScS_mn[0, 0][1]
@@ -400,14 +423,14 @@ class DropoutScore:
         return bits
 
     @staticmethod
-    def _kept(bits: cute.Tensor, idx: int):
+    def kept(bits: cute.Tensor, idx: int):
         """Element ``idx``'s keep bit (``idx`` is trace-time)."""
         return (bits[idx // 32] & Uint32(1 << (idx % 32))) != Uint32(0)
 
     @cute.jit
-    def dropout_fwd(self, acc_P: cute.Tensor, drop: cute.Tensor):
+    def apply_fwd(self, acc_P: cute.Tensor, drop: cute.Tensor):
         """Zero the dropped probabilities of a P tile (16-bit, after the online softmax summed them); ``drop``: the
-        tile's drop bits (``dropout_bits(..., as_drop=True)``).  Columns (c, c + 1) of a row are one 32-bit register
+        tile's drop bits (``bits(..., as_drop=True)``).  Columns (c, c + 1) of a row are one 32-bit register
         of the compact 16-bit tile: one LOP3 clears it with a mask whose halves are the two drop bits replicated
         (one PRMT in sign-replicate mode, from copies of the bit word shifted so that each bit sits at the top of
         a byte: one shift per copy, 7 per word)."""
@@ -433,16 +456,16 @@ class DropoutScore:
         else:
             for r in cutlass.range_constexpr(nrows):
                 for c in cutlass.range_constexpr(ncols):
-                    dropped = self._kept(drop, r * ncols + c)
+                    dropped = self.kept(drop, r * ncols + c)
                     p_mn[r, c] = p_mn.element_type(0.0) if dropped else p_mn[r, c]
 
     def fwd_direct_ok(self, acc_P: cute.Tensor, t0ScS_mn: cute.Tensor) -> bool:
-        """Trace time: whether ``dropout_fwd_direct`` serves this forward tile: rows in pairs of one head (not
+        """Trace time: whether ``apply_fwd_direct`` serves this forward tile: rows in pairs of one head (not
         packed GQA), column groups unrolled (not ``group_loop``), a 16-bit P whose columns (c, c + 1) share a
         register, and every group's columns in such pairs."""
         p_mn = acc_mn_view(acc_P)
         nrows = cute.size(p_mn, mode=[0])
-        if self.dropout_packed or self.group_loop or acc_P.element_type.width != 16:
+        if self.packed or self.group_loop or acc_P.element_type.width != 16:
             return False
         if row_pairs([t0ScS_mn[r, 0][0] for r in range(nrows)]) is None or not self._pairs_adjacent(p_mn):
             return False
@@ -450,7 +473,7 @@ class DropoutScore:
                    for _, _, cs in self._dropout_groups(t0ScS_mn) for e in range(0, len(cs), 2))
 
     @cute.jit
-    def dropout_fwd_direct(self, acc_P: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
+    def apply_fwd_direct(self, acc_P: cute.Tensor, tScS_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
                            row_qpos: cute.Tensor, row_bh, n_block: Int32):
         """Zero the dropped probabilities of a 16-bit P tile straight from the Philox words, after the online
         softmax (no bit words; ``fwd_direct_ok`` says where it applies).  A P register holds columns (c, c + 1)
@@ -459,7 +482,7 @@ class DropoutScore:
         absolute value (the 15-bit values 0 ... 0x7BFF are finite and ordered as the integers; dropout.py) against
         the threshold in both halves, giving the drop mask (0xFFFF per dropped half), and one LOP3 clears them:
         3 instructions per 2 elements (4 with the 13-bit values, whose top bits a LOP3 had to clear; about 7 with
-        bit words).  Thresholds above 0x7C00 (+inf; ``dropout_high_p``, p > 0.96875) test the complement instead:
+        bit words).  Thresholds above 0x7C00 (+inf; ``high_p``, p > 0.96875) test the complement instead:
         keep iff 0x7FFF - value < 2**15 - threshold, one LOP3 more.  Column groups as ``_group_fn``."""
         p_mn = acc_mn_view(acc_P)
         nrows = cute.size(p_mn, mode=[0])
@@ -468,7 +491,7 @@ class DropoutScore:
         p32 = cute.make_tensor(cute.recast_ptr(acc_P.iterator, dtype=Uint32), cute.make_layout(cute.size(acc_P) // 2))
         k0, k1 = self.rng.key()
         t = Uint32(self.rng.threshold)
-        if const_expr(self.dropout_high_p):
+        if const_expr(self.high_p):
             t = Uint32(1 << KEEP_BITS) - t  # < 0x400 here: a finite fp16 pattern
         tt = t | (t << Uint32(16))  # both halves hold it
         col_thr = tScS_mn[0, 0][1]
@@ -486,7 +509,7 @@ class DropoutScore:
                     for r, sel in ((ra, 0x5410), (rb, 0x7632)):
                         z = Uint32(cute.arch.prmt(mine[e], mine[e + 1], Int32(sel)))
                         i = cute.crd2idx((r, cs[e]), p_mn.layout) // 2
-                        if const_expr(self.dropout_high_p):
+                        if const_expr(self.high_p):
                             p32[i] = p32[i] & lt_abs_mask_f16x2(~z, tt)  # keep mask
                         else:
                             p32[i] = p32[i] & ~lt_abs_mask_f16x2(z, tt)  # drop mask
@@ -507,54 +530,3 @@ class DropoutScore:
         if (word, k) not in copies:
             copies[(word, k)] = bits[word] if k == 0 else bits[word] << Uint32(k)
         return copies[(word, k)]
-
-    @cute.jit
-    def _ds_dropout(self, s, p, dp, d_r, keep):
-        """(dS, P * keep, keep dP / (1-p)) of one element: dS = P (keep dP / (1-p) - D) * d(apply)/dS.  Without a
-        window the keep test selects the scale (0 for a dropped element), so that dP * scale - D contracts to one
-        FFMA; with one, dP * scale is selected: in Nsight Compute cycles (d128, S=4096, p=0.1) the FFMA form made the
-        key-row dK/dV kernel faster without a window and slower with one, although its sm_120a loop is shorter
-        either way (a scheduling effect)."""
-        dp_eff = Float32(0.0)
-        ds = Float32(0.0)
-        if const_expr(self.windowed):
-            dp_eff = dp * self.rng.scale if keep else Float32(0.0)
-            ds = p * (dp_eff - d_r)
-        else:
-            s_e = self.rng.scale if keep else Float32(0.0)
-            dp_eff = dp * s_e
-            ds = p * (dp * s_e - d_r)
-        if const_expr(self.has_softcap):
-            ds = ds * cute.arch.fmax(1.0 - s * s, 0.0)
-        return ds, (p if keep else Float32(0.0)), dp_eff
-
-    @cute.jit
-    def backward_ds_dropout(self, acc_S: cute.Tensor, acc_P: cute.Tensor, acc_dP: cute.Tensor, dpsum: cute.Tensor,
-                            bits: cute.Tensor):
-        """``backward_ds`` with dropout: dS in place of dP, and P * keep in place of P (for dV; the 1/(1-p) scale
-        of dV is applied once by the caller)."""
-        s_mn, p_mn, dp_mn = self.mn(acc_S), self.mn(acc_P), self.mn(acc_dP)
-        ncols = cute.size(s_mn, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(ncols):
-                keep = self._kept(bits, r * ncols + c)
-                ds, p_kept, _ = self._ds_dropout(s_mn[r, c], p_mn[r, c], dp_mn[r, c], dpsum[r], keep)
-                dp_mn[r, c] = ds
-                p_mn[r, c] = p_kept
-
-    @cute.jit
-    def backward_p_ds_dropout(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, lse_log2: cute.Tensor,
-                              dpsum: cute.Tensor, pdp: cute.Tensor, bits: cute.Tensor,
-                              want_pdp: cutlass.Constexpr[bool] = True):
-        """``backward_p_ds`` (dQ kernel: dS in place of dP, per-row sums of P dP into pdp when ``want_pdp``) with
-        dropout; dP is the dropped and scaled one, so pdp stays D = rowsum(dO * O) exactly."""
-        s_mn, dp_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        ncols = cute.size(s_mn, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(ncols):
-                keep = self._kept(bits, r * ncols + c)
-                p = cute.math.exp2(s_mn[r, c] * self.scale_log2 - lse_log2[r], fastmath=True)
-                ds, _, dp_eff = self._ds_dropout(s_mn[r, c], p, dp_mn[r, c], dpsum[r], keep)
-                if const_expr(want_pdp):
-                    pdp[r] = pdp[r] + p * dp_eff
-                dp_mn[r, c] = ds

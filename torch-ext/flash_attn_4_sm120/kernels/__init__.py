@@ -14,7 +14,9 @@ Shared per-tile device state, one implementation used by all four:
     seqlen_info.py  SeqInfo: sequence bounds of a batch entry, clamped to the tensors
     block_info.py   BlockInfo: KV blocks of a query tile / query blocks of a KV tile, and the visiting order
     kv_source.py    ContiguousKV / PagedKV: the K/V address providers
-    score.py        ScoreHook: scale, softcap, masks; P and dS of the backward
+    score.py        ScoreHook: scale, softcap / score_mod, P (forward and backward) and dS of the backward; it holds
+    score_mask.py   Mask: sequence end, causal / window, mask_mod, block-sparse gating
+    score_dropout.py  Dropout: Philox parameters, keep bits, their application to the forward's P
     kernel_state.py KernelState/KernelStateMixin: builds the four above, the same way in every kernel
     rows.py         row loads/stores through the providers above
     fwd_base.py     what both forwards share (Q load, P from S, epilogue)

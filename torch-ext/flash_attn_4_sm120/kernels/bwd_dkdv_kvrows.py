@@ -10,17 +10,16 @@ and dP are computed transposed, one warp per 16 keys over all ``tile_m`` queries
 A warp's rows of S^T are its rows of dV and dK, so P and dS never go through shared memory: no P/dS buffers (the
 space double-buffers Q and dO instead) and no barrier to change the mma partition.  Per query block the CTA
 crosses one barrier: the cp.async of block i+1 is issued right after it and has the whole of block i to land.
-The score hook sees the accumulators as [query, key] (``ScoreHook.transposed``), so masks, softcap, score/mask
+The score hook sees the accumulators as [query, key] (``Mask.transposed``), so masks, softcap, score/mask
 mods and the backward's P/dS are the same code as everywhere else.  Block sparsity walks the KV-major lists as
 bwd_dkdv.py does (``SparseQList``, the entry carried to the prefetch); dropout's keep bits come from
-``ScoreHook.dropout_bits_keyrows`` (a lane pair shares each Philox call: a thread's two keys of one call are 8
+``Dropout.bits_keyrows`` (a lane pair shares each Philox call: a thread's two keys of one call are 8
 apart).  Feature sets that spill this kernel on sm_120a run bwd_dkdv.py (config_bwd._BWD_SPILLING).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from dataclasses import replace
 
 from . import cute_utils as cu
 from .block_sparse import SparseQList
@@ -86,7 +85,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
         if const_expr(cfg.has_dropout):
             sDps = storage.sDps.get_tensor(cute.make_layout(2 * self.tile_m))
         sQt, sdOt = cu.transpose_view(sQ), cu.transpose_view(sdO)  # (d | dv, tile_m, stage)
-        score = replace(score, transposed=True)
+        score = score.as_transposed()
 
         first_key = n_block * self.tile_n
         load_rows(lambda pos: kv.row(mK, pos, kv_head), sK, copy_d, tidx, first_key, seq.seqlen_k,
@@ -183,7 +182,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
 
             drop_bits = None
             if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet
-                drop_bits = score.dropout_bits_keyrows(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head,
+                drop_bits = score.dropout.bits_keyrows(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head,
                                                        n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
@@ -193,7 +192,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
                 acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
             hook = score
             if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-                hook = replace(score.for_sparse_block(masked != 0), gate_branch=True)
+                hook = score.for_sparse_block(masked != 0, gate_branch=True)
             needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
             if const_expr(self.branch_masks()):
                 needs_mask = block.tile_needs_mask(m_block, n_block)
@@ -203,10 +202,8 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(mma_n, acc_dP, tPrV, tPrdO, tPsV, tPsdO[None, None, None, stage], cpA, cpB, False)
-            if const_expr(cfg.has_dropout):  # dS with the dropped, rescaled dP; acc_P becomes P * keep (for dV)
-                score.backward_ds_dropout(acc_S, acc_P, acc_dP, dps, drop_bits)
-            else:
-                score.backward_ds(acc_S, acc_P, acc_dP, dpsum)
+            # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
+            score.backward_ds(acc_S, acc_P, acc_dP, dps, drop_bits)
             if const_expr(self.wants_raw_scores()):
                 score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
             # both to 16 bits before the dV mma: the fp32 dS is not live across it (registers)
@@ -220,7 +217,7 @@ class FlashBwdDkdvKvRows(FlashBwdDkdv):
 
         acc_dK.store(acc_dK.load() * softmax_scale)
         if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
-            acc_dV.store(acc_dV.load() * score.rng.scale)
+            acc_dV.store(acc_dV.load() * score.dropout.scale)
         store_rows_from_acc(lambda pos: kv.row(mdK, pos, kv_head), acc_dK, thr, first_key, seq.seqlen_k,
                             (self.tile_n, self.d), dt)
         store_rows_from_acc(lambda pos: kv.row(mdV, pos, kv_head), acc_dV, thr, first_key, seq.seqlen_k,

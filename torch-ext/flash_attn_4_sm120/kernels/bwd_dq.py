@@ -43,7 +43,7 @@ class FlashBwdDq(KernelStateMixin):
         # block-sparse lists, ``sparse_loop``)
         self.split_kv_wait = cfg.kv_stages == 1 and getattr(cfg, "split_kv_wait", False)
         self.num_threads = cfg.num_warps * 32
-        # the d256 dQ tiles (64x32) spill on sm_120a with the row loop of ScoreHook.dropout_bits and not when it is
+        # the d256 dQ tiles (64x32) spill on sm_120a with the row loop of Dropout.bits and not when it is
         # unrolled (compile gate)
         self.dropout_row_loop = cfg.tile_n > 32
         # the d192 dQ tile (64x64, 4 warps) spilled on sm_120a in its heaviest dropout set (d192/dv192 and
@@ -355,7 +355,7 @@ class FlashBwdDq(KernelStateMixin):
         dt = self.dtype
         drop_bits = None
         if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
-            drop_bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
+            drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
         if const_expr(after_dp is not None):  # dP first (V), then ``after_dp`` (K's wait, V's next load), then S
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
@@ -369,7 +369,7 @@ class FlashBwdDq(KernelStateMixin):
             acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
         hook = score
         if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-            # the mod's verdict gated, no branch (ScoreHook.gate_branch measured slower here, d128 S=16K causal as a
+            # the mod's verdict gated, no branch (Mask.gate_branch measured slower here, d128 S=16K causal as a
             # block mask, and faster in the key-row dK/dV kernel, which keeps it)
             hook = score.for_sparse_block(masked)
         needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
@@ -380,10 +380,7 @@ class FlashBwdDq(KernelStateMixin):
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
             cu.mma_ss(tiled_mma, acc_dP, tPrdO, tPrV, tPsdO, tPsV[None, None, None, stage], cpA, cpB, False)
-        if const_expr(cfg.has_dropout):
-            score.backward_p_ds_dropout(acc_S, acc_dP, lse_log2, dpsum, pdp, drop_bits, cfg.sink_grad)
-        else:
-            score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad)
+        score.backward_p_ds(acc_S, acc_dP, lse_log2, dpsum, acc_S, pdp, False, cfg.sink_grad, drop_bits)
         if const_expr(self.wants_raw_scores()):
             score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)

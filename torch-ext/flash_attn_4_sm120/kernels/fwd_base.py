@@ -7,7 +7,7 @@ Variants override the class attributes: ``block_info_cls`` (the KV-block schedul
 K/V rows live).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -62,7 +62,7 @@ class FwdKernelBase(KernelStateMixin):
         self.num_mma_threads = t.num_warps * 32
         self.smem_bytes = fwd_smem_bytes(self.d, self.dv, t)
         # the 64x32 cp.async tile (d256/dv256 with dropout) spills on sm_120a with the row loop of
-        # ScoreHook.dropout_bits in its heaviest feature set, not when unrolled (compile gate)
+        # Dropout.bits in its heaviest feature set, not when unrolled (compile gate)
         self.dropout_row_loop = not (t.tile_n == 32 and not t.tma)
         # the d192 TMA tile reading Q from shared memory (128x64, one stage) spilled on sm_120a in its lightest
         # dropout set (d192/dv192) with a row pair's four Philox calls unrolled (compile gate)
@@ -136,7 +136,7 @@ class FwdKernelBase(KernelStateMixin):
                                softcap_prescale, window_left, window_right, pack, mK, mPageTable, split, dropout, aux)
         score = st.score
         if const_expr(getattr(self.cfg, "mods", None) is not None):  # mods see (position, head) of packed rows
-            score = replace(score, head_rows=(m_block * self.tile_m, head_group * pack, pack))
+            score = score.with_head_rows((m_block * self.tile_m, head_group * pack, pack))
         return TileState(st.seq, st.block, score, st.kv, head_group, m_block, pack, st.seq.seqlen_q * pack)
 
     @cute.jit
@@ -178,18 +178,19 @@ class FwdKernelBase(KernelStateMixin):
 
     def dropout_apply(self, score: ScoreHook, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block):
         """Trace time: this KV block's dropout, as a function ``apply(rP)`` that zeroes the dropped elements of the
-        16-bit P tile (None without dropout).  Where ``ScoreHook.fwd_direct_ok``, ``apply`` makes the keep masks
-        from the Philox words after the softmax (``dropout_fwd_direct``); elsewhere (packed GQA rows, the group
+        16-bit P tile (None without dropout).  Where ``Dropout.fwd_direct_ok``, ``apply`` makes the keep masks
+        from the Philox words after the softmax (``Dropout.apply_fwd_direct``); elsewhere (packed GQA rows, the group
         loop) the drop bits are made here, before the S mma, while S is not live, and ``apply`` reads them."""
-        if not score.has_dropout:
+        drop = score.dropout
+        if drop is None:
             return None
         # a P tile's layout: the mma accumulator ((2, 2), MMA_M, MMA_N) of this thread, in the input dtype
         nrows, ncols = cute.size(tScS_mn, mode=[0]), cute.size(tScS_mn, mode=[1])
         probe = cute.make_rmem_tensor(((2, 2), nrows // 2, ncols // 2), self.dtype)
-        if score.fwd_direct_ok(probe, t0ScS_mn):
-            return lambda rP: score.dropout_fwd_direct(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
-        bits = score.dropout_bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block, as_drop=True)
-        return lambda rP: score.dropout_fwd(rP, bits)
+        if drop.fwd_direct_ok(probe, t0ScS_mn):
+            return lambda rP: drop.apply_fwd_direct(rP, tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block)
+        bits = drop.bits(tScS_mn, t0ScS_mn, row_qpos, row_bh, n_block, as_drop=True)
+        return lambda rP: drop.apply_fwd(rP, bits)
 
     @cute.jit
     def scores_to_p(
@@ -202,7 +203,7 @@ class FwdKernelBase(KernelStateMixin):
         ``mask_mod_on=False``: a block-sparse "full" tile, which skips the mask_mod."""
         score.apply(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, mask_seqlen, mask_right, mask_left,
                     mask_mod_on=mask_mod_on)
-        online_softmax_step(acc_S, acc_O, state_max, state_sum, score.scale_log2, is_first)
+        online_softmax_step(acc_S, acc_O, state_max, state_sum, score, is_first)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         if const_expr(dropout is not None):  # on the 16-bit P: the fp32 S is dead by then (fewer live registers)
@@ -227,7 +228,7 @@ class FwdKernelBase(KernelStateMixin):
                     if bz % mO.shape[0] != 0:
                         sink[r] = -Float32.inf
         if const_expr(cfg.has_dropout):  # O accumulated P * keep: the 1/(1-p) of the kept ones, once
-            acc_O.store(acc_O.load() * ts.score.rng.scale)
+            acc_O.store(acc_O.load() * ts.score.dropout.scale)
         softmax_finalize(acc_O, state_max, state_sum, ts.score.scale_log2, lse, sink, cfg.has_sink)
         self.store_lse(ts, self.split_slice(mLSE), lse, tScS_mn)
         if const_expr(self.o_via_smem()):  # split-KV stores from registers: smem is not reused

@@ -15,8 +15,9 @@ Algorithm (FlashAttention-2 on mma.sync m16n8k16):
     V(j-S+1) loads while S = Q K(j)^T runs, K(j-S) loads while softmax and O += P V(j) run (one stage: V(j), then
     K(j-1)).  P stays in registers (the S accumulator
     is re-read as the A operand).  Only boundary blocks are masked (``BlockInfo.kv_plan``
-    in block_info.py; the masks themselves are ``ScoreHook.apply`` in score.py).  The epilogue stages O in
-    smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the natural-log LSE.
+    in block_info.py; the masks themselves are ``Mask.apply`` in score_mask.py, called by ``ScoreHook.apply``).
+    The epilogue stages O in smem (aliasing the Q/K/V buffers) for 16-byte coalesced stores, and writes the
+    natural-log LSE.
     Packed GQA (runtime ``pack`` = 1 or Hq/Hkv): tile rows enumerate (position, head-in-group) pairs.
 
 Constraints: fp16/bf16; head dims from config.HEAD_DIMS; smem <= 101376 B (config.fwd_tile_problems).

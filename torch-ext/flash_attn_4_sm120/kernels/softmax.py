@@ -19,10 +19,12 @@ def online_softmax_step(
     acc_O: cute.Tensor,
     state_max: cute.Tensor,
     state_sum: cute.Tensor,
-    scale_log2: Float32,
+    score,
     is_first: cutlass.Constexpr[bool],
 ):
-    """Turn acc_S into unnormalised probabilities in place, update the running max/sum, rescale acc_O."""
+    """Turn acc_S into unnormalised probabilities in place, update the running max/sum, rescale acc_O.  ``score``:
+    the score hook (score.py), whose ``probs`` makes P, as in the backward, with the running max as the offset."""
+    scale_log2 = score.scale_log2
     s_mn = acc_mn_view(acc_S)
     o_mn = acc_mn_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(state_max)):
@@ -33,7 +35,7 @@ def online_softmax_step(
         state_max[r] = cur_max
         safe_max = 0.0 if cur_max == -Float32.inf else cur_max
         offset = safe_max * scale_log2
-        p = cute.math.exp2(row * scale_log2 - offset, fastmath=True)
+        p = score.probs(row, offset)
         s_mn[r, None].store(p)
         if const_expr(is_first):
             state_sum[r] = row_sum(p)
