@@ -102,7 +102,7 @@ class FwdKernelConfig:
     # head, so the keep bits are made row by row (half of each Philox call); otherwise one call serves both rows
     dropout_packed: bool = False
     # p > 0.96875 (threshold above dropout.F16_DIRECT_MAX_THRESHOLD): the forward's direct keep test compares the
-    # values' complement (kernels/score_dropout.py dropout_fwd_direct); the keep-bit paths need no variant
+    # values' complement (kernels/score_dropout.py Dropout.apply_fwd_direct); the keep-bit paths need no variant
     dropout_high_p: bool = False
     split_kv: bool = False  # out/lse are fp32 partials (splits, ...) of a split-KV call (grid z folds the split)
     # block sparsity (kernels/block_sparse.py; the tile from select_sparse_tile): a user block is sparse_q_ratio

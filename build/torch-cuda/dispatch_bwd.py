@@ -14,7 +14,7 @@ from . import plan as P
 from . import validate as V
 
 from .arguments import BWD_DKDV_ARGS, BWD_DQ_ARGS, BWD_PRE_ARGS, DQ_CONVERT_ARGS
-from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, fused_for
+from .config_bwd import BwdPreKernelConfig, dq_accum_blocks, dq_turns_offset, fused_for
 from .device import device_caps
 from .launch import compiled_kernel as _kernel, detached, launch as _launch
 
@@ -42,15 +42,34 @@ def _row_valid(lse, cu_q, used_q):
 _PRE_KERNELS: dict[tuple, object] = {}
 
 
-def fused_plan(plan: P.Plan, device: torch.device):
+def fused_plan(plan: P.Plan, device: torch.device, relay: bool = False):
     """The fused backward (config_bwd.fused_for) of ``plan``'s dK/dV configuration: (fused config, convert config,
     compiled fused kernel, compiled convert kernel), memoised in the plan (a plan is per device); None where the
-    kernel pair runs it, or on a device without vector reductions."""
-    fused = plan.fused
+    kernel pair runs it, or on a device without vector reductions.  ``relay``: its deterministic form (config
+    ``dq_relay``), memoised beside it."""
+    fused = plan.relay if relay else plan.fused
     if fused is False:
-        cfgs = fused_for(plan.bwd_cfg) if device_caps(device).red_f32x2 else None
-        fused = plan.fused = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
+        cfgs = fused_for(plan.bwd_cfg, relay) if device_caps(device).red_f32x2 else None
+        fused = None if cfgs is None else (*cfgs, _kernel(cfgs[0], device), _kernel(cfgs[1], device))
+        if relay:
+            plan.relay = fused
+        else:
+            plan.fused = fused
     return fused
+
+
+def dq_workspace(fcfg, batch: int, rows_q: int, hq: int, varlen_q: bool, device):
+    """(dq_accum, dq_turns) of a fused call: the fp32 dQ workspace (tiles, Hq, tile_m * D) and, for the relay form,
+    its int32 turn counters (tiles, Hq) (None otherwise), zeroed by one memset of one allocation (the counters
+    after the workspace, 16-byte aligned: config_bwd.dq_turns_offset)."""
+    blocks = dq_accum_blocks(fcfg.tile_m, batch, rows_q, varlen_q)
+    elems = blocks * hq * fcfg.tile_m * fcfg.head_dim
+    if not fcfg.dq_relay:
+        return torch.zeros((blocks, hq, fcfg.tile_m * fcfg.head_dim), dtype=torch.float32, device=device), None
+    start = dq_turns_offset(elems)
+    buf = torch.zeros(start + blocks * hq, dtype=torch.float32, device=device)
+    accum = buf[:elems].view(blocks, hq, fcfg.tile_m * fcfg.head_dim)
+    return accum, buf[start:].view(torch.int32).view(blocks, hq)
 
 
 def clear_caches() -> None:
@@ -118,10 +137,11 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
 
     After the preprocess kernel (kernels/bwd_preprocess.py: D = rowsum(dO * O) in fp32, minus dLSE when the
     caller differentiates through the returned LSE), by default the fused kernel (kernels/bwd_dkdv.py with
-    ``fused_dq``: dK, dV and dQ from one pass, dQ added into a zeroed fp32 workspace) and the dQ convert kernel.
-    With ``meta.deterministic``, a learnable sink, block sparsity or a feature set no fused tile takes: two
-    atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), bitwise reproducible (block-sparse calls too:
-    ``meta.sparse`` holds their lists).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
+    ``fused_dq``: dK, dV and dQ from one pass, dQ added into a zeroed fp32 workspace) and the dQ convert kernel;
+    with ``meta.deterministic`` the same kernel's relay form (``dq_relay``: the adds of each query tile in key-tile
+    order, kernels/dq_relay.py), bitwise reproducible.  With a learnable sink, block sparsity or a feature set no
+    fused tile takes: two atomic-free kernels (kernels/bwd_dkdv.py, kernels/bwd_dq.py), bitwise reproducible
+    (block-sparse calls too: ``meta.sparse`` holds their lists).  Host-side piece, O(tokens): the learnable-sink gradient, closed-form:
     d sink_h = -sum_i exp(sink_h - lse_i) D_i over valid rows, with D_i = sum_j P_ij dP_ij in fp32 from the dQ
     kernel.
 
@@ -172,8 +192,8 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
                 tma=device_caps(dev).tma)  # the forward's plan: its key without the per-call overrides
         plan = P.get_plan(key)
         fused = None
-        if sink is None and not meta.deterministic:
-            fused = fused_plan(plan, dev)
+        if sink is None:  # deterministic=True: the relay form, its dQ adds in a fixed order
+            fused = fused_plan(plan, dev, meta.deterministic)
         if plan.bwd_fn is None and fused is None:
             plan.bwd_fn, plan.dq_fn = _kernel(plan.bwd_cfg, dev), _kernel(plan.dq_cfg, dev)
         scale_log2, prescale = meta.log2_scales()
@@ -189,17 +209,16 @@ def run_backward(dout, q, k, v, out, lse, meta: P.FwdMeta, *, sink=None, dlse=No
         if fused is not None:
             fcfg, _, fused_fn, cvt_fn = fused
             rows_q = q.shape[0] if varlen_q else q.shape[1]
-            dq_accum = torch.zeros((dq_accum_blocks(fcfg.tile_m, meta.batch, rows_q, varlen_q), hq,
-                                    fcfg.tile_m * d), dtype=torch.float32, device=dev)
+            dq_accum, dq_turns = dq_workspace(fcfg, meta.batch, rows_q, hq, varlen_q, dev)
             _launch(fused_fn, BWD_DKDV_ARGS, dev, dict(
-                common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum,
+                common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=dq_accum, dq_turns=dq_turns,
                 num_n_blocks=-(-meta.max_k // fcfg.tile_n), num_kv_heads=hkv))
             _launch(cvt_fn, DQ_CONVERT_ARGS, dev, dict(
                 dq_accum=dq_accum, dq=dq, cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q, softmax_scale=meta.scale,
                 num_m_blocks=-(-meta.max_q // fcfg.tile_m), num_heads=hq, num_batch=meta.batch))
             return dq, dk, dv, None
         _launch(plan.bwd_fn, BWD_DKDV_ARGS, dev, dict(
-            common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=None,
+            common, sparse=sparse_dkdv, dk=dk, dv=dv, dq_accum=None, dq_turns=None,
             num_n_blocks=-(-meta.max_k // plan.bwd_cfg.tile_n), num_kv_heads=hkv))
         _launch(plan.dq_fn, BWD_DQ_ARGS, dev, dict(
             common, sparse=None if sg is None else sg.fwd_tensors, dq=dq, pdpsum=pdpsum,

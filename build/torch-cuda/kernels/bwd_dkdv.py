@@ -18,7 +18,10 @@ dQ, two ways:
     of thread t at (j * threads + t) * 2), so one warp instruction adds 256 contiguous bytes; dQ comes after the dK
     mma (the next Q tile loads under it) and its adds drain under the next block's S mma.
     kernels/bwd_dq_convert.py scales and casts the workspace.  The order in which
-    the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible.
+    the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible, except in the relay
+    form (config ``dq_relay``, ``deterministic=True``; kernels/dq_relay.py): the CTAs of a query tile add in
+    ascending key-tile order, taking turns on a counter per tile, and each CTA walks its query tiles in descending
+    order, so the contributors of a tile reach it at about the same time.
   * otherwise kernels/bwd_dq.py (Q-stationary, no atomics) recomputes S and dP: bitwise reproducible
     (``deterministic=True``) and the path of a learnable sink, whose gradient needs that kernel's row sums.
 
@@ -41,6 +44,7 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
+from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
@@ -80,6 +84,10 @@ class FlashBwdDkdv(KernelStateMixin):
         # document mask on sm_80: the full runs of 4f1bbf9, benchmarks/results/gate_full_*.jsonl)
         self.lpt_order = (_config_bwd.BWD_LPT_ORDER and cfg.windowed and not cfg.block_sparse and cfg.mods is None
                           and not cfg.has_dropout)
+        # the relay (dq_relay): where a tile's turn is passed on, in the CTA's next iteration (config_bwd
+        # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
+        # drain before the release's fence but makes the next CTA wait longer)
+        self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
 
     @cute.jit
     def __call__(
@@ -93,6 +101,7 @@ class FlashBwdDkdv(KernelStateMixin):
         dk: cute.Tensor,
         dv: cute.Tensor,
         dq_accum: cute.Tensor | None,
+        dq_turns: cute.Tensor | None,
         cu_seqlens_q: cute.Tensor | None,
         cu_seqlens_k: cute.Tensor | None,
         seqused_q: cute.Tensor | None,
@@ -115,9 +124,9 @@ class FlashBwdDkdv(KernelStateMixin):
         (sQ_l, sdO_l, sK_l, sV_l, sP_l), SharedStorage = self.smem_plan()
         self.launch_smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            q, k, v, dout, lse, dpsum, dk, dv, dq_accum, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sparse,
-            aux_tensors, scale_log2, softcap_prescale, softmax_scale, window_left, window_right, qheads_per_kvhead,
-            dropout,
+            q, k, v, dout, lse, dpsum, dk, dv, dq_accum, dq_turns, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            sparse, aux_tensors, scale_log2, softcap_prescale, softmax_scale, window_left, window_right,
+            qheads_per_kvhead, dropout,
             sQ_l, sdO_l, sK_l, sV_l, sP_l, *self.tiled_mmas(),
             cu.gmem_tiled_copy(dt, self.d, self.num_threads, is_async=True),
             cu.gmem_tiled_copy(dt, self.dv, self.num_threads, is_async=True),
@@ -160,7 +169,7 @@ class FlashBwdDkdv(KernelStateMixin):
 
     @cute.kernel
     def kernel(
-        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
+        self, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, mTurns, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sparse, mAux,
         scale_log2: Float32, softcap_prescale: Float32, softmax_scale: Float32, window_left: Int32,
         window_right: Int32, qheads_per_kvhead: Int32, dropout: DropoutParams | None,
         sQ_l: cute.ComposedLayout, sdO_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
@@ -175,8 +184,8 @@ class FlashBwdDkdv(KernelStateMixin):
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
-                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
-                qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
+                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, (mDqAccum, mTurns), sparse,
+                softmax_scale, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
 
     @cute.jit
@@ -214,25 +223,34 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def add_dq(self, mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx):
+    def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
         tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
-        wrong sums, never a write outside it."""
+        wrong sums, never a write outside it.  With the relay (``relay`` not None), first wait for this key tile's
+        turn on the tile; returns the offset of the tile's counter, to pass on once every thread's adds are issued
+        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
         if const_expr(self.cfg.varlen_q):
             blk = seq.offset_q // self.tile_m + seq.batch + m_block
         else:
             blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        pend = Int32(-1)
         if blk < mDqAccum.shape[0]:
+            if const_expr(relay is not None):
+                pend = relay.offset(blk, head)
+                relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
                 cu.red_add_f32x2(addr + j * self.num_threads * 8, acc_dQ[2 * j], acc_dQ[2 * j + 1])
+        return pend
 
     @cute.jit
     def dense_entry(self, first_head, m_min, num_m, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
-        inner."""
+        inner, ascending (the relay: descending, kernels/dq_relay.py)."""
+        if const_expr(self.cfg.dq_relay):
+            return first_head + it // num_m, m_min + num_m - 1 - it % num_m, Int32(1)
         return first_head + it // num_m, m_min + it % num_m, Int32(1)
 
     def branch_masks(self) -> bool:
@@ -250,11 +268,12 @@ class FlashBwdDkdv(KernelStateMixin):
 
     @cute.jit
     def process(
-        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, mDqAccum, sparse, softmax_scale,
+        self, seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, dq_ws, sparse, softmax_scale,
         qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage: cutlass.Constexpr, tidx,
         n_block, kv_head,
     ):
         cfg = self.cfg
+        mDqAccum, mTurns = dq_ws  # the fused dQ workspace and the relay's turn counters (None when off)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ, sdO = storage.sQ.get_tensor(sQ_l), storage.sdO.get_tensor(sdO_l)
         sK, sV = storage.sK.get_tensor(sK_l), storage.sV.get_tensor(sV_l)
@@ -306,6 +325,10 @@ class FlashBwdDkdv(KernelStateMixin):
             tQsdS, tQsKt = cpA_m.partition_S(sdS), cpBt_m.partition_S(sKt)
             acc_shape_dq = thr_m.partition_shape_C((self.tile_m, self.d))
             rows_q, _ = self.seq_rows(mQ, mK)
+        relay = None
+        pend = Int32(-1)  # the relay: the counter whose turn this CTA passes on next (-1: none)
+        if const_expr(cfg.dq_relay):
+            relay = DqRelay(mTurns, block)
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
         st_m = cute.make_tiled_copy_C(st_atom, mma_m).get_slice(tidx)
 
@@ -369,12 +392,18 @@ class FlashBwdDkdv(KernelStateMixin):
                     dpsum[r] = mDpsum[idx]
             if const_expr(carry and cfg.block_sparse):
                 cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
+            elif const_expr(carry and cfg.dq_relay):  # descending (dense_entry)
+                cur_head, cur_m_block = head, m_block - 1
+                if cur_m_block < m_min:
+                    cur_head, cur_m_block = head + 1, m_max - 1
             elif const_expr(carry):
                 cur_head, cur_m_block = head, m_block + 1
                 if cur_m_block == m_max:
                     cur_head, cur_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
+                relay.pass_on(pend, tidx)  # issued (barrier): pass its turn on
 
             # ---- S, then the score hook (softcap, masks)
             drop_bits = None
@@ -383,6 +412,8 @@ class FlashBwdDkdv(KernelStateMixin):
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
             cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            if const_expr(self.relay_release_after_s):
+                relay.pass_on(pend, tidx)
             acc_raw = None
             if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
                 acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
@@ -437,9 +468,13 @@ class FlashBwdDkdv(KernelStateMixin):
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
-                self.add_dq(mDqAccum, acc_dQ, seq, rows_q, head, m_block, tidx)
+                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
+
+        if const_expr(cfg.dq_relay):  # the last tile's turn, once every thread's adds are issued
+            cute.arch.barrier()
+            relay.pass_on(pend, tidx)
 
         # ---- dK (scaled), dV: one write per CTA
         acc_dK.store(acc_dK.load() * softmax_scale)
