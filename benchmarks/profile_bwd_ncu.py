@@ -503,7 +503,10 @@ def compile_first(groups, workdir: Path, jobs_n: int) -> list[str]:
             r = _run(_child_argv(jobs, meta, False, 0.0), group_env(g), timeout=400)
         except subprocess.TimeoutExpired:
             return f"{jobs[0]}: compile timed out"
-        return None if r.returncode == 0 else f"{jobs[0]}: rc {r.returncode}: {r.stderr[-300:]}"
+        if r.returncode or not meta.exists():
+            return f"{jobs[0]}: rc {r.returncode}: {r.stderr[-300:]}"
+        errors = [e["error"] for e in json.loads(meta.read_text())["jobs"] if "error" in e]
+        return f"{jobs[0]}: {errors[0]}" if errors else None
     with ThreadPoolExecutor(max(1, jobs_n)) as pool:
         return [m for m in pool.map(one, work) if m]
 

@@ -218,3 +218,51 @@ def test_forced_pair_and_constants():
         assert getattr(config_bwd, attr) == before
     relay, _ = config_bwd.fused_for(pair, relay=True)  # what relay_after_s's check reads at d64
     assert re.search(P.VARIANTS["relay_after_s"].expect, relay.name())
+
+
+# ---- the driver end to end, with a stand-in for ncu (no GPU: the compile step is skipped) ----------------------
+FAKE_NCU = '''import json, sys
+a = sys.argv[1:]
+if a == ["--version"]:
+    print("NVIDIA (R) Nsight Compute Command Line Profiler\\nVersion 2025.1.0.0 (build 1)")
+elif a == ["--query-metrics"]:
+    print(open(sys.argv[0] + ".query").read())
+else:
+    open(sys.argv[0] + ".calls", "a").write(json.dumps(a) + "\\n")
+    metrics = a[a.index("--metrics") + 1].split(",")
+    if "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active" in metrics:
+        print("==ERROR== Failed to find metric sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
+        sys.exit(1)
+    jobs = json.loads(a[a.index("--child") + 1])
+    meta = dict(device="Fake GPU", jobs=[dict(cell=c, variant=v, profiled=True, event_ms=1.5) for c, v in jobs])
+    open(a[a.index("--meta") + 1], "w").write(json.dumps(meta))
+    print(open(sys.argv[0] + ".csv").read())
+'''
+
+
+def test_driver_end_to_end_with_a_rejected_metric(tmp_path, monkeypatch):
+    import json
+
+    ncu = tmp_path / "ncu"
+    ncu.write_text(f"#!{sys.executable}\n" + FAKE_NCU)
+    ncu.chmod(0o755)
+    (tmp_path / "ncu.csv").write_text(SAMPLE)
+    (tmp_path / "ncu.query").write_text(QUERY + "".join(f"{m}  description\n" for m in LISTED))
+    monkeypatch.setattr(P, "compile_first", lambda groups, workdir, jobs_n: [])
+    out = tmp_path / "rows.jsonl"
+    assert P.main(["--ncu", str(ncu), "--cells", "llama3-8b:4096", "llama3-8b:4096:causal", "--variants", "default",
+                   "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    calls = [json.loads(x) for x in (tmp_path / "ncu.calls").read_text().splitlines()]
+    assert len(calls) == 2  # rejected once, then run with the next tensor-pipe candidate
+    second = calls[1][calls[1].index("--metrics") + 1].split(",")
+    assert "sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active" in second
+    assert not any(m.startswith("sm__pipe_tensor_op_hmma") for m in second)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows[0]["kind"] == "run" and rows[0]["metrics"]["red_inst"] == ["smsp__inst_executed_op_global_red.sum"]
+    kinds = [(r["cell"], r["kind"]) for r in rows[1:]]
+    assert kinds == [("llama3-8b:4096", "kernel")] * 3 + [("llama3-8b:4096", "total"),
+                                                          ("llama3-8b:4096:causal", "kernel"),
+                                                          ("llama3-8b:4096:causal", "total")]
+    total = rows[4]
+    assert total["reds_per_dq_elem"] == pytest.approx(0.5) and total["event_ms"] == 1.5
+    assert total["device"] == "Fake GPU" and total["tensor_pipe_pct"] is None  # the sample holds the other metric
