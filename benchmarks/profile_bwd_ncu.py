@@ -27,8 +27,10 @@ How: the kernels are compiled first (every (cell, variant) of ours in parallel, 
 then one process per group of variants runs under ``ncu --csv --profile-from-start off --metrics ... --kernel-name
 regex:... --launch-skip/--launch-count``: per job, outside the profiled range, the inputs, a check and warm-up
 calls; inside it (torch.cuda.profiler start/stop) a sentinel kernel (torch.cuda._sleep, ``spin_kernel``) and one
-backward call, so the CSV's kernels are split into jobs at the sentinels.  ``--budget-s`` bounds the whole run:
-jobs past it are recorded as skipped (ours first, then the peers, FROST last: it compiles in-process).
+backward call, so the CSV's kernels are split into jobs at the sentinels (the default ``--kernel-regex .`` keeps
+every kernel of the call, torch's fills of the dQ workspace included).  ``--budget-s`` bounds the whole run: jobs
+past it are recorded as skipped (ours first, then the peers, FROST last: it compiles in-process).  ncu's output of
+each process is kept in ``--workdir`` (default $OUT/bwd_ncu).
 """
 
 from __future__ import annotations
