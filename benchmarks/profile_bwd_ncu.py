@@ -96,6 +96,7 @@ class Variant:
     hide_fused: bool = False  # dispatch_bwd.fused_plan -> None: the dK/dV + dQ pair
     constants: tuple[tuple[str, object], ...] = ()  # config_bwd compile-time constants outside the compile key
     expect: str | None = None  # regex the built kernels' config names (joined by ",") must match
+    cost_s: float = 10.0  # a job starts only this long before the deadline (FROST compiles in the process)
 
     @property
     def isolated(self) -> bool:
@@ -122,7 +123,8 @@ VARIANTS = {v.name: v for v in (
             causal=True, head_dims=(64, 128), constants=(("BWD_LPT_ORDER", False),)),
     Variant("sdpa_flash", "peer", "SDPA FLASH (FlashAttention-2), K/V expanded to the query heads",
             impl="sdpa_flash"),
-    Variant("frost", "peer", "FROST: cuDNN-frontend's SM120 backward, capability presented as 12.0", impl="frost"),
+    Variant("frost", "peer", "FROST: cuDNN-frontend's SM120 backward, capability presented as 12.0", impl="frost",
+            cost_s=60.0),
 )}
 DEFAULT_CELLS = ("llama3-8b:4096", "llama3-8b:4096:causal", "mha-d64:4096:causal", "mha-d256:4096:causal")
 
@@ -154,7 +156,8 @@ def parse_cell(spec: str) -> Cell:
 
     parts = spec.split(":")
     shapes = {**SHAPES, **{n: c[:3] for n, c in EXTRA_CELLS.items()}}
-    if len(parts) not in (2, 3) or parts[0] not in shapes or not parts[1].isdigit() or parts[2:] not in ([], ["causal"]):
+    if (len(parts) not in (2, 3) or parts[0] not in shapes or not parts[1].isdigit()
+            or parts[2:] not in ([], ["causal"])):
         raise ValueError(f"cell {spec!r}: expected 'shape:seqlen[:causal]' with a shape of {sorted(shapes)}")
     hq, hkv, d = shapes[parts[0]]
     s = int(parts[1])
@@ -427,11 +430,12 @@ def child_main(jobs: list[tuple[str, str]], meta_path: Path, profile: bool, dead
     for spec, name in jobs:
         entry = dict(cell=spec, variant=name)
         meta["jobs"].append(entry)
-        if deadline and time.time() > deadline:
+        v = VARIANTS[name]
+        if deadline and time.time() + v.cost_s > deadline:
             entry["skipped"] = "time budget (--budget-s)"
             continue
         try:
-            v, cell = VARIANTS[name], parse_cell(spec)
+            cell = parse_cell(spec)
             if spec != cell_spec:  # inputs and the fp32 reference once per cell
                 tensors = refs = None
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -493,7 +497,7 @@ def _child_argv(jobs, meta: Path, profile: bool, deadline: float) -> list[str]:
             "--deadline", str(deadline)] + ([] if profile else ["--no-profile"])
 
 
-def compile_first(groups, workdir: Path, jobs_n: int) -> list[str]:
+def compile_first(groups, workdir: Path, jobs_n: int, deadline: float) -> list[str]:
     """Every (cell, variant) of ours built in its own process without ncu, ``jobs_n`` at a time (into the disk
     cache the profiled processes load from); returns the failures' messages."""
     work = [(g, [job], workdir / f"compile_{g}_{i}.json") for g, jobs in groups if g != "peers"
@@ -502,7 +506,7 @@ def compile_first(groups, workdir: Path, jobs_n: int) -> list[str]:
     def one(item):
         g, jobs, meta = item
         try:
-            r = _run(_child_argv(jobs, meta, False, 0.0), group_env(g), timeout=400)
+            r = _run(_child_argv(jobs, meta, False, 0.0), group_env(g), timeout=max(10.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             return f"{jobs[0]}: compile timed out"
         if r.returncode or not meta.exists():
@@ -525,7 +529,7 @@ def profile_group(ncu, group, jobs, available, workdir, deadline, args) -> tuple
         meta_path.unlink(missing_ok=True)
         log = workdir / f"ncu_{group}.log"
         try:
-            r = _run(argv, group_env(group), timeout=max(60.0, deadline - time.time() + 90))
+            r = _run(argv, group_env(group), timeout=max(30.0, deadline - time.time() + 45))
         except subprocess.TimeoutExpired:
             return dict(jobs=[dict(cell=c, variant=v, error="ncu timed out") for c, v in jobs]), [], chosen
         log.write_text(" ".join(argv) + "\n" + r.stdout + "\n--- stderr ---\n" + r.stderr)
@@ -593,7 +597,7 @@ def main(argv=None) -> int:
     chosen = choose_metrics(available)
     commit = _output(["git", "rev-parse", "--short", "HEAD"]).strip()
     run_id = time.strftime("%Y-%m-%dT%H:%M:%S")
-    compile_errors = compile_first(groups, args.workdir, args.compile_jobs)
+    compile_errors = compile_first(groups, args.workdir, args.compile_jobs, deadline - 60)
     t_compiled = time.time() - t0
     header = dict(kind="run", run_id=run_id, device=device, commit=commit, ncu=version[-1] if version else None,
                   clock_control=args.clock_control, kernel_regex=args.kernel_regex, cells=args.cells,

@@ -248,7 +248,7 @@ def test_driver_end_to_end_with_a_rejected_metric(tmp_path, monkeypatch):
     ncu.chmod(0o755)
     (tmp_path / "ncu.csv").write_text(SAMPLE)
     (tmp_path / "ncu.query").write_text(QUERY + "".join(f"{m}  description\n" for m in LISTED))
-    monkeypatch.setattr(P, "compile_first", lambda groups, workdir, jobs_n: [])
+    monkeypatch.setattr(P, "compile_first", lambda groups, workdir, jobs_n, deadline: [])
     out = tmp_path / "rows.jsonl"
     assert P.main(["--ncu", str(ncu), "--cells", "llama3-8b:4096", "llama3-8b:4096:causal", "--variants", "default",
                    "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
