@@ -560,7 +560,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--budget-s", type=float, default=285.0, help="wall-clock bound of the whole run")
-    ap.add_argument("--compile-jobs", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--compile-jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--kernel-regex", default=".", help="ncu --kernel-name regex (the sentinel is always added)")
     ap.add_argument("--launch-skip", type=int, default=0)
     ap.add_argument("--launch-count", type=int, default=0, help="0: 12 per job")
@@ -613,7 +613,10 @@ def main(argv=None) -> int:
                                              for c, v in jobs]), [], chosen
         else:
             meta, kernels, used = profile_group(args.ncu, group, jobs, available, args.workdir, deadline, args)
-        rows = group_rows(meta, kernels, used, dict(run_id=run_id, device=device, group=group))
+        base = dict(run_id=run_id, device=device, group=group)
+        if used != chosen:  # ncu rejected one of the header's metrics: this group ran the next candidates
+            base["metrics"] = {q: list(c[0]) for q, c in used.items()}
+        rows = group_rows(meta, kernels, used, base)
         with out.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         for r in rows:

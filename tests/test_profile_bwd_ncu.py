@@ -266,3 +266,5 @@ def test_driver_end_to_end_with_a_rejected_metric(tmp_path, monkeypatch):
     total = rows[4]
     assert total["reds_per_dq_elem"] == pytest.approx(0.5) and total["event_ms"] == 1.5
     assert total["device"] == "Fake GPU" and total["tensor_pipe_pct"] is None  # the sample holds the other metric
+    fallback = "sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
+    assert total["metrics"]["tensor_pipe_pct"] == [fallback] and "metrics" not in rows[0]["metrics"]
