@@ -269,3 +269,22 @@ def test_driver_end_to_end_with_a_rejected_metric(tmp_path, monkeypatch):
     fallback = "sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
     assert total["metrics"]["tensor_pipe_pct"] == [fallback]  # the header keeps the first choice
     assert rows[0]["metrics"]["tensor_pipe_pct"] == [P.METRICS["tensor_pipe_pct"][0][0][0]]
+
+
+def test_sdpa_job_passes_the_reference_check_and_a_wrong_gradient_fails():
+    # the SDPA FLASH job as the child builds it (K/V expanded to the query heads), on the CPU's flash backend,
+    # through bench_bwd's check of batch 0 / KV head 0
+    import torch
+    import bench_bwd
+
+    cell = P.Cell("tiny", 4, 2, 32, 64, 2, True)
+    g = torch.Generator().manual_seed(0)
+    mk = lambda h: torch.randn(cell.batch, cell.seqlen, h, cell.d, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, gout = mk(4).requires_grad_(), mk(2).requires_grad_(), mk(2).requires_grad_(), mk(4)
+    refs = bench_bwd.reference_grads(q, k, v, gout, cell.causal)
+    dq, dk, dv = P._call(P.VARIANTS["sdpa_flash"], cell, None, q, k, v, gout)()
+    assert dk.shape == (2, 64, 4, 32)  # per query head: the check sums each group
+    row = dict(hkv=cell.hkv)
+    assert bench_bwd.check_grads(row, "v", (dq, dk, dv), refs, 2) and set(row["v_max_err"]) == {"dq", "dk", "dv"}
+    row = dict(hkv=cell.hkv)
+    assert not bench_bwd.check_grads(row, "v", (dq, dk, dv * 1.5), refs, 2) and "dv" in row["v_error"]
