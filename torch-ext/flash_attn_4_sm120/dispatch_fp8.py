@@ -403,6 +403,7 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
     descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                                    v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
                                                    unsupported=unsupported)
+    fp8_scales(softmax_scale, softcap, q.shape[-1])  # names a bad softcap before any work
     splits = default_splits(num_splits, q, k, causal=causal, window_size=window_size)
     pack = fp8_pack(pack_gqa, q.shape[2], k.shape[2], q.shape[1])
     if pack > 1 or splits != 1:

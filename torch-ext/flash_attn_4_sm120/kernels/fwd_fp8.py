@@ -116,11 +116,16 @@ class FlashFwdFp8:
             heads = q.shape[2] // qheads_per_kvhead
         if const_expr(self.cfg.split):  # z folds (sequence, split)
             batch = batch * out.shape[0]
+        # softcap: a per-thread register bound, else ptxas may cap registers at 168 to fit three CTAs per SM and
+        # spill (d128 causal softcap did, 2 STL/LDL, where SM120's shared memory holds two 46 KB tiles anyway; as
+        # fwd_cpasync.py; at d64 it may cost the third CTA).  Left off the other forms, whose SASS the committed
+        # gate runs vouch for as built
+        bound = dict(min_blocks_per_mp=1) if const_expr(self.cfg.softcap) else {}
         self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
                     page_table, scale_log2, softcap_log2, window_left, window_right, qheads_per_kvhead,
                     SharedStorage).launch(
             grid=(num_m_blocks, heads, batch), block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            smem=SharedStorage.size_in_bytes(), stream=stream, **bound)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
