@@ -13,9 +13,10 @@ to ``config_fp8.smem_bytes`` and within 101376 B.
     .venv/bin/python scripts/gate_fp8.py --skip _paged_   # all but those holding a substring
     .venv/bin/python scripts/gate_fp8.py --arch sm_90a --jobs 16 --out ...   # 16 compiles at a time (many cores)
 
-The full worklist is 704 configurations (config_fp8.all_configs: 64 dense/varlen, 32 packed GQA, 32 split-KV, 48
-with the packed decode tile, the 144 varlen ones again with paged K/V, and the 288 varlen ones again with a
-bf16/fp16 query quantized in the kernel: 96 unsplit x 2 (q_dtype = out_dtype) + 48 split x 2 x 2); on the 2-core
+The full worklist is 904 configurations (config_fp8.all_configs: 64 dense/varlen, 32 packed GQA, 32 split-KV, 48
+with the packed decode tile, the 144 varlen ones again with paged K/V, the 288 varlen ones again with a
+bf16/fp16 query quantized in the kernel: 96 unsplit x 2 (q_dtype = out_dtype) + 48 split x 2 x 2, and 200 of
+those 704 again with softcap, config_fp8.softcap_subset; ``--filter _softcap_`` builds those); on the 2-core
 CPU machine one compile took 3-9 s alone and ~11 s beside other work, so a full run is hours there and CI builds a
 rotating thirty-second (gate_ci.in_shard: the same name hash as the main gate's shards; successive commits cover every
 configuration).
@@ -35,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MMA_RE = r"\b([QHO]MMA\.[A-Z0-9_.]+)"
-# 704 configurations: a thirty-second (~22 compiles) keeps CI's FP8 share where a sixteenth of 320 had it, near the
-# 2.5 minutes a quarter of 64 took (benchmarks/results/fp8_gate_sm120a_ci_shard0_cpu.jsonl)
+# 904 configurations: a thirty-second (~28 compiles; ~22 before softcap's 200) keeps CI's FP8 share near where a
+# sixteenth of 320 had it, the 2.5 minutes a quarter of 64 took (benchmarks/results/fp8_gate_sm120a_ci_shard0_cpu.jsonl)
 FP8_CI_SHARDS = 32
 
 

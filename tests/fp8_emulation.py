@@ -2,6 +2,9 @@
 
 * S = q8 · k8ᵀ on the e4m3 values (products of e4m3 values are exact in fp32), times q_descale · k_descale ·
   softmax_scale (block descales: per (query block, key block)).
+* ``softcap``: the kernel's form (kernels/fwd_fp8.py softcap_scores) in fp32, cap·log2e − 2·cap·log2e / (2^x + 1)
+  with x = S · (2·log2e·softmax_scale / cap) · q_descale · k_descale; it differs from the kernel's ex2/rcp.approx by
+  under ``softcap_tie_rel`` in P (the exact-input tests widen the tie band by that).
 * Online softmax over key tiles of ``tile_n`` in the kernel's order, the running max over the scaled scores.
 * P is exp2(s·log2e − (m − P_SHIFT_LOG2)) (at most 16: the kernel's fp32 argument, rounding included), rounded
   to e4m3 (saturating, round to nearest even); the row sum adds the unrounded fp32 P.
@@ -66,11 +69,13 @@ def _expand_descale(descale, s, hq, block_size):
 
 def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                           tile_n=64, right_to_left=True, block_size=128, out_dtype=torch.bfloat16,
-                          quantize_p=True, window=(None, None), sink=None, return_slack=False, q_rows=False):
+                          quantize_p=True, window=(None, None), sink=None, return_slack=False, q_rows=False,
+                          softcap=0.0, tie_rel=None):
     """Emulated FP8 forward -> out (B, Sq, Hq, Dv) in ``out_dtype``.  ``quantize_p=False`` keeps P in fp32 (to
     separate the error of P's rounding from that of the inputs').  ``return_slack=True`` -> (out, slack): slack
     (B, Sq, Hq, Dv) fp32 bounds the output's move from near-tie P roundings (module docstring).  ``q_rows=True``:
-    q_descale is per row, (B, Sq, Hq) (``quantize_rows``, the kernel's bf16/fp16-query form)."""
+    q_descale is per row, (B, Sq, Hq) (``quantize_rows``, the kernel's bf16/fp16-query form).  ``softcap`` > 0:
+    capped scores (module docstring); ``tie_rel``: the slack's tie band (default TIE_REL)."""
     b, sq, hq, d = q8.shape
     sk, hkv = k8.shape[1], k8.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -82,8 +87,15 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     kd = _expand_descale(k_descale.float(), sk, hq, block_size)  # (B, Hq, Sk)
     vd = _expand_descale(v_descale.float(), 1, hq, block_size)[..., 0]  # (B, Hq)
     # the kernel's order: scale_log2 (rounded to fp32 on the host) times q_descale, times k_descale, times the score
-    scale_log2 = torch.tensor(scale * math.log2(math.e), dtype=torch.float32, device=q8.device)
-    s_all = (qf @ kf.transpose(-1, -2)) * ((scale_log2 * qd)[..., :, None] * kd[..., None, :])
+    if softcap:  # the host's two fp32 arguments (dispatch_fp8.fp8_scales), then the kernel's tanh form
+        pre = torch.tensor(2 * math.log2(math.e) * scale / softcap, dtype=torch.float32, device=q8.device)
+        cap_log2 = torch.tensor(softcap * math.log2(math.e), dtype=torch.float32, device=q8.device)
+        x = (qf @ kf.transpose(-1, -2)) * ((pre * qd)[..., :, None] * kd[..., None, :])
+        s_all = cap_log2 - (cap_log2 + cap_log2) * (1.0 / (torch.exp2(x) + 1.0))
+    else:
+        scale_log2 = torch.tensor(scale * math.log2(math.e), dtype=torch.float32, device=q8.device)
+        s_all = (qf @ kf.transpose(-1, -2)) * ((scale_log2 * qd)[..., :, None] * kd[..., None, :])
+    tie = TIE_REL if tie_rel is None else tie_rel
     dev = q8.device
     left, right = (None if w is None or w < 0 else w for w in window)
     if causal:
@@ -108,7 +120,7 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
         corr = torch.exp2(m - m_use)
         row_sum = row_sum * corr + p.sum(dim=-1) * 2.0 ** -P_SHIFT_LOG2
         if quantize_p:
-            up, down = (_e4m3(p * f) for f in (1.0 + TIE_REL, 1.0 - TIE_REL))
+            up, down = (_e4m3(p * f) for f in (1.0 + tie, 1.0 - tie))
             slack = slack * corr[..., None] + (up - down) @ v_abs[..., n0:n0 + tile_n, :]
             p = _e4m3(p)
         acc = acc * corr[..., None] + p @ vf[..., n0:n0 + tile_n, :]
@@ -127,6 +139,14 @@ def emulate_fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal
     if return_slack:
         return out, (slack * factor.abs()).transpose(1, 2)
     return out
+
+
+def softcap_tie_rel(softcap: float) -> float:
+    """The tie band of a softcap call: TIE_REL plus how far P can move from the kernel's tanh.  ex2.approx
+    (relative error below 2^-22) and rcp.approx (1 ulp) give 2 / (2^x + 1) within 2^-21 relative, so tanh within
+    2^-20 absolute (a 2x margin), the capped score (log2 units) within cap·log2e·2^-20, and P = exp2(score − m)
+    within ln2 · cap · log2e · 2^-20 = cap · 2^-20 of it, relative."""
+    return TIE_REL + softcap * 2.0 ** -20
 
 
 def _e4m3(x):

@@ -8,7 +8,10 @@ Bars, derived from the measured error (benchmarks/results/fp8_accuracy_cpu.jsonl
   * on e4m3-exact inputs with unit descales the only error left is P's rounding: the kernel matches the emulation
     within the output dtype's rounding plus the emulation's slack (a P within 2^-18 of an e4m3 rounding midpoint
     may round either way: tests/fp8_emulation.py), and the LSE (P's rounding does not enter it) matches the fp32 reference;
-    the same with sliding windows and a learnable sink.
+    the same with sliding windows and a learnable sink;
+  * softcap (cap · tanh of the descaled, scaled score): the emulation applies the kernel's tanh form, and its tie
+    band widens by how far the kernel's ex2/rcp.approx tanh can move P (tests/fp8_emulation.softcap_tie_rel); the
+    fp32 reference applies the cap (tests/reference.py), so the outlier bar is the same 1.1x the emulation's error.
 """
 
 import math
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from flash_attn_4_sm120.fp8_quant import quantize_qkv
-from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms
+from tests.fp8_emulation import emulate_fp8_attention, fa3_outlier_inputs, rms, softcap_tie_rel
 from tests.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -76,11 +79,13 @@ def test_exact_inputs_leave_only_p_rounding(d, causal, out_dtype, lengths):
     _check_exact(out, lse, q8, k8, v8, out_dtype, causal=causal)
 
 
-def _check_exact(out, lse, q8, k8, v8, out_dtype, causal=False, window=(None, None), sink=None):
+def _check_exact(out, lse, q8, k8, v8, out_dtype, causal=False, window=(None, None), sink=None, softcap=0.0):
     ones = torch.ones(q8.shape[0], k8.shape[2], device="cuda")
     emu, slack = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32,
-                                       window=window, sink=sink, return_slack=True)
-    _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, window=window, sink=sink)
+                                       window=window, sink=sink, return_slack=True, softcap=softcap,
+                                       tie_rel=softcap_tie_rel(softcap) if softcap else None)
+    _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, window=window, sink=sink,
+                               softcap=softcap)
     eps = torch.finfo(out_dtype).eps
     assert out.dtype == out_dtype
     # the output's rounding (half an ulp) plus the exp2 approximation's few fp32 ulps on P.  A P value within
@@ -112,6 +117,60 @@ def test_window_and_sink_exact_inputs(d, causal, window, with_sink, lengths):
     out, lse = fa.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, learnable_sink=sink,
                                   return_lse=True)
     _check_exact(out, lse, q8, k8, v8, torch.bfloat16, causal=causal, window=window, sink=sink)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window", [(False, (None, None)), (True, (None, None)), (True, (64, None)),
+                                            (False, (100, 30))])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("softcap", [2.0, 15.0])
+@pytest.mark.parametrize("lengths", [(113, 211), (1000, 1000)])
+def test_softcap_exact_inputs(d, causal, window, with_sink, softcap, lengths):
+    """q scaled by 4 before the e4m3 rounding: scores of a few units that the caps 2 and 15 bend (the check that
+    they do is beside: an uncapped emulation is far from the output)."""
+    sq, sk = lengths
+    g = torch.Generator(device="cuda").manual_seed(d + sq + int(softcap))
+    q8 = (4 * torch.randn(2, sq, 6, d, device="cuda", generator=g)).to(torch.float8_e4m3fn)
+    k8, v8 = (torch.randn(2, sk, 2, d, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+    sink = (torch.randn(6, device="cuda", generator=g) * 3).float() if with_sink else None
+    out, lse = fa.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, learnable_sink=sink,
+                                  softcap=softcap, return_lse=True)
+    _check_exact(out, lse, q8, k8, v8, torch.bfloat16, causal=causal, window=window, sink=sink, softcap=softcap)
+    ones = torch.ones(2, 2, device="cuda")
+    plain = emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, window=window, sink=sink,
+                                  out_dtype=torch.float32)
+    assert rms(out, plain) > 0.05, rms(out, plain)  # the cap changed the result
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("softcap, q_gain", [(30.0, 1.0), (5.0, 3.0)])
+def test_softcap_outlier_input_error_matches_the_emulation(d, causal, rotate, softcap, q_gain):
+    """FlashAttention-3's outlier input (q times ``q_gain``, so cap 5 bends scores of a few units), per-head
+    descales: the RMS error against the capped fp32 reference of the unquantized inputs, with the 1.1x / 0.2x bars
+    of the uncapped test; GQA 4:2, Sq != Sk, and the same again with a window and a sink."""
+    (q, k, v), _ = _fp8(2, 700, 1100, 4, 2, d, seed=int(softcap) + d)
+    q = q * q_gain
+    quant = quantize_qkv(q, k, v, rotate=rotate)
+    for extra in (dict(), dict(window_size=(300, 0), learnable_sink=torch.linspace(-2, 2, 4, device="cuda"))):
+        window = extra.get("window_size", (None, None))
+        sink = extra.get("learnable_sink")
+        out, lse = _call(*quant, causal=causal or bool(extra), softcap=softcap, **extra)
+        c = causal or bool(extra)
+        ref, _ = attention_ref(q, k, v, causal=c, window=window, sink=sink, softcap=softcap)
+        emu = emulate_fp8_attention(*quant, causal=c, window=window, sink=sink, softcap=softcap)
+        err, err_emu = rms(out, ref), rms(emu, ref)
+        assert not torch.isnan(out).any()
+        assert err <= 1.1 * err_emu, (err, err_emu)
+        assert rms(out, emu) <= 0.2 * err_emu, (rms(out, emu), err_emu)
+        # the LSE is the capped problem's in natural-log units: P's rounding does not enter it, so it is the fp32
+        # reference's LSE of the dequantized inputs (rotated q and k give the same scores) to _check_exact's bar
+        q8, k8, v8, qd, kd, vd = quant
+        deq = [x.float() * dsc.repeat_interleave(x.shape[2] // dsc.shape[1], dim=1)[:, None, :, None]
+               for x, dsc in ((q8, qd), (k8, kd))]
+        _, lse_deq = attention_ref(*deq, v8.float(), causal=c, window=window, sink=sink, softcap=softcap)
+        torch.testing.assert_close(lse, lse_deq, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rotate", [False, True])

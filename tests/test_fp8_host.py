@@ -27,7 +27,10 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     # + every varlen one (contiguous or paged) with a bf16/fp16 query quantized in the kernel: unsplit ones with
     # q_dtype = their out_dtype, split ones with either
     varlen_split = 2 * (split + split // 2)
-    assert len(cfgs) == e4m3 + (e4m3 - unsplit - varlen_split) + 2 * varlen_split
+    plain = e4m3 + (e4m3 - unsplit - varlen_split) + 2 * varlen_split
+    # + softcap on the subset config_fp8.softcap_subset names (tests/test_fp8_softcap_host.py checks which)
+    assert len(cfgs) == plain + sum(C.softcap_subset(c) for c in cfgs[:plain])
+    assert not any(c.softcap for c in cfgs[:plain])
     assert all(c.varlen and (c.split or c.out_dtype == c.q_dtype) for c in cfgs if c.q_dtype != "e4m3")
     assert all(c.varlen for c in cfgs if c.paged)
     assert all(c.pack_gqa for c in cfgs if c.tile_m == C.FP8_DECODE_TILE_M)
@@ -93,7 +96,7 @@ def test_descales_with_bf16_inputs_raise():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(softcap=5.0), dict(dropout_p=0.1),
+    dict(dropout_p=0.1),
     dict(page_table=torch.zeros(2, 1, dtype=torch.int32)),
     dict(score_mod=lambda *a: a[0]), dict(aux_tensors=[torch.zeros(1)]),
 ])
@@ -103,11 +106,12 @@ def test_unserved_features_raise_before_launch(kw):
 
 
 def test_split_and_pack_are_served_not_refused():
-    for ok in (dict(num_splits=0), dict(num_splits=1), dict(num_splits=8), dict(pack_gqa=True), dict(pack_gqa=False)):
+    for ok in (dict(num_splits=0), dict(num_splits=1), dict(num_splits=8), dict(pack_gqa=True), dict(pack_gqa=False),
+               dict(softcap=30.0)):
         args = dict(softcap=0.0, num_splits=None, pack_gqa=None, dropout_p=0.0, page_table=None)
         args.update(ok)
         assert not any(fp8_unsupported(**args).values()), ok
-    assert any(fp8_unsupported(softcap=1.0, dropout_p=0.0).values())
+    assert any(fp8_unsupported(softcap=1.0, dropout_p=0.1).values())
 
 
 @pytest.mark.parametrize("kw, exc, match", [

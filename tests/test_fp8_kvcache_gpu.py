@@ -42,7 +42,7 @@ def _setup(b, cap, hq, hkv, sq, d=128, seed=0, dtype=torch.bfloat16):
     return q, k, v, torch.cat([k8, spare]), torch.cat([v8, spare.clone()]), kd, vd
 
 
-def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None), sink=None):
+def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None), sink=None, softcap=0.0):
     """The bars per batch entry.  These calls take the default, which packs GQA and may split the keys
     (tests/test_fp8_split_gpu.py): the emulation models the unsplit kernel, and a split rounds P against its own
     running max, so the kernel-emulation bar adds twice the RMS that P's rounding puts into the emulation (the
@@ -50,9 +50,9 @@ def _check(out, q, k, v, k8, v8, kd, vd, lens, causal=False, window=(None, None)
     qs8, qd = quantize_rows(q)  # the kernel's per-(row, head) quantization of a bf16/fp16 q
     for i, n in enumerate(lens):
         sl = slice(i, i + 1)
-        ref, _ = attention_ref(q[sl], k[sl, :n], v[sl, :n], causal=causal, window=window, sink=sink)
+        ref, _ = attention_ref(q[sl], k[sl, :n], v[sl, :n], causal=causal, window=window, sink=sink, softcap=softcap)
         args = (qs8[sl], k8[sl, :n], v8[sl, :n], qd[sl], kd[sl], vd[sl])
-        mask = dict(causal=causal, window=window, sink=sink, q_rows=True)
+        mask = dict(causal=causal, window=window, sink=sink, q_rows=True, softcap=softcap)
         emu = emulate_fp8_attention(*args, **mask, out_dtype=q.dtype)
         p_rms = rms(*(emulate_fp8_attention(*args, **mask, quantize_p=p, out_dtype=torch.float32)
                       for p in (True, False)))
@@ -100,6 +100,29 @@ def test_window_and_sink(causal, window, with_sink, sq):
     out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd, causal=causal,
                                      window_size=window, learnable_sink=sink)
     _check(out, q, k, v, kc, vc, kd, vd, seqlens.tolist(), causal=causal, window=window, sink=sink)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (4, 4)])
+@pytest.mark.parametrize("sq", [1, 9])
+@pytest.mark.parametrize("mask", [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(255, None))])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_softcap_bf16_query_over_the_e4m3_cache(dtype, hq, hkv, sq, mask, with_sink, num_splits):
+    """Softcap through flash_attn_with_kvcache with a bf16/fp16 q (quantized per row in the kernel), packed GQA
+    by default, split 3 ways and automatic (0, which may split or not), with appends: the bars of ``_check`` against the capped
+    fp32 reference of the unquantized inputs (q times 3, so cap 5 bends scores of a few units)."""
+    b, cap, softcap = 2, 900, 5.0
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, sq, seed=11 + sq + hq, dtype=dtype)
+    q = 3 * q
+    sink = torch.linspace(-2, 3, hq, device="cuda") if with_sink else None
+    seqlens = torch.tensor([333, cap - sq], dtype=torch.int32, device="cuda")
+    k_new = torch.stack([k[i, n:n + sq] for i, n in enumerate(seqlens.tolist())])
+    v_new = torch.stack([v[i, n:n + sq] for i, n in enumerate(seqlens.tolist())])
+    out = fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                     learnable_sink=sink, softcap=softcap, num_splits=num_splits, **mask)
+    _check(out, q, k, v, kc, vc, kd, vd, [n + sq for n in seqlens.tolist()], causal=mask["causal"],
+           window=mask.get("window_size", (None, None)), sink=sink, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

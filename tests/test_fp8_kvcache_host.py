@@ -154,7 +154,7 @@ def test_the_e4m3_append_path_is_unchanged(launches):
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(q_descale=torch.ones(2, 2)), ValueError, "q_descale given with a torch.bfloat16 q"),
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
-    (dict(softcap=2.0), NotImplementedError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be a finite number >= 0"),  # softcap is served
     (dict(num_splits=2.0), ValueError, "num_splits must be an int"),
     (dict(k=_randn(2, 1, 2, 64), v=_randn(2, 1, 2, 64), cache_seqlens=1, num_splits=False), ValueError,
      "num_splits must be an int"),  # refused before the append writes the cache

@@ -5,7 +5,7 @@ test here compares a paged call with the same call over the same bytes laid out 
 equality (out and lse); the contiguous path's accuracy against the fp32 reference is tests/test_fp8_kvcache_gpu.py's.
 Page sizes 1 (every row its own page), 16 (a 64-key tile spans four pages), 64 (one page per tile) and 256 (four
 tiles per page); GQA 1/4/8; Sq 1 (the one-warp decode tile) and 5; split off and on; bf16 and fp16 queries (quantized
-per (row, head) in the kernel) with a row of zeros; appends crossing pages; a
+per (row, head) in the kernel) with a row of zeros; softcap; appends crossing pages; a
 lying page table and lying cache_seqlens (clamped: must not fault; run this file under compute-sanitizer too);
 pools that are views of a fused cache; CUDA-graph replay.
 """
@@ -92,6 +92,28 @@ def test_window_sink_query_dtypes_and_fused_pools(dtype, page_size):
     for fused in (False, True):
         paged, contiguous, _ = _paged_and_contiguous(q, kc, vc, page_size, fused=fused, **kw)
         _same(paged, contiguous)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, E4])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("hq, hkv", [(8, 8), (32, 4)])
+@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_softcap_paged_is_bitwise_the_contiguous_cache(dtype, page_size, hq, hkv, sq, num_splits):
+    """Softcap with a window and a sink over pages: the contiguous call's bits (its accuracy against the capped
+    reference: tests/test_fp8_kvcache_gpu.py), and a result the cap changed."""
+    b = 2
+    q, _, _, kc, vc, kd, vd = _setup(b, hq, hkv, sq, seed=page_size + hq + sq)
+    q = 3 * q  # scores of a few units: cap 5 bends them
+    kw = dict(cache_seqlens=torch.tensor([300, CAP], dtype=torch.int32, device="cuda"), k_descale=kd,
+              v_descale=vd, causal=True, window_size=(200, 0), learnable_sink=torch.linspace(-2, 2, hq, device="cuda"),
+              num_splits=num_splits)
+    if dtype == E4:
+        q, kw["q_descale"] = q.to(E4), torch.full((b, hkv), 1.0, device="cuda")
+    paged, contiguous, (kp, vp, table) = _paged_and_contiguous(q, kc, vc, page_size, softcap=5.0, **kw)
+    _same(paged, contiguous)
+    plain = fa.flash_attn_with_kvcache(q, kp, vp, page_table=table, **kw)
+    assert (plain.float() - paged[0].float()).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

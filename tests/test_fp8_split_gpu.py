@@ -104,6 +104,36 @@ def test_split_matches_unsplit_within_p_rounding(hq, hkv, sq, splits, pack, mask
     torch.testing.assert_close(lse_n, lse_1, rtol=0, atol=LSE_ATOL)
 
 
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 1)])
+@pytest.mark.parametrize("sq", [1, 6])
+@pytest.mark.parametrize("mask", range(len(MASKS)))
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_softcap_packed_is_bitwise_and_split_within_p_rounding(hq, hkv, sq, mask, with_sink):
+    """Softcap is per score, so packing and splitting keep their bars: packed = unpacked bit for bit, a split
+    within twice P's rounding RMS (of the capped emulation) of the unsplit call, the LSEs to LSE_ATOL."""
+    b, cap, softcap = 3, 1500, 5.0
+    q, kc, vc, kd, vd = _cache(b, cap, hq, hkv, sq, seed=5 * hq + sq + mask)
+    q = 3 * q  # scores of a few units: cap 5 bends them
+    lens = [cap, 777, 70]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    sink = torch.linspace(-1, 4, hq, device="cuda") if with_sink else None
+    kw = dict(MASKS[mask], learnable_sink=sink, softcap=softcap)
+    out_u, lse_u = _kv(q, kc, vc, kd, vd, seqlens, pack_gqa=False, num_splits=1, **kw)
+    out_p, lse_p = _kv(q, kc, vc, kd, vd, seqlens, pack_gqa=True, num_splits=1, **kw)
+    assert not torch.isnan(out_u).any()
+    torch.testing.assert_close(out_p, out_u, rtol=0, atol=0)
+    torch.testing.assert_close(lse_p, lse_u, rtol=0, atol=0)
+    out_n, lse_n = _kv(q, kc, vc, kd, vd, seqlens, pack_gqa=True, num_splits=7, **kw)
+    window = MASKS[mask].get("window_size", (None, None))
+    p_rms = _p_rounding_rms(q, kc, vc, kd, vd, lens, causal=MASKS[mask]["causal"], window=window, sink=sink,
+                            softcap=softcap)
+    bar = 2 * p_rms + 2.0 ** -8 * rms(out_u, torch.zeros_like(out_u))
+    assert rms(out_n, out_u) <= bar, (rms(out_n, out_u), p_rms)
+    torch.testing.assert_close(lse_n, lse_u, rtol=0, atol=LSE_ATOL)
+    uncapped, _ = _kv(q, kc, vc, kd, vd, seqlens, pack_gqa=True, num_splits=1, **MASKS[mask], learnable_sink=sink)
+    assert rms(uncapped, out_p) > 10 * bar  # the cap changed the result, far past the split's bar
+
+
 def test_dense_fp8_call_packs_and_splits_like_the_unsplit_kernel():
     b, sq, sk, hq, hkv = 2, 3, 2100, 16, 2
     q, k, v = fa3_outlier_inputs(b, sq, sk, hq, hkv, 128, seed=11, device="cuda")

@@ -22,10 +22,12 @@ TILE_N = config_fp8.FP8_TILE_N
 def _model_kernel(cfg, calls):
     """The FP8 kernel's contract in torch (non-causal, no window, no sink): per sequence b, head h, query row i,
     softmax over keys cu_k[b] .. + used_k[b]; with cfg.split, split s of out.shape[0] takes the run of
-    ceil(tiles / splits) 64-key tiles and writes its own normalised O (fp32) and natural-log LSE at [s]."""
+    ceil(tiles / splits) 64-key tiles and writes its own normalised O (fp32) and natural-log LSE at [s].  With
+    cfg.softcap the scores are softcap_log2 / log2(e) · tanh(x / (2 log2(e))), x the raw score times scale_log2
+    and the descales (the kernel's arguments: dispatch_fp8.fp8_scales)."""
 
-    def fn(q, k, v, out, lse, qd, kd, vd, sink, cu_q, cu_k, used_k, page_table, scale_log2, left, right, ratio,
-           num_m_blocks):
+    def fn(q, k, v, out, lse, qd, kd, vd, sink, cu_q, cu_k, used_k, page_table, scale_log2, softcap_log2, left,
+           right, ratio, num_m_blocks):
         calls.append(dict(cfg=cfg, out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), ratio=ratio,
                           num_m_blocks=num_m_blocks, cu_k=cu_k, page_table=page_table, left=left, right=right))
         assert cfg.paged == (page_table is not None) and (cu_k is None) == cfg.paged
@@ -59,8 +61,12 @@ def _model_kernel(cfg, calls):
                 for h in range(qf.shape[1]):
                     g = h // ratio
                     q_scale = qd[b, g] if row_qd is None else row_qd[q0:q1, h, None]
-                    sc = (qf[q0:q1, h] @ kf[k0 + lo:k0 + hi, g].T) * (scale_log2 / math.log2(math.e)) \
-                        * q_scale * kd[b, g]
+                    if cfg.softcap:
+                        x = (qf[q0:q1, h] @ kf[k0 + lo:k0 + hi, g].T) * scale_log2 * q_scale * kd[b, g]
+                        sc = softcap_log2 / math.log2(math.e) * torch.tanh(x / (2 * math.log2(math.e)))
+                    else:
+                        sc = (qf[q0:q1, h] @ kf[k0 + lo:k0 + hi, g].T) * (scale_log2 / math.log2(math.e)) \
+                            * q_scale * kd[b, g]
                     if hi > lo:
                         p = torch.softmax(sc, -1)
                         o, l_ = p @ vf[k0 + lo:k0 + hi, g] * vd[b, g], torch.logsumexp(sc, -1)

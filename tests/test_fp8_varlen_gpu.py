@@ -57,6 +57,30 @@ def test_packed_rows_match_each_sequence(d, causal, window, with_sink, lens_q, l
                      v8[k0:k0 + lk][None], torch.bfloat16, causal=causal, window=window, sink=sink)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window", [(False, (None, None)), (True, (None, None)), (False, (100, 30))])
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_softcap_packed_rows_match_each_sequence(d, causal, window, pack_gqa):
+    """Softcap (cap 4 on q times 3) over packed rows, with a sink: each sequence against the capped emulation
+    (_check_exact's bars; P's rounding and the kernel's tanh form only)."""
+    g = torch.Generator(device="cuda").manual_seed(d + 3)
+    lens_q, lens_k, hq, hkv = [1, 130, 0, 64], [200, 70, 5, 64], 6, 2
+    q8 = (3 * torch.randn(sum(lens_q), hq, d, device="cuda", generator=g)).to(E4)
+    k8, v8 = _exact(sum(lens_k), hkv, d, g=g), _exact(sum(lens_k), hkv, d, g=g)
+    sink = torch.linspace(-2, 2, hq, device="cuda")
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    out, lse = fa.flash_attn_varlen_func(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                                         causal=causal, window_size=window, learnable_sink=sink, return_lse=True,
+                                         num_splits=1, softcap=4.0, pack_gqa=pack_gqa)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        rows = slice(q0, q0 + lq)
+        if lq == 0:
+            continue
+        _check_exact(out[rows][None], lse[:, rows][None], q8[rows][None], k8[k0:k0 + lk][None],
+                     v8[k0:k0 + lk][None], torch.bfloat16, causal=causal, window=window, sink=sink, softcap=4.0)
+
+
 def test_seqused_k_caps_the_keys_and_empty_sequences_are_zero():
     g = torch.Generator(device="cuda").manual_seed(7)
     q8, k8, v8 = _exact(3, 40, 4, 64, g=g), _exact(3, 96, 2, 64, g=g), _exact(3, 96, 2, 64, g=g)

@@ -76,7 +76,7 @@ def test_dense_q_comes_back_in_its_layout(launches):
     (dict(seqused_q=torch.tensor([1, 1], dtype=torch.int32)), NotImplementedError, "seqused_q"),
     (dict(page_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
      "page_table cannot be combined with cu_seqlens_k"),  # served with seqused_k: tests/test_fp8_paged_host.py
-    (dict(softcap=3.0), NotImplementedError, "softcap"),
+    (dict(softcap=-3.0), ValueError, "softcap must be a finite number >= 0"),  # softcap itself is served
     (dict(num_splits=4.0), ValueError, "num_splits must be an int"),
     (dict(num_splits=True), ValueError, "num_splits must be an int"),
     (dict(pack_gqa="yes"), ValueError, "pack_gqa must be None, True or False"),
@@ -138,7 +138,7 @@ def test_kvcache_without_cache_seqlens_reads_the_whole_cache(launches):
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
-    (dict(softcap=2.0), NotImplementedError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be a finite number >= 0"),  # softcap is served
     (dict(num_splits=3.0), ValueError, "num_splits must be an int"),
     (dict(pack_gqa=1), ValueError, "pack_gqa must be None, True or False"),
     (dict(k=_rand(2, 1, 2, 64), v=_rand(2, 1, 2, 64), cache_seqlens=1, num_splits=None, pack_gqa="x"), ValueError,
