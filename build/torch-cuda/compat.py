@@ -237,11 +237,11 @@ CONFLICTS.update({
         ("test_grad_call_raises_before_launch", "test_grad_and_e5m2_raise_before_launch_on_the_gpu",
          "test_varlen_grad_e5m2_and_a_bf16_query_raise")),
     "fp8_unserved": Conflict(
-        "float8_e4m3fn q/k/v × softcap / dropout / `page_table` in `flash_attn_func` / `cache_batch_idx` / "
+        "float8_e4m3fn q/k/v × dropout / `page_table` in `flash_attn_func` / `cache_batch_idx` / "
         "varlen q in `flash_attn_with_kvcache` / `seqused_q` / mods / block sparsity / qv / `debug_checks`",
         NotImplementedError,
         "{feature} is not supported with FP8 inputs by flash-attn-4-sm120 yet (the FP8 forward serves causal/"
-        "non-causal attention with sliding window, sink, GQA packing and split-KV, dense, varlen and over a "
+        "non-causal attention with sliding window, softcap, sink, GQA packing and split-KV, dense, varlen and over a "
         "contiguous or paged KV cache); "
         "leave it at its default or use bf16/fp16 inputs",
         "the FP8 kernel (kernels/fwd_fp8.py) is built without them: each is named before launch. `num_splits` and "

@@ -41,6 +41,9 @@ class Fp8FwdConfig:
     out_dtype: str = "bf16"
     local: bool = False  # a sliding window (left and/or right bound beyond causal), runtime bounds
     has_sink: bool = False  # learnable sink: one fp32 logit per query head in the denominator
+    # softcap: scores cap * tanh(s / cap) before the softmax (s the descaled, softmax-scaled score); the cap is a
+    # runtime argument, as in the bf16 kernels (config.FwdConfig.has_softcap)
+    softcap: bool = False
     varlen: bool = False  # packed rows with per-sequence offsets/lengths (cu_seqlens_q/k, seqused_k), runtime values
     # the query heads of a KV group share a CTA (tile row p: query row p // qpk, head hkv * qpk + p % qpk)
     pack_gqa: bool = False
@@ -58,7 +61,7 @@ class Fp8FwdConfig:
 
     def name(self) -> str:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
-                f"{'local_' if self.local else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
+                f"{'local_' if self.local else ''}{'softcap_' if self.softcap else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
                 f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}{'paged_' if self.paged else ''}"
                 f"{'' if self.q_dtype == 'e4m3' else 'q' + self.q_dtype + '_'}{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
 
@@ -91,7 +94,7 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
     if cfg.head_dim_v != cfg.head_dim:
         raise ValueError(f"head_dim_v={cfg.head_dim_v} != head_dim={cfg.head_dim}: the FP8 forward serves equal "
                          "head dims only")
-    for flag in ("causal", "local", "has_sink", "varlen", "pack_gqa", "split", "paged"):
+    for flag in ("causal", "local", "softcap", "has_sink", "varlen", "pack_gqa", "split", "paged"):
         if not isinstance(getattr(cfg, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
     if cfg.split:
@@ -137,13 +140,13 @@ def check_target(arch: str, device_text: str) -> None:
 def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, local: bool = False,
                   has_sink: bool = False, varlen: bool = False, pack_gqa: bool = False,
                   split: bool = False, rows: int | None = None, paged: bool = False,
-                  q_dtype: str = "e4m3") -> Fp8FwdConfig:
+                  q_dtype: str = "e4m3", softcap: bool = False) -> Fp8FwdConfig:
     """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
     of them runs the one-warp decode tile.  ``q_dtype``: FP8_Q_DTYPES (bf16/fp16: quantized in the kernel)."""
     decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                        out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
-                       varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged, q_dtype=q_dtype,
+                       varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged, q_dtype=q_dtype, softcap=softcap,
                        tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
                        num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
     can_implement(cfg)
@@ -160,7 +163,7 @@ def all_configs() -> list[Fp8FwdConfig]:
     (packing, splitting and the decode tile follow the same rules as a contiguous cache): 144 more -> 320.
     A bf16/fp16 query over e4m3 K/V (q_dtype, quantized in the kernel) runs on any varlen configuration, contiguous
     or paged: each unsplit one again with q_dtype = its out_dtype (96 x 2) and each split one with either query
-    dtype (48 x 2 x 2) -> 384 more -> 704."""
+    dtype (48 x 2 x 2) -> 384 more -> 704.  Softcap (``softcap_subset``) on 200 of them -> 904."""
     base = [Fp8FwdConfig(head_dim=d, head_dim_v=d, causal=c, out_dtype=o, local=w, has_sink=k, varlen=vl)
             for d in FP8_HEAD_DIMS for c in (False, True) for o in FP8_OUT_DTYPES for w in (False, True)
             for k in (False, True) for vl in (False, True)]
@@ -175,4 +178,17 @@ def all_configs() -> list[Fp8FwdConfig]:
     e4m3 = contiguous + [replace(c, paged=True) for c in contiguous if c.varlen]
     hp_q = [replace(c, q_dtype=qd) for c in e4m3 if c.varlen
             for qd in (("bf16", "fp16") if c.split else (c.out_dtype,))]
-    return e4m3 + hp_q
+    plain = e4m3 + hp_q
+    return plain + [replace(c, softcap=True) for c in plain if softcap_subset(c)]
+
+
+def softcap_subset(cfg: Fp8FwdConfig) -> bool:
+    """Whether the gate's worklist holds ``cfg`` again with softcap: the bf16 family (out_dtype bf16, or with a
+    split q_dtype e4m3/bf16) with window and sink both on or both off (200 of 704).  Softcap on all 704 would
+    double the list (1408 compiles a full run); the fp16 forms differ from their bf16 twins in the output (or
+    query) conversion instructions only, and a window alone or a sink alone sits between the lightest and the
+    heaviest of its siblings, so the subset kept holds every other flag (head dims, causal, varlen, packing,
+    split, paged, the decode tile, the bf16 query) at both ends of the register load.  The host may select the
+    other softcap forms too; they compile on first use like any configuration, outside the gate."""
+    bf16_family = cfg.q_dtype in ("e4m3", "bf16") if cfg.split else cfg.out_dtype == "bf16"
+    return bf16_family and cfg.local == cfg.has_sink

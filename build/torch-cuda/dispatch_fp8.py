@@ -2,8 +2,8 @@
 
 FlashAttention-3's API: q/k/v ``torch.float8_e4m3fn`` (B, S, H, D) with ``q_descale``/``k_descale``/``v_descale``
 fp32 (B, Hkv) (a missing one means 1.0), output bf16 (default) or fp16.  Inference only: a call that needs grad
-raises before anything launches, and so does every feature the FP8 kernel does not serve yet (softcap, dropout,
-mods, block sparsity).  Causal, sliding window, learnable sink, packed GQA (``pack_gqa``, the
+raises before anything launches, and so does every feature the FP8 kernel does not serve yet (dropout, mods,
+block sparsity).  Causal, sliding window, softcap (``fp8_scales``), learnable sink, packed GQA (``pack_gqa``, the
 bf16 rule) and split-KV (``num_splits``, the bf16 rule; fp32 partials and splitkv's combine) are served, dense
 (``flash_attn_func``), varlen (``flash_attn_varlen_func``: cu_seqlens_q/k, seqused_k) and over a contiguous or
 paged KV cache (``flash_attn_with_kvcache``: cache_seqlens, page_table, e4m3 or quantized bf16/fp16 appends);
@@ -166,7 +166,8 @@ def fake_args(cfg: Fp8FwdConfig) -> tuple:
         table = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                               assumed_align=4)
     return (act(q_dt, cfg.head_dim), act(u8, cfg.head_dim), act(u8, cfg.head_dim_v), act(out_dt, cfg.head_dim_v),
-            f32(3), q_descale, f32(2), f32(2), sink, *lens, table, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            f32(3), q_descale, f32(2), f32(2), sink, *lens, table, Float32(1.0), Float32(1.0), Int32(0), Int32(0),
+            Int32(1), Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -218,8 +219,28 @@ def _sink(learnable_sink, hq, device):
     return learnable_sink.float().contiguous()
 
 
+def fp8_scales(softmax_scale, softcap, head_dim: int) -> tuple[bool, float, float]:
+    """(softcap on, scale_log2, softcap_log2) of the kernel (FlashFwdFp8.ARG_NAMES): without softcap
+    softmax_scale · log2(e) and an unused 1.0; with one, tanh's argument in exp2 units 2 · log2(e) ·
+    softmax_scale / cap and cap · log2(e) (kernels/fwd_fp8.py softcap_scores).  The descales multiply the first
+    in the kernel.  ``softcap``: None or 0 is off; validate.check_scalars names a bad value (negative, not
+    finite, overflowing fp32 with the scale), the bf16 path's check."""
+    from .validate import check_scalars
+
+    if softcap is None or (softcap.__class__ in (int, float) and softcap == 0):  # the common call: no softcap
+        scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        return False, scale * LOG2_E, 1.0
+    scale, cap = check_scalars(softmax_scale, softcap, head_dim)
+    if cap == 0:
+        return False, scale * LOG2_E, 1.0
+    if not 2 * LOG2_E * scale / cap < 3.4e38:  # the doubled argument of tanh overflows fp32
+        raise ValueError(f"softmax_scale={scale} with softcap={cap} overflows fp32 in the FP8 kernel "
+                         "(2 * log2(e) * softmax_scale / softcap must stay below 3.4e38)")
+    return True, 2 * LOG2_E * scale / cap, cap * LOG2_E
+
+
 def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_dtype, window_size=None,
-                    learnable_sink=None):
+                    learnable_sink=None, softcap=0.0):
     """Launch the FP8 forward on checked inputs -> (out (B, Sq, Hq, Dv), lse fp32 (B, Hq, Sq))."""
     from .config_fp8 import check_target
     from .device import device_caps
@@ -230,10 +251,10 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     hkv = k.shape[2]
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    capped, scale_log2, cap_log2 = fp8_scales(softmax_scale, softcap, d)
     local, left, right = window_bounds(window_size, causal, q.shape[1], k.shape[1])
     sink = _sink(learnable_sink, hq, q.device)
-    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None)
+    cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, softcap=capped)
     out = torch.empty(b, sq, hq, v.shape[3], dtype=out_dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if b == 0 or sq == 0 or hq == 0:
@@ -250,7 +271,7 @@ def run_fp8_forward(q, k, v, descales, *, softmax_scale, causal, out_name, out_d
     qd, kd, vd = descales
     with torch.cuda.device(q.device):
         fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, qd, kd, vd, sink, None, None,
-           None, None, scale * LOG2_E, left, right, hq // hkv, num_m_blocks)
+           None, None, scale_log2, cap_log2, left, right, hq // hkv, num_m_blocks)
     return out, lse
 
 
@@ -279,7 +300,7 @@ def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv:
 
 def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, softmax_scale, causal, out_name,
                    out_dtype, window_size=None, learnable_sink=None, pack_gqa=None, num_splits: int = 1,
-                   max_seqlen_k: int | None = None, rows_covered: bool = True, page_table=None):
+                   max_seqlen_k: int | None = None, rows_covered: bool = True, page_table=None, softcap=0.0):
     """Launch the FP8 forward on checked packed rows: q (1, total_q, Hq, D), k/v (1, total_k, Hkv, D), sequence b
     = q rows cu_q[b]..cu_q[b+1], keys cu_k[b]..cu_k[b]+used_k[b] (int32 on q's device) -> (out (1, total_q, Hq,
     Dv), lse fp32 (1, Hq, total_q)).  ``pack_gqa``: fp8_pack's rule; ``num_splits``: already defaulted by the
@@ -303,7 +324,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     batch = cu_q.shape[0] - 1
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    capped, scale_log2, cap_log2 = fp8_scales(softmax_scale, softcap, d)
     # bounds that cover every key of any sequence stand for an unbounded side
     local, left, right = window_bounds(window_size, causal, total_q, total_k)
     sink = _sink(learnable_sink, hq, q.device)
@@ -313,7 +334,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
     rows = max_seqlen_q * pack
     q_dtype = _Q_DTYPE[q.dtype]
     cfg = select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None, varlen=True,
-                        pack_gqa=pack > 1, rows=rows, paged=paged, q_dtype=q_dtype)
+                        pack_gqa=pack > 1, rows=rows, paged=paged, q_dtype=q_dtype, softcap=capped)
     if batch == 0 or total_q == 0 or hq == 0:
         return out, lse
     if total_k == 0:  # no keys anywhere: O = 0, LSE = -inf, or the sink's logit
@@ -331,7 +352,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
                         dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
     qd, kd, vd = descales
     args = (q.view(torch.uint8) if q_dtype == "e4m3" else q, k.view(torch.uint8), v.view(torch.uint8))
-    tail = (qd, kd, vd, sink, cu_q, None if paged else cu_k, used_k, page_table, scale * LOG2_E, left, right,
+    tail = (qd, kd, vd, sink, cu_q, None if paged else cu_k, used_k, page_table, scale_log2, cap_log2, left, right,
             hq // hkv, num_m_blocks)
     if splits == 1:
         fn = get_fp8_kernel(cfg, q.device)
@@ -342,7 +363,7 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
 
     fn = get_fp8_kernel(select_config(d, v.shape[3], causal, out_name, local=local, has_sink=sink is not None,
                                       varlen=True, pack_gqa=pack > 1, split=True, rows=rows, paged=paged,
-                                      q_dtype=q_dtype), q.device)
+                                      q_dtype=q_dtype, softcap=capped), q.device)
     o_part, l_part, o_comb, l_comb = partials(out, lse, splits)  # (splits, 1, total_q, Hq, Dv), (splits, 1, Hq, .)
     if not rows_covered:
         l_part.fill_(-math.inf)
@@ -373,7 +394,7 @@ def _rows_view_ok(t) -> bool:
 
 def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, softmax_scale=None,
                   causal=False, window_size=None, return_lse=False, learnable_sink=None,
-                  unsupported: dict | None = None, num_splits=None, pack_gqa=None):
+                  unsupported: dict | None = None, num_splits=None, pack_gqa=None, softcap=0.0):
     """The FP8 branch of ``flash_attn_func``: checks everything before launch -> (out, lse or None).  A call that
     packs GQA or may split (``fp8_pack`` / ``default_splits``) runs on the packed-rows form (dense q/k/v read as
     one batch of rows, a view; the kernel's varlen configurations carry both)."""
@@ -382,6 +403,7 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
     descales, out_name, out_torch = check_fp8_call(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                                    v_descale=v_descale, out_dtype=out_dtype, needs_grad=needs_grad,
                                                    unsupported=unsupported)
+    fp8_scales(softmax_scale, softcap, q.shape[-1])  # names a bad softcap before any work
     splits = default_splits(num_splits, q, k, causal=causal, window_size=window_size)
     pack = fp8_pack(pack_gqa, q.shape[2], k.shape[2], q.shape[1])
     if pack > 1 or splits != 1:
@@ -394,13 +416,14 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
                 R.flatten_q(q), R.flatten(k, "k"), R.flatten(v, "v"), R.dense_cu(b, sq, q.device), cu_k,
                 cu_k[1:] - cu_k[:-1], sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa,
-                num_splits=splits, max_seqlen_k=sk, rows_covered=True)
+                num_splits=splits, max_seqlen_k=sk, rows_covered=True, softcap=softcap)
             return R.unpack(out, lse, b, sq, True, return_lse)
         if splits > 1:  # an explicit split over K/V whose batch stride is not seqlen x row stride
             compat.refuse("fp8_unserved", feature=f"num_splits={splits} with k/v strides {k.stride()} / "
                           f"{v.stride()} (split-KV reads them as packed rows: use .contiguous())")
     out, lse = run_fp8_forward(q, k, v, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
-                               out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink)
+                               out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink,
+                               softcap=softcap)
     return out, (lse if return_lse else None)
 
 
@@ -417,12 +440,12 @@ def entry_checks(q, k, v, q_descale, k_descale, v_descale, out_dtype, learnable_
                                            for t in (q, k, v, learnable_sink, *extra))
 
 
-def fp8_unsupported(*, softcap, dropout_p, num_splits=None, pack_gqa=None, **optional) -> dict:
+def fp8_unsupported(*, dropout_p, softcap=0.0, num_splits=None, pack_gqa=None, **optional) -> dict:
     """name -> True for each argument of an FP8 call that the FP8 forward does not serve (non-default value).
-    ``num_splits`` and ``pack_gqa`` are served (the entry points take them: ``default_splits`` / ``fp8_pack``,
-    which name a bad value) and never listed; they are accepted here so a caller may pass its whole call."""
+    ``softcap``, ``num_splits`` and ``pack_gqa`` are served (the entry points take them: ``fp8_scales`` /
+    ``default_splits`` / ``fp8_pack``, which name a bad value) and never listed; they are accepted here so a
+    caller may pass its whole call."""
     out = {
-        f"softcap={softcap!r}": bool(softcap),
         f"dropout_p={dropout_p!r}": dropout_p != 0,
     }
     out.update({name: value is not None for name, value in optional.items()})

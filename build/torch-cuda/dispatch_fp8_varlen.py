@@ -72,7 +72,7 @@ def _check_lengths(name, t, length, device):
 def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, q_descale,
                          k_descale, v_descale, out_dtype, softmax_scale, causal, window_size, return_lse,
                          learnable_sink, unsupported: dict, num_splits=None, pack_gqa=None, max_seqlen_k=None,
-                         page_table=None):
+                         page_table=None, softcap=0.0):
     """The FP8 branch of ``flash_attn_varlen_func`` -> (out, lse or None), out like q (last dim Dv).
     ``num_splits`` / ``pack_gqa``: the bf16 path's rules (dispatch_fp8.default_splits / fp8_pack); an int
     ``max_seqlen_k`` bounds the automatic split count's KV extent (else k's rows: never a device read).
@@ -103,6 +103,7 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     if paged:
         V.check_page_table(page_table, k, v, batch, dev)
     F8.fp8_pack(pack_gqa, q.shape[-2], k.shape[-2], 0)  # names a bad value before any work
+    F8.fp8_scales(softmax_scale, softcap, q.shape[-1])
     _check_lengths("cu_seqlens_q", cu_seqlens_q, batch + 1, dev)
     _check_lengths("cu_seqlens_k", cu_seqlens_k, batch + 1, dev)
     _check_lengths("seqused_k", seqused_k, batch, dev)
@@ -130,7 +131,7 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
                                  causal=causal, out_name=out_name, out_dtype=out_torch, window_size=window_size,
                                  learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
                                  max_seqlen_k=max_k, rows_covered=not varlen_q,
-                                 page_table=_table_rows(page_table) if paged else None)
+                                 page_table=_table_rows(page_table) if paged else None, softcap=softcap)
     return unpack(out, lse, batch, 0 if varlen_q else q.shape[1], not varlen_q, return_lse)
 
 
@@ -164,7 +165,7 @@ def _table_rows(page_table):
 
 def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale, k_descale, v_descale, out_dtype,
                           softmax_scale, causal, window_size, return_lse, learnable_sink, unsupported: dict,
-                          num_splits=0, pack_gqa=None, page_table=None):
+                          num_splits=0, pack_gqa=None, page_table=None, softcap=0.0):
     """The FP8 branch of ``flash_attn_with_kvcache`` over a contiguous or paged cache -> (out, lse or None).
     ``num_splits`` (default 0: automatic, from the grid and the SM count) and ``pack_gqa`` as the bf16 cache
     path (splitkv.resolve_num_splits, plan.choose_pack).  ``page_table`` (B, max_pages) int32 (or its
@@ -200,7 +201,8 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
                          "(batch, seqlen) dims")
     else:
         capacity = k_cache.shape[1]
-    # the split count and pack_gqa are checked before anything is written into the cache
+    # the split count, pack_gqa and softcap are checked before anything is written into the cache
+    F8.fp8_scales(softmax_scale, softcap, q.shape[-1])
     splits = F8.default_splits(0 if num_splits is None else num_splits, q, k_cache, causal=causal,
                                window_size=window_size)
     F8.fp8_pack(pack_gqa, q.shape[2], k_cache.shape[2], q.shape[1])
@@ -229,5 +231,5 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
                                  descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                                  out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink,
                                  pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=capacity, rows_covered=True,
-                                 page_table=_table_rows(page_table) if paged else None)
+                                 page_table=_table_rows(page_table) if paged else None, softcap=softcap)
     return unpack(out, lse, batch, q.shape[1], True, return_lse)

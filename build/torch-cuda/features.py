@@ -105,10 +105,10 @@ FEATURES: dict[str, Feature] = {
                 "(query row, head) with its own amax scale, output in q's dtype; another out_dtype quantizes q on "
                 "the host per (sequence, KV head) first); mma.sync e4m3 "
                 "for both GEMMs, P scaled by 16 before its e4m3 rounding; head dims 64/128, causal, sliding "
-                "window, learnable sink, GQA with pack_gqa and split-KV (num_splits) under the bf16 path's rules; "
+                "window, softcap (cap * tanh of the descaled scores), learnable sink, GQA with pack_gqa and split-KV (num_splits) under the bf16 path's rules; "
                 "bf16/fp16 output; inference only; fp8_quant.quantize_qkv (Hadamard "
                 "rotation, per-tensor/head/block scales) makes the inputs. Not yet: e5m2, a bf16/fp16 q in "
-                "flash_attn_func, cache_batch_idx, softcap, torch.compile (each "
+                "flash_attn_func, cache_batch_idx, torch.compile (each "
                 "refused before launch); not on 8.0/8.6/8.9 devices (sm_80 cubins cannot hold the e4m3 mma)"),
         Feature("pack_gqa", SUPPORTED, "pack_gqa=None|True|False", "query heads of a KV group share a tile"),
         Feature("tma_forward", SUPPORTED, "(automatic)",

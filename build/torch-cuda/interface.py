@@ -174,7 +174,7 @@ def flash_attn_func(
 
     FP8 (FlashAttention-3's API): q/k/v ``torch.float8_e4m3fn`` with ``q_descale``/``k_descale``/``v_descale``
     fp32 (B, Hkv) (missing: 1.0) and ``out_dtype`` bf16 (default) or fp16; inference only, dense, causal or not,
-    sliding window, learnable sink, GQA (``pack_gqa``) and split-KV (``num_splits``) with the rules above, head dims
+    sliding window, softcap, learnable sink, GQA (``pack_gqa``) and split-KV (``num_splits``) with the rules above, head dims
     64/128; any other feature raises before launch (dispatch_fp8.py; ``fp8_quant.quantize_qkv``
     makes the inputs).
     """
@@ -185,7 +185,7 @@ def flash_attn_func(
                              out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, return_lse=return_lse,
                              learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
-                             unsupported=fp8_unsupported(
+                             softcap=softcap, unsupported=fp8_unsupported(
                                  softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
                                  block_sparse_tensors=block_sparse_tensors, dropout_p=dropout_p,
                                  page_table=page_table, qv=qv, gather_kv_indices=gather_kv_indices,
@@ -283,7 +283,7 @@ def flash_attn_varlen_func(
             max_seqlen_q=max_seqlen_q, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             out_dtype=out_dtype, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             return_lse=return_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
-            max_seqlen_k=max_seqlen_k, page_table=page_table, unsupported=fp8_unsupported(
+            max_seqlen_k=max_seqlen_k, page_table=page_table, softcap=softcap, unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=dropout_p,
                 block_sparse_tensors=block_sparse_tensors, qv=qv,
                 gather_kv_indices=gather_kv_indices, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
@@ -386,7 +386,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, out_dtype=None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             return_lse=return_softmax_lse, learnable_sink=learnable_sink, num_splits=num_splits, pack_gqa=pack_gqa,
-            page_table=page_table if page_table is not None else block_table,
+            page_table=page_table if page_table is not None else block_table, softcap=softcap,
             unsupported=fp8_unsupported(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, dropout_p=0.0,
                 cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,

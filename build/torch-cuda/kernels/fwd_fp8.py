@@ -12,7 +12,10 @@ Algorithm, per CTA:
     padded by 16 bytes so the 4-byte fragment reads hit 32 distinct banks (no swizzle).
   * S = Q·Kᵀ: a K row's 4 bytes at column 4t are exactly a B-fragment register (no ldmatrix, no transpose).
   * Online softmax in the log2 domain, scale = softmax_scale · log2(e) · q_descale · k_descale; KV tiles right
-    to left.  P is formed as exp2(s − m + 4) = 16·P (at most 16, four binades above e4m3's subnormals), converted
+    to left.  Softcap (cfg.softcap): the scores become cap · tanh(s / cap) of the descaled, softmax-scaled score s,
+    in log2 units (cap · log2(e)) · tanh(acc · q_descale · k_descale · softmax_scale / cap), with tanh(x) =
+    1 − 2 / (2^(2x·log2 e) + 1) from ex2.approx and rcp.approx (``softcap_scores``).  The LSE is the capped
+    problem's, in natural-log units; the sink logit is not capped (as the bf16 kernels and the reference).  P is formed as exp2(s − m + 4) = 16·P (at most 16, four binades above e4m3's subnormals), converted
     to e4m3 with saturation, while the row sum adds the fp32 values.  out = acc · v_descale / row_sum (the 16s
     cancel).
   * P·V without moving P: the accumulator of S tiles (4c, 4c+1) row g holds keys {2t, 2t+1, 8+2t, 9+2t} of
@@ -47,7 +50,7 @@ Algorithm, per CTA:
     its scores with softmax_scale · log2(e) · k_descale, so the LSE is the unquantized problem's.  This replaces
     the host's per-(B, Hkv) quantization (several torch kernels a call) and is finer: one outlier only coarsens
     its own row's scale.
-Constraints: D = Dv in {64, 128} (config_fp8.can_implement), no softcap yet.
+Constraints: D = Dv in {64, 128} (config_fp8.can_implement).
 Profile: ncu --set full -k regex:kernel python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "d128 and causal"
 """
 
@@ -69,10 +72,12 @@ LOG2_E = 1.4426950408889634
 
 class FlashFwdFp8:
     ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
-                 "cu_seqlens_k", "seqused_k", "page_table", "scale_log2", "window_left", "window_right",
+                 "cu_seqlens_k", "seqused_k", "page_table", "scale_log2", "softcap_log2", "window_left", "window_right",
                  "qheads_per_kvhead", "num_m_blocks")
     # with cfg.split, out / lse are the fp32 partials (splits, ...); with cfg.paged, k / v are the page pools
-    # (num_pages, page_size, Hkv, D), page_table (B, max_pages) int32, and cu_seqlens_k is None
+    # (num_pages, page_size, Hkv, D), page_table (B, max_pages) int32, and cu_seqlens_k is None.  With cfg.softcap,
+    # scale_log2 is 2 · log2(e) · softmax_scale / cap (tanh's argument in exp2 units) and softcap_log2 is cap ·
+    # log2(e); without it softcap_log2 is unused (scale_log2 = softmax_scale · log2(e))
 
     def __init__(self, cfg: Fp8FwdConfig):
         can_implement(cfg)
@@ -91,8 +96,8 @@ class FlashFwdFp8:
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                  q_descale: cute.Tensor | None, k_descale: cute.Tensor, v_descale: cute.Tensor, sink: cute.Tensor | None,
                  cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
-                 page_table: cute.Tensor | None, scale_log2: Float32, window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32,
-                 num_m_blocks: Int32, stream):
+                 page_table: cute.Tensor | None, scale_log2: Float32, softcap_log2: Float32, window_left: Int32,
+                 window_right: Int32, qheads_per_kvhead: Int32, num_m_blocks: Int32, stream):
         q_bytes = self.tile_m * self.k_row
         k_bytes = self.stages * self.tile_n * self.k_row
         v_bytes = self.stages * self.tile_n * self.v_row
@@ -111,16 +116,22 @@ class FlashFwdFp8:
             heads = q.shape[2] // qheads_per_kvhead
         if const_expr(self.cfg.split):  # z folds (sequence, split)
             batch = batch * out.shape[0]
+        # softcap: a per-thread register bound, else ptxas may cap registers at 168 to fit three CTAs per SM and
+        # spill (d128 causal softcap did, 2 STL/LDL, where SM120's shared memory holds two 46 KB tiles anyway; as
+        # fwd_cpasync.py; at d64 it may cost the third CTA).  Left off the other forms, whose SASS the committed
+        # gate runs vouch for as built
+        bound = dict(min_blocks_per_mp=1) if const_expr(self.cfg.softcap) else {}
         self.kernel(q, k, v, out, lse, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                    page_table, scale_log2, window_left, window_right, qheads_per_kvhead, SharedStorage).launch(
+                    page_table, scale_log2, softcap_log2, window_left, window_right, qheads_per_kvhead,
+                    SharedStorage).launch(
             grid=(num_m_blocks, heads, batch), block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            smem=SharedStorage.size_in_bytes(), stream=stream, **bound)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mQd: cute.Tensor | None, mKd: cute.Tensor, mVd: cute.Tensor, mSink: cute.Tensor | None,
                mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mUsedK: cute.Tensor | None,
-               mPT: cute.Tensor | None, scale_log2: Float32,
+               mPT: cute.Tensor | None, scale_log2: Float32, softcap_log2: Float32,
                window_left: Int32, window_right: Int32, qheads_per_kvhead: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
@@ -271,7 +282,8 @@ class FlashFwdFp8:
                     res = mma_e4m3_16832(qc, bk, [acc_s[4 * jt + e] for e in range(4)])
                     for e in cutlass.range_constexpr(4):
                         acc_s[4 * jt + e] = res[e]
-            self.mask_and_scale(acc_s, nb, rows, t, row_first, row_last, sk, shift, window_left, window_right, sl2)
+            self.mask_and_scale(acc_s, nb, rows, t, row_first, row_last, sk, shift, window_left, window_right, sl2,
+                                softcap_log2)
             pa = self.softmax_p(acc_s, row_m, row_l, acc_o)
             # O += P V
             for c in cutlass.range_constexpr(self.tile_n // 32):
@@ -416,9 +428,9 @@ class FlashFwdFp8:
                     16 if ok else 0)
 
     @cute.jit
-    def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2):
-        """Scores to the log2 domain; keys past Sk or outside a row's (causal / window) range to -inf, on the tiles
-        that cross an edge only."""
+    def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2, softcap_log2):
+        """Scores to the log2 domain (capped with cfg.softcap: ``softcap_scores``); keys past Sk or outside a row's
+        (causal / window) range to -inf, on the tiles that cross an edge only."""
         n0 = nb * self.tile_n
         last = n0 + self.tile_n - 1
         need = last >= sk
@@ -428,6 +440,8 @@ class FlashFwdFp8:
             need = need | (n0 < row_last + shift - left)
         for i in cutlass.range_constexpr(cute.size(acc_s.shape)):  # registers 0, 1: row g; 2, 3: row g + 8
             acc_s[i] = acc_s[i] * sl2[(i % 4) // 2]
+            if const_expr(self.cfg.softcap):
+                acc_s[i] = self.softcap_scores(acc_s[i], softcap_log2)
         if need:
             for jt in cutlass.range_constexpr(self.tile_n // 8):
                 for e in cutlass.range_constexpr(4):
@@ -439,6 +453,17 @@ class FlashFwdFp8:
                         bad = bad | (key < rows[e // 2] + shift - left)
                     if bad:
                         acc_s[4 * jt + e] = -Float32.inf
+
+    @cute.jit
+    def softcap_scores(self, x, cap_log2):
+        """cap · log2(e) · tanh(y) from x = 2y · log2(e): 2^x = e^(2y), tanh(y) = 1 − 2 / (e^(2y) + 1), written as
+        cap_log2 − 2 cap_log2 / (2^x + 1) (one FFMA).  ex2.approx (relative error near 2^-22) and rcp.approx give
+        tanh within about 2^-21 absolute, so the capped score is within cap_log2 · 2^-21 of the exact one, far
+        below P's e4m3 step (tests/fp8_emulation.py emulates this form; the bf16 kernels' tanh.approx is off by
+        up to 2^-11 relative, which would move P by 1% at cap 20 before its e4m3 rounding).  Large x: 2^x = inf,
+        the reciprocal 0, the score cap_log2; very negative x: 2^x = 0, the score -cap_log2; NaN stays NaN."""
+        r = cute.arch.rcp_approx(exp2_approx(x) + 1.0)
+        return cap_log2 - (cap_log2 + cap_log2) * r
 
     @cute.jit
     def softmax_p(self, acc_s, row_m, row_l, acc_o):
