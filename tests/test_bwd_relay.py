@@ -9,7 +9,7 @@ import torch
 
 from flash_attn_4_sm120 import arguments, config_bwd, dispatch_bwd
 from flash_attn_4_sm120.config import WINDOW_UNBOUNDED
-from flash_attn_4_sm120.kernels.dq_relay import first_key_tile
+from flash_attn_4_sm120.kernels.dq_relay import first_key_tile, relay_group_pairs, relay_launch_coords
 from test_block_sparse_bwd import recorded_launches  # noqa: F401  (fixture)
 
 
@@ -150,17 +150,21 @@ class Deadlock(Exception):
 
 
 def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed, ascending=True,
-              at_least=True):
+              at_least=True, group=None):
     """Play the relay out: CTAs dispatched in linear-index order into ``slots`` residency slots, resident CTAs
     stepping in a random interleaving; a CTA's next add waits until its tile's counter reaches its turn.  Returns
-    {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move."""
+    {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move.  ``group``: the
+    relay's grouped launch order with that many pairs per group (kernels/dq_relay.py relay_launch_coords), which
+    replaces the plain / LPT order."""
     rng = random.Random(seed)
     batch = len(lens_q)
     gx, gy, gz = max(-(-max(lens_k) // tn), 1), hkv, batch
     use_lpt = lpt and windowed and gx >= 16 and gy * gz <= 64  # kernels/bwd_dkdv.py cta_coords
     ctas = []
     for lin in range(gx * gy * gz):
-        if use_lpt:
+        if group is not None:
+            n, h, b = relay_launch_coords(lin, gx, gy, gy * gz, group)
+        elif use_lpt:
             n, rest = divmod(lin, gy * gz)
             b, h = divmod(rest, gy)
         else:
@@ -238,11 +242,45 @@ def test_relay_orders_every_tile_by_key_tile_and_never_deadlocks(case, slots):
     cu_q = _cu(lens_q) if varlen else None
     runs = [_simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed)
             for lpt in (False, True) for seed in range(3)]
+    pairs = hkv * len(lens_q)
+    runs += [_simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, False, seed,
+                       group=group)  # the relay's grouped order: every group size, a partial last group
+             for group in sorted({1, 2, 3, pairs}) for seed in range(2)]
     assert runs[0]  # some tile had adds
     for order in runs:
         assert order == runs[0]  # the same order whatever the interleaving and launch order
         for adds in order.values():
             assert adds == sorted(adds) and len(set(adds)) == len(adds)
+
+
+@pytest.mark.parametrize("gx,pairs", [(1, 1), (7, 1), (1, 5), (8, 16), (13, 6), (32, 64), (5, 257)])
+def test_relay_launch_order_is_a_bijection_with_ascending_key_tiles_per_pair(gx, pairs):
+    gy = 2 if pairs % 2 == 0 else 1
+    for group in sorted({1, 2, 3, 5, pairs, pairs + 4}):
+        seen = {}
+        for lin in range(gx * pairs):
+            n, h, b = relay_launch_coords(lin, gx, gy, pairs, min(group, pairs))
+            assert 0 <= n < gx and 0 <= h < gy and 0 <= b < pairs // gy
+            assert (n, h, b) not in seen
+            seen[(n, h, b)] = lin
+        assert len(seen) == gx * pairs
+        for h in range(gy):  # a pair's key tiles launch in ascending order (the deadlock argument)
+            for b in range(pairs // gy):
+                lins = [seen[(n, h, b)] for n in range(gx)]
+                assert lins == sorted(lins)
+        if 1 < min(group, pairs) and gx > 1:  # staggered: key tile 1 of the first pair after key tile 0 of others
+            assert seen[(1, 0, 0)] == min(group, pairs)
+
+
+def test_relay_group_fits_the_budget():
+    assert relay_group_pairs(32, 64, 1, 10**9) == 64  # everything fits: one group (the LPT order)
+    assert relay_group_pairs(32, 64, 1, 32 * 15 + 31) == 15
+    assert relay_group_pairs(32, 64, 4, 32 * 15) == 3  # GQA: each pair walks 4 heads' rows
+    assert relay_group_pairs(128, 16, 1, 100) == 1  # never below one pair
+    assert relay_group_pairs(0, 3, 1, 100) == 3  # an empty grid column count divides nothing by zero
+    cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)
+    # Q, dO (bf16) and dQ (fp32) rows of one key tile: 128 x (128 + 128 + 256) bytes = 64 KiB
+    assert config_bwd.relay_key_tiles_in_budget(cfg) == config_bwd.RELAY_GROUP_KIB // 64
 
 
 def test_the_simulator_finds_the_deadlock_of_the_launch_inverted_order():
