@@ -20,8 +20,9 @@ dQ, two ways:
     kernels/bwd_dq_convert.py scales and casts the workspace.  The order in which
     the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible, except in the relay
     form (config ``dq_relay``, ``deterministic=True``; kernels/dq_relay.py): the CTAs of a query tile add in
-    ascending key-tile order, taking turns on a counter per tile, and each CTA walks its query tiles in descending
-    order, so the contributors of a tile reach it at about the same time.
+    ascending key-tile order, taking turns on a counter per tile (read early, under the dK and dQ mmas), each CTA
+    walks its query tiles in descending order, and the CTAs launch in groups of (KV head, batch) pairs with the key
+    tile outermost, so a pair's key tiles arrive one after another instead of in one burst.
   * otherwise kernels/bwd_dq.py (Q-stationary, no atomics) recomputes S and dP: bitwise reproducible
     (``deterministic=True``) and the path of a learnable sink, whose gradient needs that kernel's row sums.
 
