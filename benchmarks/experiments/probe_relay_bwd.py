@@ -6,8 +6,9 @@ forced by hiding the fused kernel), on bench_bwd's cells.
     python benchmarks/experiments/probe_relay_bwd.py [--only mha-d64 ...] [--seqlens 1024 4096] [--rounds 3]
         [--variants default relay_main relay_new pair] [--causal both|0|1] [--group-kib N] [--out F]
 
-Relay variants (config_bwd switches; none is part of the compile key, so each variant's kernels are compiled
-separately and swapped into jit's memory cache, with the disk cache and the prebuilt set off):
+Relay variants (config_bwd switches; none is part of the compile key, so each variant's relay kernels are compiled
+here and swapped into jit's memory cache, never taken from the disk cache or the prebuilt set; the other kernels
+use both as usual, so a run after the GPU tests on the same machine compiles little besides the relay):
     relay_main      main's relay at 14e070b: the turn read right before the adds, the default's launch order
                     (DQ_RELAY_PREFETCH False, RELAY_GROUP_KIB 0), release "top"
     relay_after_s   relay_main with the release after the S mma (DQ_RELAY_RELEASE "after_s")
@@ -26,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
-
-os.environ["FA4_SM120_DISK_CACHE"] = "0"  # the switches are not part of the compile key
-os.environ["FA4_SM120_PREBUILT"] = "0"
 
 import torch  # noqa: E402
 
@@ -64,6 +61,13 @@ def main(argv=None):
     import flash_attn_4_sm120 as fa
     from flash_attn_4_sm120 import config_bwd, dispatch_bwd, jit
 
+    # the relay kernels depend on the switches, which their compile key does not hold: compiled here, never cached
+    def is_relay(key) -> bool:
+        return len(key) > 1 and getattr(key[1], "dq_relay", False)
+
+    entry_path, prebuilt_load = jit.compile_cache.entry_path, jit.prebuilt.load
+    jit.compile_cache.entry_path = lambda key: None if is_relay(key) else entry_path(key)
+    jit.prebuilt.load = lambda key, cfg: None if is_relay(key) else prebuilt_load(key, cfg)
     variants = [v for v in ALL_VARIANTS if v in args.variants]
     for need in ("default", "pair"):  # the ratios' reference and the gradients' reference
         if need not in variants:
@@ -81,7 +85,7 @@ def main(argv=None):
         key = (release, prefetch, grouped)
         if variant in RELAY_VARIANTS and key != current[0]:
             # only the relay kernels depend on the switches: they are swapped, every other kernel is shared
-            relay_keys = [k for k in jit._MEMORY if getattr(k[1], "dq_relay", False)]
+            relay_keys = [k for k in jit._MEMORY if is_relay(k)]
             if current[0] is not None:
                 memory[current[0]] = {k: jit._MEMORY[k] for k in relay_keys}
             for k in relay_keys:
@@ -147,6 +151,7 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
     finally:
         dispatch_bwd.fused_plan = real_fused_plan
+        jit.compile_cache.entry_path, jit.prebuilt.load = entry_path, prebuilt_load
         (config_bwd.DQ_RELAY_RELEASE, config_bwd.DQ_RELAY_PREFETCH, config_bwd.RELAY_GROUP_KIB,
          config_bwd.RELAY_HEAD_DIMS) = saved
         dispatch_bwd.clear_caches()
