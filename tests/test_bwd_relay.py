@@ -274,11 +274,13 @@ def test_relay_launch_order_is_a_bijection_with_ascending_key_tiles_per_pair(gx,
 
 
 def test_relay_group_fits_the_budget():
-    assert relay_group_pairs(32, 64, 1, 10**9) == 64  # everything fits: one group (the LPT order)
-    assert relay_group_pairs(32, 64, 1, 32 * 15 + 31) == 15
-    assert relay_group_pairs(32, 64, 4, 32 * 15) == 3  # GQA: each pair walks 4 heads' rows
-    assert relay_group_pairs(128, 16, 1, 100) == 1  # never below one pair
-    assert relay_group_pairs(0, 3, 1, 100) == 3  # an empty grid column count divides nothing by zero
+    assert relay_group_pairs(32, 64, 1, 10**9, 1) == 64  # everything fits: one group (the LPT order)
+    assert relay_group_pairs(32, 64, 1, 32 * 15 + 31, 1) == 15
+    assert relay_group_pairs(32, 64, 4, 32 * 15, 1) == 3  # GQA: each pair walks 4 heads' rows
+    assert relay_group_pairs(32, 64, 4, 32 * 15, 16) == 16  # the floor
+    assert relay_group_pairs(32, 5, 4, 32 * 15, 16) == 5  # ... never more than the grid's pairs
+    assert relay_group_pairs(128, 16, 1, 100, 0) == 1  # never below one pair
+    assert relay_group_pairs(0, 3, 1, 100, 1) == 3  # an empty grid column count divides nothing by zero
     cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)
     # Q, dO (bf16) and dQ (fp32) rows of one key tile: 128 x (128 + 128 + 256) bytes = 64 KiB
     assert config_bwd.relay_key_tiles_in_budget(cfg) == config_bwd.RELAY_GROUP_KIB // 64
@@ -337,13 +339,21 @@ def test_grouped_launch_order_removes_the_repeated_wavefront_in_the_model():
     # mha-d64 at S=4096, B=4 (32 key tiles, 64 pairs, 64 query tiles) on 264 slots (132 SMs x 2 CTAs), a hand-over as
     # long as one query tile: in the plain order a pair's key tiles launch in one burst and the k-th waits k
     # hand-overs in every wave (the model puts that at 1.25x the walks' time; main's relay measured 0.71x the default);
-    # grouped (12 pairs: config_bwd's budget at d64) the burst is paid in the first wave only
+    # grouped (config_bwd's group at d64: 16 pairs, the floor over the budget's 12) the burst is paid in the first
+    # wave only
     gx, pairs, m_tiles, slots = 32, 64, 64, 264
+    group = relay_group_pairs(gx, pairs, 1, config_bwd.relay_key_tiles_in_budget(
+        config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)),
+        config_bwd.RELAY_GROUP_MIN_PAIRS)
+    assert group == 16
     # with no hand-over cost both orders take the same time (8 waves of whole walks): the model charges the turns only
     free = _makespan(gx, pairs, m_tiles, slots, 0.0)
-    assert free == _makespan(gx, pairs, m_tiles, slots, 0.0, group=12) == 8 * m_tiles
+    assert free == _makespan(gx, pairs, m_tiles, slots, 0.0, group=group) == 8 * m_tiles
     plain = _makespan(gx, pairs, m_tiles, slots, 1.0)
-    grouped = _makespan(gx, pairs, m_tiles, slots, 1.0, group=12)
+    grouped = _makespan(gx, pairs, m_tiles, slots, 1.0, group=group)
     assert plain > 1.2 * free
-    assert grouped < 0.9 * plain and grouped < 1.1 * free
+    assert grouped < 0.85 * plain and grouped < 1.05 * free
+    # a long sequence (S=16K: 128 key tiles, 16 pairs, 256 query tiles): the budget alone would give 3 pairs
+    free = _makespan(128, 16, 256, slots, 0.0)
+    assert _makespan(128, 16, 256, slots, 1.0, group=16) < 1.03 * free < _makespan(128, 16, 256, slots, 1.0, group=3)
     assert _makespan(gx, pairs, m_tiles, slots, 1.0, group=1) == plain  # one pair per group: the plain order

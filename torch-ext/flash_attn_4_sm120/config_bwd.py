@@ -264,6 +264,13 @@ DQ_RELAY_PREFETCH = True
 # went").  0: the default's order (plain, or LPT on windowed walks).  An A/B switch for
 # benchmarks/experiments/probe_relay_bwd.py, not part of the compile key; 24 MiB is a first guess, not measured yet.
 RELAY_GROUP_KIB = 24 * 1024
+# ... but never fewer pairs per group than this (while the grid has them): with few pairs per group the residency
+# slots hold many key tiles of each and a pair's key tiles launch in bursts again (long sequences: 24 MiB holds 3
+# pairs at d64, S=16K).  Going over the L2 budget costs little: a pair's resident key tiles still read each Q/dO
+# tile together, so the DRAM re-reads grow with pairs per group / slots (16 of 264 slots: ~2-4% more traffic at
+# d64), not with the sequence.  tests/test_bwd_relay.py's timing model: 16 pairs reach <= 1.03x the hand-over-free
+# time at S=4K and 16K where the budget alone (12 and 3 pairs) gave 1.07x.  Not measured on a GPU yet.
+RELAY_GROUP_MIN_PAIRS = 16
 
 
 def relay_key_tiles_in_budget(cfg: BwdKernelConfig) -> int:

@@ -212,7 +212,8 @@ class FlashBwdDkdv(KernelStateMixin):
         if const_expr(self.relay_order):
             gx, gy, gz = cute.arch.grid_dim()
             pairs = gy * gz
-            group = relay_group_pairs(gx, pairs, qheads_per_kvhead, self.relay_budget_tiles)
+            group = relay_group_pairs(gx, pairs, qheads_per_kvhead, self.relay_budget_tiles,
+                                      _config_bwd.RELAY_GROUP_MIN_PAIRS)
             n_block, kv_head, batch = relay_launch_coords(bx + gx * (by + gy * bz), gx, gy, pairs, group)
             n_block = cute.arch.make_warp_uniform(n_block)
             kv_head = cute.arch.make_warp_uniform(kv_head)

@@ -58,7 +58,8 @@ benchmarks/experiments/results/relay_bwd_h200_s35.jsonl), read from the code and
   group of pairs after key tile n-1 of all of them, so a pair's key tiles reach the GPU one slot-release apart
   instead of in one burst; after the first band of the first wave each CTA finds its predecessors' turns passed
   (or passing) when it arrives.  The group is sized so that its pairs' Q, dO and fp32 dQ stay in L2 (the plain
-  order's advantage: a pair's key tiles read each Q/dO tile within one hop of each other).
+  order's advantage: a pair's key tiles read each Q/dO tile within one hop of each other), but holds at least
+  ``config_bwd.RELAY_GROUP_MIN_PAIRS`` pairs (with fewer, a pair's resident key tiles come in bursts again).
 * The release: thread 0's ``red.release.gpu`` is ``MEMBAR.ALL.GPU`` + ``REDG``; the fence waits for the CTA's reds
   to reach L2 and stalls warp 0, which the next CTA barrier passes on to every warp.  Unchanged here (moving it
   later, ``DQ_RELAY_RELEASE = "after_s"``, measured 1-4% slower: the next CTA waits longer).
@@ -94,13 +95,14 @@ def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, 
     return cutlass.max(y, 0) // tile_n
 
 
-def relay_group_pairs(num_n_blocks, pairs, qheads_per_kvhead, key_tiles_in_budget: int):
+def relay_group_pairs(num_n_blocks, pairs, qheads_per_kvhead, key_tiles_in_budget: int, min_pairs: int):
     """(KV head, batch) pairs per group of the relay's launch order: as many as keep the group's Q, dO and fp32 dQ
     within the L2 budget (``key_tiles_in_budget``: how many key tiles' worth of those rows, per query head, the budget
-    holds, config_bwd.relay_key_tiles_in_budget), at least 1, at most every pair.  Plain integer arithmetic (host
+    holds, config_bwd.relay_key_tiles_in_budget), but at least ``min_pairs`` (config_bwd.RELAY_GROUP_MIN_PAIRS: fewer
+    pairs per group launch each pair's key tiles in bursts again), at most every pair.  Plain integer arithmetic (host
     tests call it with Python ints, the kernel with Int32); no product of runtime values, so no overflow."""
     per_pair = cutlass.max(num_n_blocks * qheads_per_kvhead, 1)
-    return cutlass.max(cutlass.min(key_tiles_in_budget // per_pair, pairs), 1)
+    return cutlass.max(cutlass.min(cutlass.max(key_tiles_in_budget // per_pair, min_pairs), pairs), 1)
 
 
 def relay_launch_coords(lin, num_n_blocks, num_kv_heads, pairs, group):
