@@ -4,7 +4,8 @@ its switches, and the atomic-free dK/dV + dQ pair (what ``deterministic=True`` r
 forced by hiding the fused kernel), on bench_bwd's cells.
 
     python benchmarks/experiments/probe_relay_bwd.py [--only mha-d64 ...] [--seqlens 1024 4096] [--rounds 3]
-        [--variants default relay_main relay_new pair] [--causal both|0|1] [--group-kib N] [--out F]
+        [--variants default relay_main relay_new pair] [--causal both|0|1] [--group-kib N] [--min-pairs N]
+        [--out F]
 
 Relay variants (config_bwd switches; none is part of the compile key, so each variant's relay kernels are compiled
 here and swapped into jit's memory cache, never taken from the disk cache or the prebuilt set; the other kernels
@@ -13,7 +14,8 @@ use both as usual, so a run after the GPU tests on the same machine compiles lit
                     (DQ_RELAY_PREFETCH False, RELAY_GROUP_KIB 0), release "top"
     relay_after_s   relay_main with the release after the S mma (DQ_RELAY_RELEASE "after_s")
     relay_prefetch  the turn read early (before the dK mma), the default's launch order
-    relay_order     the grouped launch order (RELAY_GROUP_KIB = --group-kib), the turn read at the adds
+    relay_order     the grouped launch order (RELAY_GROUP_KIB = --group-kib, RELAY_GROUP_MIN_PAIRS =
+                    --min-pairs), the turn read at the adds
     relay_new       both (the committed defaults of config_bwd)
 The relay runs at every fused tile here (config_bwd.RELAY_HEAD_DIMS widened to d64/d96/d128, as the tests'
 wide_relay), so d96/d128 cells time it too.  Each round times every variant (CUDA-event medians after warm-up,
@@ -56,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--causal", choices=("both", "0", "1"), default="both")
     ap.add_argument("--group-kib", type=int, default=None, help="RELAY_GROUP_KIB of the grouped order "
                     "(default: config_bwd's)")
+    ap.add_argument("--min-pairs", type=int, default=None, help="RELAY_GROUP_MIN_PAIRS of the grouped order "
+                    "(default: config_bwd's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
@@ -73,7 +77,9 @@ def main(argv=None):
         if need not in variants:
             variants.insert(0 if need == "default" else len(variants), need)
     saved = (config_bwd.DQ_RELAY_RELEASE, config_bwd.DQ_RELAY_PREFETCH, config_bwd.RELAY_GROUP_KIB,
-             config_bwd.RELAY_HEAD_DIMS)
+             config_bwd.RELAY_GROUP_MIN_PAIRS, config_bwd.RELAY_HEAD_DIMS)
+    if args.min_pairs is not None:  # every grouped variant's floor (restored with the rest at the end)
+        config_bwd.RELAY_GROUP_MIN_PAIRS = args.min_pairs
     group_kib = args.group_kib if args.group_kib is not None else config_bwd.RELAY_GROUP_KIB
     config_bwd.RELAY_HEAD_DIMS = frozenset({64, 96, 128})
     memory = {}  # each switch setting's jit memory
@@ -118,7 +124,8 @@ def main(argv=None):
                     return torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
 
                 row = dict(shape=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal,
-                           device=torch.cuda.get_device_name(), group_kib=group_kib)
+                           device=torch.cuda.get_device_name(), group_kib=group_kib,
+                           min_pairs=config_bwd.RELAY_GROUP_MIN_PAIRS)
                 grads = {}
                 for variant in variants:
                     set_variant(variant)
@@ -153,7 +160,7 @@ def main(argv=None):
         dispatch_bwd.fused_plan = real_fused_plan
         jit.compile_cache.entry_path, jit.prebuilt.load = entry_path, prebuilt_load
         (config_bwd.DQ_RELAY_RELEASE, config_bwd.DQ_RELAY_PREFETCH, config_bwd.RELAY_GROUP_KIB,
-         config_bwd.RELAY_HEAD_DIMS) = saved
+         config_bwd.RELAY_GROUP_MIN_PAIRS, config_bwd.RELAY_HEAD_DIMS) = saved
         dispatch_bwd.clear_caches()
     if args.out:
         append_jsonl(args.out, rows)
