@@ -86,17 +86,16 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
 
     def chunk_cols(self, dim: int) -> int:
         """Columns per chunk of the dV / dK products (config_bwd.vregs_chunk_cols)."""
-        import os  # EXPERIMENT
-        if os.environ.get("XKV"):
-            return min(int(os.environ["XKV"]), dim)
         return vregs_chunk_cols(dim)
 
     def dq_chunk_cols(self, dim: int) -> int:
-        """Columns per chunk of the dQ product."""
-        import os  # EXPERIMENT
-        if os.environ.get("XDQ"):
-            return min(int(os.environ["XDQ"]), dim)
-        return vregs_chunk_cols(dim)
+        """Columns per chunk of the dQ product: 64 (the narrowest the query-row grid takes), except with dropout,
+        whose feature sets compiled without spills on sm_120a only with the whole width in one chunk, where the sets
+        without dropout spilled 3-24 STL/LDL with chunks of 128 or the whole width (the compile-gate rows of the
+        docstring's results file)."""
+        if self.cfg.has_dropout:
+            return dim
+        return 64
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -113,8 +112,10 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
                 bwd_tiled_mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows))
 
     def branch_masks(self) -> bool:
-        """Only the tiles a mask cuts are masked on dense walks without mods (as the fused tiles of bwd_dkdv.py)."""
-        return self.cfg.mods is None
+        """Only the tiles a mask cuts are masked on dense walks without mods (as the fused tiles of bwd_dkdv.py),
+        except in the relay form, whose heaviest feature sets spilled 12 STL/LDL on sm_120a with the branch and none
+        without it (the results file of the docstring)."""
+        return self.cfg.mods is None and not self.cfg.dq_relay
 
     @cute.jit
     def add_dq_chunk(self, mDqAccum, relay, acc, seq, rows_q, head, m_block, n_block, tidx,
