@@ -313,7 +313,7 @@ def fused_gate_worklist() -> list:
 
 def fused_trial_worklist() -> list:
     """The fused tiles built but not selected by default (config_bwd._FUSED_TRIAL_TILES, the V-in-registers tile at
-    d256), with their convert kernels and relay forms: per trial head dim, at its largest pair and its smallest dv
+    d256), with their convert kernels (and relay forms where one serves, ``_relay_of``): per trial head dim, at its largest pair and its smallest dv
     the tile takes, causal (windowed) and not, in bf16 the lightest set, the heaviest (every flag of the walk),
     dropout alone and with the heaviest set and a seed tensor; fp16 at the lightest and the heaviest."""
     out = []
@@ -333,7 +333,7 @@ def fused_trial_worklist() -> list:
                                      ("fp16", dict(windowed=windowed)), ("fp16", heavy)):
                     cfg = select_fused_config(dtype, d, dv, trial=True, **flags)
                     if cfg is not None and type(cfg) is not BwdKernelConfig:
-                        out += [cfg, dq_convert_config(cfg), replace(cfg, dq_relay=True)]
+                        out += [cfg, dq_convert_config(cfg)] + _relay_of(cfg)
     return out
 
 

@@ -158,7 +158,22 @@ def test_vregs_configs_are_in_the_gate():
                                                    varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)):
             cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True, windowed=windowed, **flags)
             assert cfg.name() in names
-            assert config_bwd.replace(cfg, dq_relay=True).name() in names
+            assert config_bwd.replace(cfg, dq_relay=True).name() not in names  # no relay form (vregs_problems)
     assert all(isinstance(c, (config_bwd.BwdVRegsKernelConfig, config_bwd.DqConvertKernelConfig))
                for c in GL.fused_trial_worklist())
     assert names <= {c.name() for c in GL.hand_worklist()}
+
+
+def test_vregs_refuses_mods():
+    from flash_attn_4_sm120 import modspec
+
+    doc = modspec.recipe_placeholder("document", (True,), (("i32", 1),), False)
+    assert config_bwd.select_fused_config("bf16", 256, 256, trial=True, mods=doc) is None
+
+
+def test_vregs_has_no_relay_form(monkeypatch):
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "256")
+    monkeypatch.setattr(config_bwd, "RELAY_HEAD_DIMS", frozenset({64, 256}))
+    pair = config_bwd.select_bwd_config("bf16", 256, 256)
+    assert config_bwd.fused_for(pair, relay=True) is None  # deterministic=True: the kernel pair
+    assert isinstance(config_bwd.fused_for(pair)[0], config_bwd.BwdVRegsKernelConfig)

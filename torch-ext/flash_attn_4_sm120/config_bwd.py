@@ -90,8 +90,8 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
     if getattr(cfg, "kv_rows", False):  # two stages of Q and dO, no P / dS; with dropout two blocks' dP sums
         return 2 * (q + do) + k + v + (align(2 * cfg.tile_m * 4) if cfg.has_dropout else 0)
-    if isinstance(cfg, BwdVRegsKernelConfig):  # V read once into registers; P and dS then take its region
-        return q + do + k + max(v, 2 * p)
+    if isinstance(cfg, BwdVRegsKernelConfig):  # V read once into registers; P and dS then take its region; the
+        return q + do + k + max(v, 2 * p) + align(2 * cfg.tile_m * 4)  # block's LSE and D per row
     return q + do + k + v + 2 * p
 
 
@@ -335,6 +335,12 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
     for dim in (cfg.head_dim, cfg.head_dim_v):
         if dim % 64:
             problems.append(f"the V-in-registers tile needs head dims that are multiples of 64, got {dim}")
+    if cfg.dq_relay:  # its relay form spilled 4-16 STL/LDL on sm_120a in windowed and varlen sets (the results file
+        # below, rows "relay_probe"): deterministic=True runs the pair at these head dims
+        problems.append("the V-in-registers tile has no relay form (dq_relay): it spills registers on sm_120a")
+    if cfg.mods is not None:  # the document mask mod spilled on sm_120a (windowed or not), the causal one in the
+        # relay form (benchmarks/results/gate_vregs_sm120a_d256.jsonl, rows "mods_probe"): such calls run the pair
+        problems.append("the V-in-registers tile takes no score/mask mods (some spill registers on sm_120a)")
     return problems
 
 

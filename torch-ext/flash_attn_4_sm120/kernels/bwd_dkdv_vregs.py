@@ -3,14 +3,21 @@
 Same algorithm, arguments, walk and dQ workspace as the fused form of bwd_dkdv.py (one CTA = ``tile_n`` keys of one
 KV head, every query head of its group and every query block that sees them; dK/dV summed over the group in
 registers and stored once; dQ = dS K added into the fp32 workspace with ``red.global.add.v2.f32``, in the order
-kernels/bwd_dq_convert.py reads it back; the relay form for ``deterministic=True``), for head dims up to 256 where
-that kernel's P/dS tile does not fit 64 keys (config_bwd's budget table, above ``BwdVRegsKernelConfig``):
+kernels/bwd_dq_convert.py reads it back), for head dims up to 256 where that kernel's P/dS tile does not fit 64
+keys (config_bwd's budget table, above ``BwdVRegsKernelConfig``).  The relay form (``dq_relay``) is traced here too,
+but it spilled on sm_120a, so config_bwd.vregs_problems refuses it and ``deterministic=True`` runs the kernel pair.
 
-  * V is read once into registers (the B operand of dP = dO V^T, on the query-row warp grid: 16 keys per warp),
-    and its shared memory then holds P and dS;
+  * S and dP run with the warps side by side along the keys (``sdp_tiled_mma``: 8 keys x every query row per
+    warp), so a warp's share of V is 8 keys x dv;
+
+  * V is read once into registers (the B operand of dP = dO V^T), and its shared memory then holds P and dS;
+  * the block's LSE and D per query row go through a small shared buffer and are read on use (``SmemRows``), and
+    the query positions are computed on use (``RowPos``): held in registers across the block they made ptxas
+    spill loop invariants (results file below);
   * every product over a head dim (dV += P^T dO, dK += dS^T Q, dQ = dS K) runs in column chunks
     (config_bwd.vregs_chunk_cols): the dK/dV accumulators are one register tensor per chunk, and dQ is computed
-    and added one chunk at a time, so only one chunk's dQ and operands are live beside dK, dV and V.
+    and added one chunk at a time (``dq_chunk_cols``), so only one chunk's dQ and operands are live beside dK, dV
+    and V.
 
 Per query block: S = Q K^T, the score hook, P; dP = dO V^T (V from registers); dS; P and dS to shared memory; one
 barrier; dV chunks (then dO of the next block loads), dK chunks (then its Q), dQ chunks with their adds.
@@ -44,6 +51,18 @@ def mma_sr(tiled_mma, acc, tCrA, tCrB, tCsA, copy_A):
         if const_expr(k + 1 < num_k):
             cute.copy(copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+class RowPos:
+    """Query positions of this thread's accumulator rows, computed on use (``pos[r]`` = first + offsets[r], r a
+    trace-time int) instead of held in a register per row across the block."""
+
+    def __init__(self, first, offsets):
+        self.first = first
+        self.offsets = list(offsets)
+
+    def __getitem__(self, r: int):
+        return self.first + self.offsets[r]
 
 
 def sdp_tiled_mma(dtype, tile_n: int, num_warps: int):
@@ -81,7 +100,9 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
             return cute.struct.Align[cute.struct.MemRange[dt, size], 1024]
 
         fields = {"sQ": smem(cute.cosize(sQ_l)), "sdO": smem(cute.cosize(sdO_l)), "sK": smem(cute.cosize(sK_l)),
-                  "sV": smem(region)}
+                  "sV": smem(region),
+                  # the block's LSE (log2) and D per query row, read on use (``RowStats``)
+                  "sRows": cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_m], 1024]}
         return (sQ_l, sdO_l, sK_l, sV_l, sPS_l), cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def chunk_cols(self, dim: int) -> int:
@@ -112,10 +133,8 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
                 bwd_tiled_mma(dt, self.tile_n, self.num_warps, self.cfg.kv_warp_rows))
 
     def branch_masks(self) -> bool:
-        """Only the tiles a mask cuts are masked on dense walks without mods (as the fused tiles of bwd_dkdv.py),
-        except in the relay form, whose heaviest feature sets spilled 12 STL/LDL on sm_120a with the branch and none
-        without it (the results file of the docstring)."""
-        return self.cfg.mods is None and not self.cfg.dq_relay
+        """Only the tiles a mask cuts are masked on dense walks without mods (as the fused tiles of bwd_dkdv.py)."""
+        return self.cfg.mods is None
 
     @cute.jit
     def add_dq_chunk(self, mDqAccum, relay, acc, seq, rows_q, head, m_block, n_block, tidx,
@@ -245,9 +264,10 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
         tScS_mn = cu.acc_mn_view(thr_m.partition_C(cS))
         t0ScS_mn = cu.acc_mn_view(mma_m.get_slice(0).partition_C(cS))
         num_rows = cute.size(tScS_mn, mode=[0])
-        row_qpos = cute.make_rmem_tensor(num_rows, Int32)
-        lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
-        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        sRows = storage.sRows.get_tensor(cute.make_layout(2 * self.tile_m))
+        row_offs = [tScS_mn[r, 0][0] for r in range(num_rows)]
+        lse_log2 = cu.SmemRows(sRows, 0, row_offs)
+        dpsum = cu.SmemRows(sRows, self.tile_m, row_offs)
 
         first_head = kv_head * qheads_per_kvhead
         m_min, m_max = block.q_range(n_block)
@@ -284,15 +304,18 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
             else:
                 head, m_block, _ = where(it)
             first_q = m_block * self.tile_m
-            for r in cutlass.range_constexpr(num_rows):
-                pos = first_q + tScS_mn[r, 0][0]
-                row_qpos[r] = pos
-                lse_log2[r] = Float32.inf
-                dpsum[r] = 0.0
+            row_qpos = RowPos(first_q, row_offs)
+            # the block's row statistics into sRows, one row per thread of the first tile_m (the barrier below
+            # orders them before every read; the previous block's last reads were before its dV barrier)
+            if tidx < self.tile_m:
+                pos = first_q + tidx
+                lse_r, d_r = Float32.inf, Float32(0.0)
                 if pos < seq.seqlen_q:
                     idx = seq.row_stat_index(head, pos)
-                    lse_log2[r] = score.lse_log2(mLSE[idx])
-                    dpsum[r] = mDpsum[idx]
+                    lse_r = score.lse_log2(mLSE[idx])
+                    d_r = mDpsum[idx]
+                sRows[tidx] = lse_r
+                sRows[self.tile_m + tidx] = d_r
             if const_expr(carry and cfg.dq_relay):  # descending (dense_entry)
                 cur_head, cur_m_block = head, m_block - 1
                 if cur_m_block < m_min:
