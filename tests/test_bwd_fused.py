@@ -86,7 +86,7 @@ def test_vregs_tile_fits_where_the_p_ds_tile_of_its_shape_does_not():
     cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True)
     assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig) and cfg.fused_dq
     assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows) == (32, 64, 8, 32)
-    assert config_bwd.bwd_smem_bytes(cfg) == 98304 <= config_bwd.SMEM_LIMIT_BYTES
+    assert config_bwd.bwd_smem_bytes(cfg) == 99328 <= config_bwd.SMEM_LIMIT_BYTES
     assert not config_bwd.bwd_problems(cfg)
     # the same tile with V in shared memory beside P and dS: over SM120's limit
     pds = config_bwd.BwdKernelConfig("bf16", 256, 256, 32, 64, 8, kv_warp_rows=32, fused_dq=True)

@@ -287,22 +287,23 @@ _FUSED_TILES = {
 # At max(d, dv) = 256 the P/dS tile of bwd_dkdv.py fits SM120's shared memory only as 32x32 with 4 warps, whose dK,
 # dV and dQ accumulators (32 key rows x 256 each, and 32 query rows x 256) leave too few of 255 registers.  This
 # tile keeps 64 keys per CTA with 8 warps, reads V once into registers (its only reader is dP = dO V^T) and stages
-# P and dS in V's shared memory; every product over the head dim runs in column chunks (``vregs_chunk_cols``), so
-# the dQ accumulator of one chunk and one chunk's operands are live at a time.  Budget at d = dv = 256, 32x64, 8
-# warps, 16-bit inputs (the counts the compile gate measured are in the results file the kernel docstring names):
+# P and dS in V's shared memory.  S and dP put the 8 warps side by side along the keys (8 keys x 32 query rows
+# each), which halves a warp's share of V against the 2 x 4 query-row grid (16 keys each: 64 registers, which
+# spilled); dK/dV and dQ run in column chunks (``vregs_chunk_cols``; dQ in 64-column chunks without dropout), so
+# one chunk's dQ and operands are live at a time.  Budget at d = dv = 256, 32x64, 8 warps, 16-bit inputs:
 #
 #   shared memory                                  bytes  | registers per thread (256 threads, 255 max)       regs
 #   Q      32 x 256                                16384  | dK accumulator, 64 keys x 256 / 256 threads          64
 #   dO     32 x 256                                16384  | dV accumulator                                       64
-#   K      64 x 256                                32768  | V (S/dP warp grid 2x4: 16 keys x 256 per warp)      64
-#   V      64 x 256, then P and dS (2 x 32 x 64)   32768  |   persistent                                       192
-#   total                                          98304  | S, P, dP of a warp's 16 x 16                     3 x 8
-#   limit                                         101376  | dQ, one 128-column chunk (16 rows x 32 per warp)    16
-#   (P and dS beside V: 106496, over the limit)           | one k16 step of a dK/dV chunk (A 8 + B 8), x2       32
-#                                                         | row statistics (LSE, D, position of 2 rows)          6
-# So the peak (a dK/dV or dQ chunk with the next step's operands in flight) is about 230 registers before the
-# walk's indices and addresses; the full-width dQ accumulator (32) and full-width operands (A 8 + B 16 per step)
-# would not fit beside the 192 persistent ones.
+#   K      64 x 256                                32768  | V (8 keys x 256 per warp)                            32
+#   V      64 x 256, then P and dS (2 x 32 x 64)   32768  |   persistent                                       160
+#   LSE and D of the block's 32 rows (fp32)         1024  | S, P, dP of a warp's 32 x 8                      3 x 8
+#   total                                          99328  | dQ, one 64-column chunk (16 rows x 16 per warp)      8
+#   limit                                         101376  | one k16 step of a dK/dV chunk (A 8 + B 8), x2       32
+#   (P and dS beside V: 106496, over the limit)           | (LSE, D and positions of the 4 rows: on use, not held)
+# The compile gate measured 238-255 registers (the walk's indices, addresses and ptxas's prefetching take the rest)
+# and 0 spills on every feature set of scripts/gate_lists.py ``fused_trial_worklist``
+# (benchmarks/results/gate_vregs_sm120a_d256.jsonl).
 @dataclass(frozen=True)
 class BwdVRegsKernelConfig(BwdKernelConfig):
     """Compile key of the fused backward's V-in-registers tile (kernels/bwd_dkdv_vregs.py): the fields of
