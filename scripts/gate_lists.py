@@ -315,7 +315,8 @@ def fused_trial_worklist() -> list:
     """The fused tiles built but not selected by default (config_bwd._FUSED_TRIAL_TILES, the V-in-registers tile at
     d256), with their convert kernels (and relay forms where one serves, ``_relay_of``): per trial head dim, at its largest pair and its smallest dv
     the tile takes, causal (windowed) and not, in bf16 the lightest set, the heaviest (every flag of the walk),
-    dropout alone and with the heaviest set and a seed tensor; fp16 at the lightest and the heaviest."""
+    dropout alone and with the heaviest set and a seed tensor; fp16 at the lightest and the heaviest; at the largest
+    pair the causal, document and relative-bias mods with the heaviest set they combine with."""
     out = []
     for dmax in sorted(config_bwd._FUSED_TRIAL_TILES):
         pairs = [p for p in supported_head_dim_pairs() if max(p) == dmax
@@ -334,6 +335,15 @@ def fused_trial_worklist() -> list:
                     cfg = select_fused_config(dtype, d, dv, trial=True, **flags)
                     if cfg is not None and type(cfg) is not BwdKernelConfig:
                         out += [cfg, dq_convert_config(cfg)] + _relay_of(cfg)
+        # the library's mask mods and its heaviest score mod, with every flag mods combine with (mods x dropout is
+        # refused at d256), windowed and not
+        heavy = {k: v for k, v in _BWD_HEAVY.items() if k != "has_softcap"}
+        for factory, args, aux_sig, score in (_GATE_MODS[0], _GATE_MODS[2], _GATE_MODS[5]):
+            full = modspec.recipe_placeholder(factory, args, aux_sig, score)
+            for windowed in (True, False):
+                cfg = select_fused_config("bf16", *big, trial=True, mods=full, **dict(heavy, windowed=windowed))
+                if cfg is not None and type(cfg) is not BwdKernelConfig:
+                    out += [cfg] + _relay_of(cfg)
     return out
 
 

@@ -164,11 +164,14 @@ def test_vregs_configs_are_in_the_gate():
     assert names <= {c.name() for c in GL.hand_worklist()}
 
 
-def test_vregs_refuses_mods():
+def test_vregs_takes_mods_and_the_gate_builds_them():
     from flash_attn_4_sm120 import modspec
 
     doc = modspec.recipe_placeholder("document", (True,), (("i32", 1),), False)
-    assert config_bwd.select_fused_config("bf16", 256, 256, trial=True, mods=doc) is None
+    cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True, mods=doc, windowed=True, varlen_q=True,
+                                         varlen_k=True, seqused_q=True, seqused_k=True)
+    assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig)
+    assert cfg.name() in {c.name() for c in GL.fused_trial_worklist()}
 
 
 def test_vregs_has_no_relay_form(monkeypatch):

@@ -336,12 +336,9 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
     for dim in (cfg.head_dim, cfg.head_dim_v):
         if dim % 64:
             problems.append(f"the V-in-registers tile needs head dims that are multiples of 64, got {dim}")
-    if cfg.dq_relay:  # its relay form spilled 4-16 STL/LDL on sm_120a in windowed and varlen sets (the results file
-        # below, rows "relay_probe"): deterministic=True runs the pair at these head dims
+    if cfg.dq_relay:  # its relay form spilled 6-10 STL/LDL on sm_120a in windowed and varlen sets
+        # (benchmarks/results/gate_vregs_sm120a_d256.jsonl, rows "relay_probe"): deterministic=True runs the pair
         problems.append("the V-in-registers tile has no relay form (dq_relay): it spills registers on sm_120a")
-    if cfg.mods is not None:  # the document mask mod spilled on sm_120a (windowed or not), the causal one in the
-        # relay form (benchmarks/results/gate_vregs_sm120a_d256.jsonl, rows "mods_probe"): such calls run the pair
-        problems.append("the V-in-registers tile takes no score/mask mods (some spill registers on sm_120a)")
     return problems
 
 

@@ -73,9 +73,9 @@ def sdp_tiled_mma(dtype, tile_n: int, num_warps: int):
                                permutation_mnk=(16, 8 * num_warps, 16))
 
 
-def col_chunk(t: cute.Tensor, width: int, c: int) -> cute.Tensor:
-    """Columns [c * width, (c + 1) * width) of a (rows, cols) tensor."""
-    return cute.local_tile(t, (t.shape[0], width), (0, c))
+def row_part(row: cute.Tensor, width: int, c: int) -> cute.Tensor:
+    """Elements [c * width, (c + 1) * width) of one (D,) row."""
+    return cute.local_tile(row, (width,), (c,))
 
 
 def row_chunk(t: cute.Tensor, width: int, c: int) -> cute.Tensor:
@@ -400,15 +400,11 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
         # ---- dK (scaled), dV: one write per CTA, chunk by chunk
         for c in cutlass.range_constexpr(nk):
             acc_dK[c].store(acc_dK[c].load() * softmax_scale)
-            store_rows_from_acc(lambda pos: col_chunk1(kv.row(mdK, pos, kv_head), wk, c), acc_dK[c], thr_n,
+            store_rows_from_acc(lambda pos: row_part(kv.row(mdK, pos, kv_head), wk, c), acc_dK[c], thr_n,
                                 first_key, seq.seqlen_k, (self.tile_n, wk), dt)
         for c in cutlass.range_constexpr(nv):
             if const_expr(cfg.has_dropout):  # dV = (P * keep / (1-p))^T dO: the 1/(1-p) once
                 acc_dV[c].store(acc_dV[c].load() * score.dropout.scale)
-            store_rows_from_acc(lambda pos: col_chunk1(kv.row(mdV, pos, kv_head), wv, c), acc_dV[c], thr_n,
+            store_rows_from_acc(lambda pos: row_part(kv.row(mdV, pos, kv_head), wv, c), acc_dV[c], thr_n,
                                 first_key, seq.seqlen_k, (self.tile_n, wv), dt)
 
-
-def col_chunk1(row: cute.Tensor, width: int, c: int) -> cute.Tensor:
-    """Elements [c * width, (c + 1) * width) of one (D,) row."""
-    return cute.local_tile(row, (width,), (c,))
