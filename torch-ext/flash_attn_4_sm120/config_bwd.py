@@ -301,9 +301,10 @@ _FUSED_TILES = {
 #   total                                          99328  | dQ, one 64-column chunk (16 rows x 16 per warp)      8
 #   limit                                         101376  | one k16 step of a dK/dV chunk (A 8 + B 8), x2       32
 #   (P and dS beside V: 106496, over the limit)           | (LSE, D and positions of the 4 rows: on use, not held)
-# The compile gate measured 238-255 registers (the walk's indices, addresses and ptxas's prefetching take the rest)
-# and 0 spills on every feature set of scripts/gate_lists.py ``fused_trial_worklist``
-# (benchmarks/results/gate_vregs_sm120a_d256.jsonl).
+# The compile gate measured 238-255 registers at d256/dv256 and 179-218 at d256/dv64 (the walk's indices,
+# addresses and ptxas's prefetching take the rest) and 0 spills on every feature set of scripts/gate_lists.py
+# ``fused_trial_worklist`` (benchmarks/results/gate_vregs_sm120a_d256.jsonl); its relay form spilled (rows
+# "relay_probe"), so ``vregs_problems`` refuses it.
 @dataclass(frozen=True)
 class BwdVRegsKernelConfig(BwdKernelConfig):
     """Compile key of the fused backward's V-in-registers tile (kernels/bwd_dkdv_vregs.py): the fields of
