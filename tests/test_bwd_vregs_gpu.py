@@ -127,3 +127,18 @@ def test_deterministic_runs_the_pair_bitwise(monkeypatch, trial):
     for x, y in zip(grads(False), first):  # the trial tile against the pair: accumulation order only
         assert (x.float() - y.float()).abs().max().item() <= 1e-2 * y.float().abs().max().item() + 1e-3
     assert isinstance(seen[-1], config_bwd.BwdVRegsKernelConfig)
+
+
+@pytest.mark.parametrize("name", ["alibi", "relative_bias", "document_causal", "causal"])
+def test_library_mods(monkeypatch, trial, name):
+    """Score and mask mods on the tile (tests/test_mods_gpu.py's cases and bar), GQA 4:2."""
+    from test_mods_gpu import _case, _check
+
+    seen = _spy(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    b, s, hq, hkv = 2, 150, 4, 2
+    q = _rand(b, s, hq, 256, seed=5)
+    k, v = _rand(b, s, hkv, 256, seed=6), _rand(b, s, hkv, 256, seed=7)
+    mods, aux, mask, bias = _case(name, b, s, s, hq, gen)
+    _check(q, k, v, mods, aux, mask, bias)
+    assert isinstance(seen[0], config_bwd.BwdVRegsKernelConfig) and seen[0].mods is not None
