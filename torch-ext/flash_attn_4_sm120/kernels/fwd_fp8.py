@@ -83,6 +83,8 @@ class FlashFwdFp8:
         self.k_row = self.d + ROW_PAD  # bytes per padded smem row
         self.v_row = self.dv + ROW_PAD
         self.stages = cfg.num_stages
+        self.kv_warps = cfg.kv_warps  # warps sharing a row block, each on its own keys of every K/V tile
+        self.warp_n = cfg.tile_n // cfg.kv_warps  # the keys of a tile one warp multiplies
         self.has_right = cfg.causal or cfg.local  # a right bound on the keys a row sees
         self.hp_q = cfg.q_dtype != "e4m3"  # a bf16/fp16 q, quantized per tile row here (quantize_q_rows)
         self.launch_smem_bytes = None
@@ -137,6 +139,11 @@ class FlashFwdFp8:
         pack = qheads_per_kvhead if const_expr(self.cfg.pack_gqa) else 1
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
+        kw, wr = 0, warp  # the warp's part of each tile's keys (first key kn) and its 16-row block
+        if const_expr(self.kv_warps > 1):
+            warp = cute.arch.make_warp_uniform(warp)
+            kw, wr = warp % self.kv_warps, warp // self.kv_warps
+        kn = kw * self.warp_n
         sq, sk = mQ.shape[1], mK.shape[1]
         bq = b  # the batch index of q/out/lse and k/v tensors (0 for packed varlen rows)
         q_off, k_off = Int32(0), Int32(0)  # the sequence's first row in them
@@ -160,7 +167,7 @@ class FlashFwdFp8:
         else:
             sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
             sl2 = (sl2, sl2)  # (row g, row g + 8): one value for the whole tile
-        row0 = m_block * self.tile_m + warp * 16 + g
+        row0 = m_block * self.tile_m + wr * 16 + g
         prow = (row0, row0 + 8)  # packed row indices (the query rows themselves without pack_gqa)
         rows = prow
         if const_expr(self.cfg.pack_gqa):
@@ -196,7 +203,7 @@ class FlashFwdFp8:
             else:
                 cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
                             q_base + Int64(q_row) * Int64(mQ.stride[1]) + Int64(cidx * 16), 16)
-        q_frag_addr = sQ_addr + (warp * 16 + g) * self.k_row + 4 * t
+        q_frag_addr = sQ_addr + (wr * 16 + g) * self.k_row + 4 * t
 
         # bottom-right aligned: row i sees keys j with i + shift - left <= j <= i + shift + right (the host passes
         # right = 0 for causal, and bounds that cover every key for an unbounded side)
@@ -235,7 +242,7 @@ class FlashFwdFp8:
         if const_expr(self.cfg.paged):  # k_base / v_base: head hkv of page 0 (bq = k_off = 0)
             pages = (mPT, b, Int32(mK.shape[0]) - 1, Int32(mK.shape[1]), Int64(mK.stride[0]), Int64(mV.stride[0]))
 
-        n_acc_s = self.tile_n // 8
+        n_acc_s = self.warp_n // 8
         n_acc_o = self.dv // 8
         acc_o = cute.make_rmem_tensor((n_acc_o * 4,), Float32)
         acc_o.fill(0.0)
@@ -249,7 +256,7 @@ class FlashFwdFp8:
             self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
         cp_async_commit()
         if const_expr(self.hp_q):  # while the first K/V tile is in flight; the loop's first barrier publishes it
-            dq = self.quantize_q_rows(mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr)
+            dq = self.quantize_q_rows(mQ, bq, h, m_block, wr, kw, g, t, pack, sq, q_off, sQ_addr)
             sl2 = (sl2k * dq[0], sl2k * dq[1])
         for it in cutlass.range(n_iters, unroll=1):
             nb = n_max - 1 - it
@@ -266,20 +273,21 @@ class FlashFwdFp8:
             for c in cutlass.range_constexpr(self.d // 32):
                 qc = [ld_shared_u32(q_frag_addr + 32 * c + 8 * self.k_row * (x % 2) + 16 * (x // 2)) for x in range(4)]
                 for jt in cutlass.range_constexpr(n_acc_s):
-                    k_row_addr = k_addr + (8 * jt + g) * self.k_row + 4 * t
+                    k_row_addr = k_addr + (kn + 8 * jt + g) * self.k_row + 4 * t
                     bk = [ld_shared_u32(k_row_addr + 32 * c), ld_shared_u32(k_row_addr + 32 * c + 16)]
                     res = mma_e4m3_16832(qc, bk, [acc_s[4 * jt + e] for e in range(4)])
                     for e in cutlass.range_constexpr(4):
                         acc_s[4 * jt + e] = res[e]
-            self.mask_and_scale(acc_s, nb, rows, t, row_first, row_last, sk, shift, window_left, window_right, sl2)
+            self.mask_and_scale(acc_s, nb * self.tile_n + kn, rows, t, row_first, row_last, sk, shift, window_left,
+                                window_right, sl2)
             pa = self.softmax_p(acc_s, row_m, row_l, acc_o)
             # O += P V
-            for c in cutlass.range_constexpr(self.tile_n // 32):
+            for c in cutlass.range_constexpr(self.warp_n // 32):
                 a_frag = pa[c]
                 for cb in cutlass.range_constexpr(self.dv // 32):
                     halves = []
                     for hf in cutlass.range_constexpr(2):
-                        key0 = 32 * c + 16 * hf + 2 * t
+                        key0 = kn + 32 * c + 16 * hf + 2 * t
                         w = [ld_shared_u32(v_addr + (key0 + dk) * self.v_row + 32 * cb + 4 * g) for dk in (0, 1, 8, 9)]
                         halves.append(transpose_bytes_4x4(w))
                     for i in cutlass.range_constexpr(4):
@@ -291,16 +299,61 @@ class FlashFwdFp8:
         cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
         # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
         # with split, out / lse's leading index is the split (the varlen form has one batch of packed rows)
-        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
-                      split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
+        if const_expr(self.kv_warps > 1):
+            self.merge_key_warps(storage.sK.data_ptr(), acc_o, row_m, row_l, kw, wr, lane)
+            if kw == 0:  # the first warp of each row block holds the merged rows
+                self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
+                              split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
+        else:
+            self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
+                          split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
 
     @cute.jit
-    def quantize_q_rows(self, mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr):
+    def merge_key_warps(self, sK_ptr, acc_o, row_m, row_l, kw, wr, lane):
+        """Key-split warps (cfg.kv_warps): warps kw > 0 of row block wr park their O registers, row maxima and
+        per-lane row sums in the K stages (free once every warp is past the last tile; config_fp8.merge_bytes),
+        laid out [row block, warp - 1][value][lane] so each access of a warp is 32 consecutive words; warp 0 of the
+        block merges them: m = max(m_0, m_w), O = O_0 2^(m_0 - m) + O_w 2^(m_w - m), l likewise (log2 domain, all
+        warps with the same 2^4 shift).  A row no warp saw keeps m = -inf: its factors are 0 (exp2 of -inf
+        against 0) and the epilogue gives O = 0, LSE = -inf (or the sink); NaN in a warp's part propagates."""
+        n_o = cute.size(acc_o.shape)
+        vals = n_o + 4  # O, then (m, l) of rows g and g + 8
+        parts = self.kv_warps - 1
+        buf = cute.make_tensor(cute.recast_ptr(sK_ptr, dtype=Float32),
+                               cute.make_layout((32, vals, parts * (self.cfg.num_warps // self.kv_warps))))
+        cute.arch.barrier()  # every warp is past its last read of the K/V stages
+        if kw > 0:
+            mine = buf[lane, None, wr * parts + kw - 1]
+            for i in cutlass.range_constexpr(n_o):
+                mine[i] = acc_o[i]
+            for hf in cutlass.range_constexpr(2):
+                mine[n_o + hf] = row_m[hf]
+                mine[n_o + 2 + hf] = row_l[hf]
+        cute.arch.barrier()
+        if kw == 0:
+            for w in cutlass.range_constexpr(parts):
+                theirs = buf[lane, None, wr * parts + w]
+                for hf in cutlass.range_constexpr(2):
+                    m_other = theirs[n_o + hf]
+                    m_new = cute.arch.fmax(row_m[hf], m_other)
+                    safe = 0.0 if m_new == -Float32.inf else m_new
+                    c_mine = exp2_approx(row_m[hf] - safe)
+                    c_other = exp2_approx(m_other - safe)
+                    row_l[hf] = row_l[hf] * c_mine + theirs[n_o + 2 + hf] * c_other
+                    row_m[hf] = m_new
+                    for j in cutlass.range_constexpr(self.dv // 8):
+                        for e in cutlass.range_constexpr(2):
+                            i = 4 * j + 2 * hf + e
+                            acc_o[i] = acc_o[i] * c_mine + theirs[i] * c_other
+
+    @cute.jit
+    def quantize_q_rows(self, mQ, bq, h, m_block, warp, kw, g, t, pack, sq, q_off, sQ_addr):
         """A bf16/fp16 q (cfg.q_dtype) -> e4m3 rows of sQ, each tile row with its own scale; returns the descales
         (amax / 448) of this thread's rows (g, g + 8 of its warp).  Quad g owns those two rows, lane t the 16-byte
         chunks t, t + 4, ... of each (8 values a chunk), so the row amax is a quad reduction and lands in the lanes
-        whose S registers it scales.  The fragments are read by the warp that wrote them, after the loop's first
-        barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as unquantized); NaN in a row gives NaN
+        whose S registers it scales.  ``warp``: the 16-row block; with key-split warps (``kw``: the warp's part)
+        each warp of the block computes its rows' descales and the first one writes the rows.  The fragments are
+        read after the loop's first barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as unquantized); NaN in a row gives NaN
         e4m3 values and so a NaN output row; rows past the sequence read its last row and are never stored."""
         fp16 = self.cfg.q_dtype == "fp16"
         esize = 2
@@ -325,10 +378,11 @@ class FlashFwdFp8:
                     amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
             amax = cu.quad_allreduce_max(amax)
             scale = Float32(E4M3_MAX) / amax if amax > 0.0 else Float32(0.0)
-            for i in cutlass.range_constexpr(self.d // 32):
-                vals = [x * scale for j in range(4) for x in unpack_x2_f32(words[4 * i + j], fp16)]
-                st_shared_v2(sQ_addr + r * self.k_row + (t + 4 * i) * 8,
-                             [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
+            if kw == 0:
+                for i in cutlass.range_constexpr(self.d // 32):
+                    vals = [x * scale for j in range(4) for x in unpack_x2_f32(words[4 * i + j], fp16)]
+                    st_shared_v2(sQ_addr + r * self.k_row + (t + 4 * i) * 8,
+                                 [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
             descales.append(amax * Float32(1.0 / E4M3_MAX))
         return descales
 
@@ -352,11 +406,25 @@ class FlashFwdFp8:
                 for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
                     self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
             else:
-                # the one-warp decode tile issues 16 copies per thread and tensor: a rolled loop, as unrolled the
-                # hoisted addresses spilled where the mma is emulated (sm_90a, benchmarks/results/
-                # fp8_gate_sm90a.jsonl)
-                for j in cutlass.range(self.tile_n * chunks // self.num_threads, unroll=1):
-                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
+                self.load_rows_strided(nb, tidx, chunks, sk, base, rs, s_addr, row_bytes)
+
+    @cute.jit
+    def load_rows_strided(self, nb, tidx, chunks, sk, base, rs, s_addr, row_bytes):
+        """The decode tile's copies of one tensor (8-16 a thread): a thread's rows lie num_threads / chunks apart,
+        so one 64-bit source address advances by a fixed stride and the shared address by a constant.  Rebuilding
+        each row's address took ~18 instructions a copy in a rolled loop (unrolled, the hoisted addresses spilled
+        where the mma is emulated, sm_90a); this takes about six, unrolled.  Keys past sk read nothing
+        (zero-filled) from the sequence's first row."""
+        step = self.num_threads // chunks
+        r, cidx = tidx // chunks, tidx % chunks
+        key = nb * self.tile_n + r
+        src = base + Int64(key) * Int64(rs) + Int64(cidx * 16)
+        stride = Int64(rs) * step
+        dst = s_addr + r * row_bytes + cidx * 16
+        for j in cutlass.range_constexpr(self.tile_n // step):
+            ok = key + step * j < sk
+            cp_async_16(dst + step * j * row_bytes, src if ok else base, 16 if ok else 0)
+            src = src + stride
 
     @cute.jit
     def load_kv_paged(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
@@ -416,11 +484,10 @@ class FlashFwdFp8:
                     16 if ok else 0)
 
     @cute.jit
-    def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2):
+    def mask_and_scale(self, acc_s, n0, rows, t, row_first, row_last, sk, shift, left, right, sl2):
         """Scores to the log2 domain; keys past Sk or outside a row's (causal / window) range to -inf, on the tiles
-        that cross an edge only."""
-        n0 = nb * self.tile_n
-        last = n0 + self.tile_n - 1
+        that cross an edge only.  ``n0``: the first key of this warp's part of the tile (warp_n keys)."""
+        last = n0 + self.warp_n - 1
         need = last >= sk
         if const_expr(self.has_right):  # the first row's right edge
             need = need | (last > row_first + shift + right)
@@ -429,7 +496,7 @@ class FlashFwdFp8:
         for i in cutlass.range_constexpr(cute.size(acc_s.shape)):  # registers 0, 1: row g; 2, 3: row g + 8
             acc_s[i] = acc_s[i] * sl2[(i % 4) // 2]
         if need:
-            for jt in cutlass.range_constexpr(self.tile_n // 8):
+            for jt in cutlass.range_constexpr(self.warp_n // 8):
                 for e in cutlass.range_constexpr(4):
                     key = n0 + 8 * jt + 2 * t + (e % 2)
                     bad = key >= sk
@@ -443,7 +510,7 @@ class FlashFwdFp8:
     @cute.jit
     def softmax_p(self, acc_s, row_m, row_l, acc_o):
         """Online softmax step; returns P as e4m3 A fragments, one list of 4 registers per 32-key chunk."""
-        n_acc_s = self.tile_n // 8
+        n_acc_s = self.warp_n // 8
         for hf in cutlass.range_constexpr(2):
             mx = row_m[hf]
             for jt in cutlass.range_constexpr(n_acc_s):
@@ -464,7 +531,7 @@ class FlashFwdFp8:
                 for e in cutlass.range_constexpr(2):
                     acc_o[4 * j + 2 * hf + e] = acc_o[4 * j + 2 * hf + e] * corr
         pa = []
-        for c in cutlass.range_constexpr(self.tile_n // 32):
+        for c in cutlass.range_constexpr(self.warp_n // 32):
             j0 = 4 * c
             regs = []
             for pair in cutlass.range_constexpr(2):  # tiles (4c, 4c+1), then (4c+2, 4c+3)
