@@ -85,6 +85,9 @@ class FlashFwdFp8:
         self.stages = cfg.num_stages
         self.kv_warps = cfg.kv_warps  # warps sharing a row block, each on its own keys of every K/V tile
         self.warp_n = cfg.tile_n // cfg.kv_warps  # the keys of a tile one warp multiplies
+        # paged decode tile: the page-table reads of the tile after next are issued a tile ahead (its copies wait
+        # on them otherwise: a dependent global read at the top of every step, with little work per step to hide it)
+        self.page_ahead = cfg.paged and cfg.kv_warps > 1
         self.has_right = cfg.causal or cfg.local  # a right bound on the keys a row sees
         self.hp_q = cfg.q_dtype != "e4m3"  # a bf16/fp16 q, quantized per tile row here (quantize_q_rows)
         self.launch_smem_bytes = None
@@ -255,6 +258,10 @@ class FlashFwdFp8:
         if n_iters > 0:
             self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
         cp_async_commit()
+        ahead = None  # page_ahead: (page, row) pairs of the next tile to load, as lookup_pages gives them
+        if const_expr(self.page_ahead):
+            ahead = cute.make_rmem_tensor((2 * ((self.tile_n // self.cfg.num_warps + 31) // 32),), Int32)
+            self.keep_pages(ahead, self.lookup_pages(cutlass.max(n_max - 2, 0), tidx, sk, pages))
         if const_expr(self.hp_q):  # while the first K/V tile is in flight; the loop's first barrier publishes it
             dq = self.quantize_q_rows(mQ, bq, h, m_block, wr, kw, g, t, pack, sq, q_off, sQ_addr)
             sl2 = (sl2k * dq[0], sl2k * dq[1])
@@ -262,8 +269,15 @@ class FlashFwdFp8:
             nb = n_max - 1 - it
             stage = it % 2
             if it + 1 < n_iters:  # the next tile lands in the other stage while this one is used
-                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
+                if const_expr(self.page_ahead):
+                    self.copy_pages(1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
+                                    [(self.clamp_page(ahead[2 * i], pages), ahead[2 * i + 1])
+                                     for i in range(cute.size(ahead.shape) // 2)])
+                else:
+                    self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
             cp_async_commit()
+            if const_expr(self.page_ahead):  # tile nb - 2 (or any valid one past the range: never copied)
+                self.keep_pages(ahead, self.lookup_pages(cutlass.max(nb - 2, 0), tidx, sk, pages))
             cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
             cute.arch.barrier()
             k_addr = sK_addr + stage * (self.tile_n * self.k_row)
@@ -433,6 +447,15 @@ class FlashFwdFp8:
         once per tile, so a thread waits for one page-table read, not one dependent read per copied row (the
         one-warp tile copies 16 rows a thread); each copy takes its row's pair from the owning lane by a shuffle.
         Keys past sk get row -1: zero-filled, nothing read (a last page's tail may hold anything)."""
+        looked = self.lookup_pages(nb, tidx, sk, pages)
+        self.copy_pages(stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
+                        [(self.clamp_page(p, pages), r) for p, r in looked])
+
+    @cute.jit
+    def lookup_pages(self, nb, tidx, sk, pages):
+        """This lane's (page as the table holds it, row in page) of tile ``nb``, one pair per 32 slots (rows of
+        the warp, config_fp8.paged_slot_row); a key past sk gets row -1.  The page is clamped where it is used
+        (clamp_page), so a lookup issued a tile ahead leaves its read in flight."""
         mPT, b, last_page, page_size, k_ps, v_ps = pages
         chunks = self.d // 16
         warp, lane = tidx // 32, tidx % 32
@@ -443,9 +466,26 @@ class FlashFwdFp8:
             key = nb * self.tile_n + paged_slot_row(slot, warp, chunks, self.num_threads)
             ok = key < sk
             col = key // page_size if ok else 0  # column 0 exists whenever a tile is loaded (sk > 0)
-            # page indices are the caller's contract: clamped to the pool, a lie reads a wrong page, never outside
-            page = cutlass.min(cutlass.max(mPT[b, col], 0), last_page)
-            looked.append((page, key - col * page_size if ok else -1))
+            looked.append((mPT[b, col], key - col * page_size if ok else -1))
+        return looked
+
+    @cute.jit
+    def keep_pages(self, ahead, looked):
+        for i in cutlass.range_constexpr(len(looked)):
+            ahead[2 * i] = looked[i][0]
+            ahead[2 * i + 1] = looked[i][1]
+
+    @cute.jit
+    def clamp_page(self, page, pages):
+        # page indices are the caller's contract: clamped to the pool, a lie reads a wrong page, never outside
+        return cutlass.min(cutlass.max(page, 0), pages[2])
+
+    @cute.jit
+    def copy_pages(self, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages, looked):
+        """cp.async K and V rows of a tile into ``stage`` from the looked-up (clamped page, row) pairs."""
+        mPT, b, last_page, page_size, k_ps, v_ps = pages
+        chunks = self.d // 16
+        lane = tidx % 32
         ks = sK_addr + stage * (self.tile_n * self.k_row)
         vs = sV_addr + stage * (self.tile_n * self.v_row)
         per = self.tile_n * chunks // self.num_threads
