@@ -3,7 +3,8 @@
 Layouts (the host passes the e4m3 tensors as uint8 views; the kernel reads bytes):
   q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): last dim contiguous, rows 16-byte aligned;
   out (B, Sq, Hq, Dv) bf16/fp16, lse (B, Hq, Sq) fp32 (natural log); q/k/v_descale (B, Hkv) fp32.
-Grid (ceil(Sq / tile_m), Hq, B), 4 warps of 16 query rows; query head h reads KV head h // (Hq / Hkv).
+Grid (ceil(Sq / tile_m), Hq, B), 4 warps of 16 query rows (the packed decode tile: one 16-row block, below);
+query head h reads KV head h // (Hq / Hkv).
 
 Algorithm, per CTA:
   * Q is copied to shared memory once (cp.async, padded rows as K/V) and read as A fragments one 32-column chunk
@@ -41,6 +42,15 @@ Algorithm, per CTA:
     and page indices are clamped to [0, num_pages), so a lying table reads wrong pages, never outside the pool.
     Lane l of a warp reads the page of the warp's l-th row of the tile once; the copies get it by a shuffle
     (load_kv_paged).  The math is the contiguous kernel's: paged and contiguous give bit-identical results.
+  * Key-split decode tile (cfg.kv_warps > 1, the packed decode tile of config_fp8: tile_m 16): the kv_warps warps
+    share the 16 rows; every thread copies its share of each whole K/V tile as above, and warp w multiplies keys
+    [w, w + 1) x tile_n / kv_warps of it (S, masks with its own first key, its own online softmax, O_w += P_w V_w).
+    After the last tile the other warps park O, row max and per-lane row sum in the K stages and warp 0 merges
+    them (m = max, O and l rescaled by exp2 of the max differences) and runs the epilogue alone
+    (merge_key_warps).  P is rounded to e4m3 against each warp's own running max, as a split rounds it against its
+    own: the result differs from the one-warp tile's by that rounding only.  Paged, the page-table reads of the
+    tile after next are issued a step ahead (page_ahead), and contiguous K/V rows are copied with a strided
+    address (load_rows_strided).
   * A bf16/fp16 query (cfg.q_dtype, varlen form only: an FP8 KV cache under a high-precision model): q is read
     in its dtype (no q_descale) and each tile row, a (query row, head) pair, is quantized to e4m3 in registers
     with scale 448 / amax(row) into the same sQ rows (quantize_q_rows); the row's descale amax / 448 multiplies
@@ -55,8 +65,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement, paged_slot, paged_slot_row
+from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement
 from . import cute_utils as cu
+from .fp8_kv_loader import Fp8KvLoader
 from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
                       ld_global_v4_u32, ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
                       st_shared_v2, transpose_bytes_4x4, unpack_x2_f32)
@@ -67,7 +78,7 @@ LN_2 = 0.6931471805599453
 LOG2_E = 1.4426950408889634
 
 
-class FlashFwdFp8:
+class FlashFwdFp8(Fp8KvLoader):
     ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
                  "cu_seqlens_k", "seqused_k", "page_table", "scale_log2", "window_left", "window_right",
                  "qheads_per_kvhead", "num_m_blocks")
@@ -367,8 +378,9 @@ class FlashFwdFp8:
         chunks t, t + 4, ... of each (8 values a chunk), so the row amax is a quad reduction and lands in the lanes
         whose S registers it scales.  ``warp``: the 16-row block; with key-split warps (``kw``: the warp's part)
         each warp of the block computes its rows' descales and the first one writes the rows.  The fragments are
-        read after the loop's first barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as unquantized); NaN in a row gives NaN
-        e4m3 values and so a NaN output row; rows past the sequence read its last row and are never stored."""
+        read after the loop's first barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as
+        unquantized); NaN in a row gives NaN e4m3 values and so a NaN output row; rows past the sequence read its
+        last row and are never stored."""
         fp16 = self.cfg.q_dtype == "fp16"
         esize = 2
         q_base = mQ.iterator.toint() + (Int64(bq) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])) * esize
@@ -399,129 +411,6 @@ class FlashFwdFp8:
                                  [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
             descales.append(amax * Float32(1.0 / E4M3_MAX))
         return descales
-
-    @cute.jit
-    def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
-        if const_expr(self.cfg.paged):
-            self.load_kv_paged(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
-        else:
-            self.load_kv_rows(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
-
-    @cute.jit
-    def load_kv_rows(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
-        for which in cutlass.range_constexpr(2):
-            width = self.d if const_expr(which == 0) else self.dv
-            row_bytes = self.k_row if const_expr(which == 0) else self.v_row
-            base = k_base if const_expr(which == 0) else v_base
-            rs = k_rs if const_expr(which == 0) else v_rs
-            s_addr = (sK_addr if const_expr(which == 0) else sV_addr) + stage * (self.tile_n * row_bytes)
-            chunks = width // 16
-            if const_expr(self.num_threads >= 128):
-                for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
-                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
-            else:
-                self.load_rows_strided(nb, tidx, chunks, sk, base, rs, s_addr, row_bytes)
-
-    @cute.jit
-    def load_rows_strided(self, nb, tidx, chunks, sk, base, rs, s_addr, row_bytes):
-        """The decode tile's copies of one tensor (8-16 a thread): a thread's rows lie num_threads / chunks apart,
-        so one 64-bit source address advances by a fixed stride and the shared address by a constant.  Rebuilding
-        each row's address took ~18 instructions a copy in a rolled loop (unrolled, the hoisted addresses spilled
-        where the mma is emulated, sm_90a); this takes about six, unrolled.  Keys past sk read nothing
-        (zero-filled) from the sequence's first row."""
-        step = self.num_threads // chunks
-        r, cidx = tidx // chunks, tidx % chunks
-        key = nb * self.tile_n + r
-        src = base + Int64(key) * Int64(rs) + Int64(cidx * 16)
-        stride = Int64(rs) * step
-        dst = s_addr + r * row_bytes + cidx * 16
-        for j in cutlass.range_constexpr(self.tile_n // step):
-            ok = key + step * j < sk
-            cp_async_16(dst + step * j * row_bytes, src if ok else base, 16 if ok else 0)
-            src = src + stride
-
-    @cute.jit
-    def load_kv_paged(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
-        """Paged K/V: KV tile ``nb``, K and V rows together (d = dv: the same copies address both).  Lane l of each
-        warp looks up the (page, row in page) of the warp's slots l and l + 32 (``config_fp8.paged_slot_row``)
-        once per tile, so a thread waits for one page-table read, not one dependent read per copied row (the
-        one-warp tile copies 16 rows a thread); each copy takes its row's pair from the owning lane by a shuffle.
-        Keys past sk get row -1: zero-filled, nothing read (a last page's tail may hold anything)."""
-        looked = self.lookup_pages(nb, tidx, sk, pages)
-        self.copy_pages(stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
-                        [(self.clamp_page(p, pages), r) for p, r in looked])
-
-    @cute.jit
-    def lookup_pages(self, nb, tidx, sk, pages):
-        """This lane's (page as the table holds it, row in page) of tile ``nb``, one pair per 32 slots (rows of
-        the warp, config_fp8.paged_slot_row); a key past sk gets row -1.  The page is clamped where it is used
-        (clamp_page), so a lookup issued a tile ahead leaves its read in flight."""
-        mPT, b, last_page, page_size, k_ps, v_ps = pages
-        chunks = self.d // 16
-        warp, lane = tidx // 32, tidx % 32
-        slots = self.tile_n // self.cfg.num_warps
-        looked = []
-        for i in cutlass.range_constexpr((slots + 31) // 32):
-            slot = (lane + 32 * i) % slots  # the 4-warp tile has 16 slots: lanes 16-31 repeat 0-15 (same reads)
-            key = nb * self.tile_n + paged_slot_row(slot, warp, chunks, self.num_threads)
-            ok = key < sk
-            col = key // page_size if ok else 0  # column 0 exists whenever a tile is loaded (sk > 0)
-            looked.append((mPT[b, col], key - col * page_size if ok else -1))
-        return looked
-
-    @cute.jit
-    def keep_pages(self, ahead, looked):
-        for i in cutlass.range_constexpr(len(looked)):
-            ahead[2 * i] = looked[i][0]
-            ahead[2 * i + 1] = looked[i][1]
-
-    @cute.jit
-    def clamp_page(self, page, pages):
-        # page indices are the caller's contract: clamped to the pool, a lie reads a wrong page, never outside
-        return cutlass.min(cutlass.max(page, 0), pages[2])
-
-    @cute.jit
-    def copy_pages(self, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages, looked):
-        """cp.async K and V rows of a tile into ``stage`` from the looked-up (clamped page, row) pairs."""
-        mPT, b, last_page, page_size, k_ps, v_ps = pages
-        chunks = self.d // 16
-        lane = tidx % 32
-        ks = sK_addr + stage * (self.tile_n * self.k_row)
-        vs = sV_addr + stage * (self.tile_n * self.v_row)
-        per = self.tile_n * chunks // self.num_threads
-        if const_expr(self.num_threads >= 128):
-            for j in cutlass.range_constexpr(per):
-                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
-        else:  # rolled, as load_kv_rows' one-warp loop
-            for j in cutlass.range(per, unroll=1):
-                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
-
-    @cute.jit
-    def copy_paged_row(self, j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs):
-        slot = paged_slot(lane, j, chunks)
-        page, row = looked[0]
-        if const_expr(len(looked) > 1):  # slot // 32 is the same for every lane of a copy (32 // chunks | 32)
-            hi = slot >= 32
-            page = looked[1][0] if hi else page
-            row = looked[1][1] if hi else row
-        page = cute.arch.shuffle_sync(page, slot % 32)
-        row = cute.arch.shuffle_sync(row, slot % 32)
-        ok = row >= 0
-        r, cidx = (tidx + self.num_threads * j) // chunks, tidx % chunks  # the tile row paged_slot_row names
-        page64, row64 = Int64(page if ok else 0), Int64(row if ok else 0)
-        cp_async_16(ks + r * self.k_row + cidx * 16, k_base + page64 * k_ps + row64 * Int64(k_rs) + Int64(cidx * 16),
-                    16 if ok else 0)
-        cp_async_16(vs + r * self.v_row + cidx * 16, v_base + page64 * v_ps + row64 * Int64(v_rs) + Int64(cidx * 16),
-                    16 if ok else 0)
-
-    @cute.jit
-    def load_row_chunk(self, idx, chunks, nb, sk, base, rs, s_addr, row_bytes):
-        r, cidx = idx // chunks, idx % chunks
-        key = nb * self.tile_n + r
-        ok = key < sk
-        key_c = key if ok else 0
-        cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
-                    16 if ok else 0)
 
     @cute.jit
     def mask_and_scale(self, acc_s, n0, rows, t, row_first, row_last, sk, shift, left, right, sl2):
