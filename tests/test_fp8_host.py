@@ -20,7 +20,7 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     unsplit = len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2  # causal, window, sink
     # dense + varlen unsplit, varlen packed, split (fp32 partials) packed or not
     split = len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2  # causal, window, sink, packed
-    # + every packed configuration again with the one-warp decode tile
+    # + every packed configuration again with the key-split decode tile
     contiguous = 2 * unsplit + unsplit + split + (unsplit + split // 2)
     # + every varlen configuration again with paged K/V (all but the dense unsplit ones)
     e4m3 = contiguous + (contiguous - unsplit)
