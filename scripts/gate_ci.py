@@ -48,7 +48,7 @@ CI_CORE_S_PER_CONFIG = 5.9
 FULL_RUN_INPUTS = ("kernels/", "config/", "config*.py", "device.py")
 # the FP8 forward's sources: built and checked by their own gate (scripts/gate_fp8.py, its committed results files),
 # never by the full runs, so a change to them leaves the full runs fresh
-FULL_RUN_EXCLUDED = ("kernels/fwd_fp8.py", "kernels/fp8_ptx.py", "config_fp8.py")
+FULL_RUN_EXCLUDED = ("kernels/fwd_fp8.py", "kernels/fp8_kv_loader.py", "kernels/fp8_ptx.py", "config_fp8.py")
 
 
 def full_run_path(arch: str) -> Path:

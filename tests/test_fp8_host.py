@@ -20,7 +20,7 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     unsplit = len(C.FP8_HEAD_DIMS) * 2 * len(C.FP8_OUT_DTYPES) * 2 * 2  # causal, window, sink
     # dense + varlen unsplit, varlen packed, split (fp32 partials) packed or not
     split = len(C.FP8_HEAD_DIMS) * 2 * 2 * 2 * 2  # causal, window, sink, packed
-    # + every packed configuration again with the one-warp decode tile
+    # + every packed configuration again with the key-split decode tile
     contiguous = 2 * unsplit + unsplit + split + (unsplit + split // 2)
     # + every varlen configuration again with paged K/V (all but the dense unsplit ones)
     e4m3 = contiguous + (contiguous - unsplit)
@@ -58,6 +58,12 @@ def test_every_selectable_config_passes_can_implement_and_fits():
     (dict(paged=True), "paged=True needs varlen=True"),
     (dict(paged=1, varlen=True), "paged must be True or False"),
     (dict(tile_m=16, num_warps=1, varlen=True), "tile_m=16 is the packed decode tile"),
+    (dict(tile_m=16, num_warps=2, kv_warps=2, varlen=True), "tile_m=16 is the packed decode tile"),
+    (dict(tile_m=16, num_warps=2, kv_warps=1, varlen=True, pack_gqa=True), "tile_m=16 must be 16 x num_warps=2"),
+    (dict(tile_m=16, num_warps=3, kv_warps=2, varlen=True, pack_gqa=True), "kv_warps=2 must be a positive divisor"),
+    (dict(tile_m=16, num_warps=1, kv_warps=0, varlen=True, pack_gqa=True), "kv_warps=0"),
+    (dict(tile_m=32, num_warps=4, kv_warps=2, varlen=True, pack_gqa=True), "serves the packed decode tile"),
+    (dict(tile_m=16, num_warps=4, kv_warps=4, varlen=True, pack_gqa=True), "tile_n=64 / kv_warps=4"),
     (dict(tile_n=512, head_dim=128, head_dim_v=128), "shared memory"),
 ])
 def test_can_implement_names_value_and_limit(kw, match):
@@ -266,8 +272,9 @@ def test_a_split_over_kv_that_cannot_be_read_as_rows_is_refused(packed_runs):
 
 @pytest.mark.parametrize("pack, rows, tile", [(True, 4, 16), (True, 16, 16), (True, 17, 64), (False, 1, 64),
                                               (True, None, 64)])
-def test_packed_decode_rows_select_the_one_warp_tile(pack, rows, tile):
+def test_packed_decode_rows_select_the_key_split_tile(pack, rows, tile):
     for split in (False, True):
         cfg = C.select_config(128, 128, True, "bf16", varlen=True, pack_gqa=pack, split=split, rows=rows)
-        assert (cfg.tile_m, cfg.num_warps) == (tile, tile // 16)
+        kv = C.FP8_DECODE_KV_WARPS if tile == C.FP8_DECODE_TILE_M else 1
+        assert (cfg.tile_m, cfg.num_warps, cfg.kv_warps) == (tile, tile // 16 * kv, kv)
         assert cfg in C.all_configs()  # the gate's worklist holds every configuration the host selects

@@ -4,7 +4,7 @@ The paged kernel is the contiguous kernel with other addresses: same tiles, same
 test here compares a paged call with the same call over the same bytes laid out contiguously and asks for BITWISE
 equality (out and lse); the contiguous path's accuracy against the fp32 reference is tests/test_fp8_kvcache_gpu.py's.
 Page sizes 1 (every row its own page), 16 (a 64-key tile spans four pages), 64 (one page per tile) and 256 (four
-tiles per page); GQA 1/4/8; Sq 1 (the one-warp decode tile) and 5; split off and on; bf16 and fp16 queries (quantized
+tiles per page); GQA 1/4/8; Sq 1 (the key-split decode tile) and 5; split off and on; bf16 and fp16 queries (quantized
 per (row, head) in the kernel) with a row of zeros; softcap; appends crossing pages; a
 lying page table and lying cache_seqlens (clamped: must not fault; run this file under compute-sanitizer too);
 pools that are views of a fused cache; CUDA-graph replay.

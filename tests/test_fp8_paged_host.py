@@ -33,7 +33,7 @@ def _table(rows, seed=0, pages=None):
 
 
 # ---- the loader's arithmetic: every copy of a tile reads the page of its own row ---------------------------------
-@pytest.mark.parametrize("d, warps", [(64, 4), (128, 4), (64, 1), (128, 1)])
+@pytest.mark.parametrize("d, warps", [(64, 4), (128, 4), (64, 1), (128, 1), (64, 2), (128, 2)])
 def test_each_copy_takes_its_rows_page_from_the_lane_that_looked_it_up(d, warps):
     threads, chunks, tile_n = 32 * warps, d // 16, C.FP8_TILE_N
     slots = tile_n // warps
@@ -73,7 +73,7 @@ def test_paged_configs_are_varlen_and_in_the_worklist():
             cfg = C.select_config(128, 128, True, "bf16", varlen=True, pack_gqa=True, split=split, rows=rows,
                                   paged=True)
             assert cfg.paged and cfg in cfgs and cfg.name().endswith(
-                ("paged_fp32" if split else "paged_bf16") + ("_16x64_w1_s2" if rows == 4 else "_64x64_w4_s2"))
+                ("paged_fp32" if split else "paged_bf16") + ("_16x64_w2_s2_kw2" if rows == 4 else "_64x64_w4_s2"))
 
 
 # ---- flash_attn_with_kvcache: the routing -------------------------------------------------------------------------

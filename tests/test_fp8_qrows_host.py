@@ -40,7 +40,7 @@ def test_every_selectable_query_form_is_in_the_worklist(q_dtype, split, paged, r
     cfg = C.select_config(128, 128, True, q_dtype, local=True, has_sink=True, varlen=True, pack_gqa=True,
                           split=split, rows=rows, paged=paged, q_dtype=q_dtype)
     assert cfg.q_dtype == q_dtype and cfg in C.all_configs()
-    assert f"_q{q_dtype}_" in cfg.name() and cfg.name().endswith("_16x64_w1_s2" if rows == 4 else "_64x64_w4_s2")
+    assert f"_q{q_dtype}_" in cfg.name() and cfg.name().endswith("_16x64_w2_s2_kw2" if rows == 4 else "_64x64_w4_s2")
     # the e4m3 twin keeps its name (the committed gate rows stay addressable)
     twin = C.select_config(128, 128, True, q_dtype, local=True, has_sink=True, varlen=True, pack_gqa=True,
                            split=split, rows=rows, paged=paged)

@@ -130,7 +130,7 @@ def test_split_partials_and_combine_layouts_give_the_unsplit_result(model, pack_
     out_1, lse_1 = _run(args, 2, pack_gqa=pack_gqa, num_splits=1)
     out_n, lse_n = _run(args, 2, pack_gqa=pack_gqa, num_splits=splits, max_seqlen_k=700, rows_covered=False)
     one, split = model
-    # packed: 2 rows x 4 heads = 8 rows, the one-warp decode tile; unpacked: the 64-row tile over Hq heads
+    # packed: 2 rows x 4 heads = 8 rows, the decode tile; unpacked: the 64-row tile over Hq heads
     assert (one["cfg"].pack_gqa, one["cfg"].split, one["cfg"].tile_m) == (pack_gqa, False, 16 if pack_gqa else 64)
     assert (split["cfg"].pack_gqa, split["cfg"].split, split["cfg"].out_dtype) == (pack_gqa, True, "fp32")
     assert split["cfg"].tile_m == one["cfg"].tile_m and one["num_m_blocks"] == split["num_m_blocks"] == 1

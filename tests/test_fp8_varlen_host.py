@@ -219,3 +219,7 @@ def test_fp8_automatic_splits_count_one_warp_ctas_as_a_quarter(monkeypatch):
     assert one == 8  # 512 one-warp CTAs: about four per SM
     # B=64 KV 2K: 512 one-warp CTAs already hold ~4 per SM (128 four-warp equivalents fill 80% of 132): no split
     assert F8.fp8_splits(0, batch=64, ctas=512, max_seqlen_k=2048, dv=128, device=dev, caps=None, num_warps=1) == 1
+    # the key-split decode tile (two warps on one row block) counts as its one row block: the same splits
+    kw = dict(device=dev, caps=None, num_warps=2, kv_warps=2)
+    assert F8.fp8_splits(0, batch=8, ctas=64, max_seqlen_k=8192, dv=128, **kw) == 8
+    assert F8.fp8_splits(0, batch=64, ctas=512, max_seqlen_k=2048, dv=128, **kw) == 1
