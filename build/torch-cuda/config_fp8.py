@@ -19,9 +19,13 @@ FP8_OUT_DTYPES = ("bf16", "fp16")
 FP8_Q_DTYPES = ("e4m3", "bf16", "fp16")
 SPLIT_OUT_DTYPE = "fp32"  # a split writes fp32 partials; the combine (kernels/combine.py) converts to bf16/fp16
 FP8_TILE_M = 64  # 4 warps x 16 query rows
-# packed decode rows (query rows x heads of a KV group <= 16, e.g. Sq 1-4 at Hq/Hkv = 4): one warp of 16 rows, so a
-# CTA computes the rows it stores rather than 64 of which most are empty (same K/V tiles, a quarter of the mma work)
-FP8_DECODE_TILE_M, FP8_DECODE_WARPS = 16, 1
+# packed decode rows (query rows x heads of a KV group <= 16, e.g. Sq 1-4 at Hq/Hkv = 4): one 16-row block, so a
+# CTA computes the rows it stores rather than 64 of which most are empty (same K/V tiles, a quarter of the mma work).
+# Its FP8_DECODE_KV_WARPS warps split the keys of each K/V tile (kv_warps): one warp alone walked a tile in about
+# three times the load latency (the mma is emulated on the proxy), so a CTA's loads sat idle most of the time and
+# the grid had too few warps per SM to cover them; two warps halve each CTA's walk in the same shared memory, and
+# five such CTAs (ten warps) fit an H100 SM, two an SM120 one (fp8_decode_splits.py --tiles measures the change)
+FP8_DECODE_TILE_M, FP8_DECODE_WARPS, FP8_DECODE_KV_WARPS = 16, 2, 2
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
@@ -58,12 +62,16 @@ class Fp8FwdConfig:
     tile_n: int = FP8_TILE_N
     num_warps: int = FP8_NUM_WARPS
     num_stages: int = FP8_NUM_STAGES
+    # warps that share a 16-row block, each multiplying tile_n / kv_warps keys of every K/V tile with its own
+    # online softmax; merged through shared memory after the last tile (the decode tile only; 1: no key split)
+    kv_warps: int = 1
 
     def name(self) -> str:
         return (f"fwd_fp8_d{self.head_dim}_dv{self.head_dim_v}_{'causal' if self.causal else 'full'}_"
                 f"{'local_' if self.local else ''}{'softcap_' if self.softcap else ''}{'sink_' if self.has_sink else ''}{'varlen_' if self.varlen else ''}"
                 f"{'pack_' if self.pack_gqa else ''}{'split_' if self.split else ''}{'paged_' if self.paged else ''}"
-                f"{'' if self.q_dtype == 'e4m3' else 'q' + self.q_dtype + '_'}{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}")
+                f"{'' if self.q_dtype == 'e4m3' else 'q' + self.q_dtype + '_'}{self.out_dtype}_{self.tile_m}x{self.tile_n}_w{self.num_warps}_s{self.num_stages}"
+                f"{'_kw' + str(self.kv_warps) if self.kv_warps != 1 else ''}")
 
 
 def paged_slot(lane, j, chunks: int):
@@ -85,6 +93,13 @@ def paged_slot_row(slot, warp, chunks: int, threads: int):
 def smem_bytes(cfg: Fp8FwdConfig) -> int:
     return (cfg.tile_m * (cfg.head_dim + ROW_PAD)
             + cfg.num_stages * cfg.tile_n * ((cfg.head_dim + ROW_PAD) + (cfg.head_dim_v + ROW_PAD)))
+
+
+def merge_bytes(cfg: Fp8FwdConfig) -> int:
+    """Shared memory the key-split merge parks in the K stages after the last tile: per warp but the first of each
+    row block, 32 lanes x (its O registers, dv / 2, plus row max and row sum of its two rows) fp32."""
+    blocks = cfg.num_warps // cfg.kv_warps
+    return blocks * (cfg.kv_warps - 1) * 32 * (cfg.head_dim_v // 2 + 4) * 4
 
 
 def can_implement(cfg: Fp8FwdConfig) -> None:
@@ -118,8 +133,22 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
         if getattr(cfg, flag) and not cfg.varlen:
             raise ValueError(f"{flag}=True needs varlen=True: the host runs packed GQA, split-KV and paged K/V on "
                              "the packed-rows form only (dense calls that want them are flattened to it)")
-    if cfg.tile_m != 16 * cfg.num_warps:
-        raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} (one m16 row block per warp)")
+    if not isinstance(cfg.kv_warps, int) or cfg.kv_warps < 1 or cfg.num_warps % cfg.kv_warps:
+        raise ValueError(f"kv_warps={cfg.kv_warps!r} must be a positive divisor of num_warps={cfg.num_warps}")
+    if cfg.tile_m * cfg.kv_warps != 16 * cfg.num_warps:
+        raise ValueError(f"tile_m={cfg.tile_m} must be 16 x num_warps={cfg.num_warps} / kv_warps={cfg.kv_warps} "
+                         "(one m16 row block per group of key-split warps)")
+    if cfg.kv_warps > 1:
+        if cfg.tile_m != FP8_DECODE_TILE_M:
+            raise ValueError(f"kv_warps={cfg.kv_warps} with tile_m={cfg.tile_m}: the key split serves the packed "
+                             f"decode tile (tile_m={FP8_DECODE_TILE_M}) only")
+        if (cfg.tile_n // cfg.kv_warps) % 32 or cfg.tile_n % cfg.kv_warps:
+            raise ValueError(f"tile_n={cfg.tile_n} / kv_warps={cfg.kv_warps} must be a multiple of 32 (each warp's "
+                             "keys are k32 chunks of the P.V mma)")
+        k_stage_bytes = cfg.num_stages * cfg.tile_n * (cfg.head_dim + ROW_PAD)
+        if merge_bytes(cfg) > k_stage_bytes:
+            raise ValueError(f"kv_warps={cfg.kv_warps}: the merge needs {merge_bytes(cfg)} B, over the "
+                             f"{k_stage_bytes} B of K stages it reuses")
     if cfg.tile_m == FP8_DECODE_TILE_M and not cfg.pack_gqa:
         raise ValueError(f"tile_m={cfg.tile_m} is the packed decode tile: it needs pack_gqa=True (unpacked rows use "
                          f"tile_m={FP8_TILE_M})")
@@ -142,13 +171,14 @@ def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, 
                   split: bool = False, rows: int | None = None, paged: bool = False,
                   q_dtype: str = "e4m3", softcap: bool = False) -> Fp8FwdConfig:
     """``rows``: query rows x packed heads of the longest sequence; a packed call with at most FP8_DECODE_TILE_M
-    of them runs the one-warp decode tile.  ``q_dtype``: FP8_Q_DTYPES (bf16/fp16: quantized in the kernel)."""
+    of them runs the key-split decode tile.  ``q_dtype``: FP8_Q_DTYPES (bf16/fp16: quantized in the kernel)."""
     decode = pack_gqa and rows is not None and rows <= FP8_DECODE_TILE_M
     cfg = Fp8FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                        out_dtype=SPLIT_OUT_DTYPE if split else out_dtype, local=local, has_sink=has_sink,
                        varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged, q_dtype=q_dtype, softcap=softcap,
                        tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
-                       num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS)
+                       num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS,
+                       kv_warps=FP8_DECODE_KV_WARPS if decode else 1)
     can_implement(cfg)
     return cfg
 
@@ -158,7 +188,7 @@ def all_configs() -> list[Fp8FwdConfig]:
     exist on the varlen form only: dense calls that pick them are flattened to packed rows (a view, with
     cu_seqlens made on the device; dispatch_fp8.fp8_attention), so the dense form never needs them, and a split
     writes fp32 partials whatever the output dtype: 64 unsplit configurations x 1 + 32 varlen ones packed, 16
-    split ones x 2 (packed or not), and every packed one again with the one-warp decode tile (48) -> 176.  Paged
+    split ones x 2 (packed or not), and every packed one again with the key-split decode tile (48) -> 176.  Paged
     K/V (flash_attn_with_kvcache's page_table) runs on the varlen form and may pick any of its 144 configurations
     (packing, splitting and the decode tile follow the same rules as a contiguous cache): 144 more -> 320.
     A bf16/fp16 query over e4m3 K/V (q_dtype, quantized in the kernel) runs on any varlen configuration, contiguous
@@ -172,7 +202,7 @@ def all_configs() -> list[Fp8FwdConfig]:
                           varlen=True, pack_gqa=p, split=True)
              for d in FP8_HEAD_DIMS for c in (False, True) for w in (False, True) for k in (False, True)
              for p in (False, True)]
-    decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS)
+    decode = [replace(c, tile_m=FP8_DECODE_TILE_M, num_warps=FP8_DECODE_WARPS, kv_warps=FP8_DECODE_KV_WARPS)
               for c in packed + split if c.pack_gqa]
     contiguous = base + packed + split + decode
     e4m3 = contiguous + [replace(c, paged=True) for c in contiguous if c.varlen]

@@ -285,16 +285,18 @@ def fp8_pack(pack_gqa, hq: int, hkv: int, max_seqlen_q: int) -> int:
 
 
 def fp8_splits(num_splits: int, *, batch: int, ctas: int, max_seqlen_k: int, dv: int, device, caps,
-               num_warps: int = 4) -> int:
+               num_warps: int = 4, kv_warps: int = 1) -> int:
     """The split count of an FP8 call: N > 1 exactly N and 1 none (splitkv.resolve_num_splits' checks), <= 0
     automatic (splitkv.auto_num_splits) on the FP8 kernel's KV tile.  The automatic count reads the grid in CTAs of
-    four warps, the size the rule was tuned on: ``ctas`` one-warp decode CTAs count a quarter each, so a decode
-    grid is split until it holds about four of them per SM (one warp alone cannot keep its SM's loads in flight)."""
+    four 16-row blocks, the size the rule was tuned on: ``ctas`` decode CTAs (one row block, ``num_warps`` /
+    ``kv_warps`` = 1) count a quarter each, so a decode grid is split until it holds about four of them per SM,
+    whatever warps split their keys (one warp alone cannot keep its SM's loads in flight; two key-split warps walk
+    a CTA's range in about half the time, so the same split count puts twice the warps on each SM)."""
     from .config_fp8 import FP8_NUM_WARPS, FP8_TILE_N
     from .splitkv import resolve_num_splits
 
     return resolve_num_splits(num_splits, needs_grad=False, batch=batch,
-                              ctas=max(1, ctas * num_warps // FP8_NUM_WARPS),
+                              ctas=max(1, ctas * (num_warps // kv_warps) // FP8_NUM_WARPS),
                               n_blocks=-(-max(max_seqlen_k, 0) // FP8_TILE_N), dv=dv, device=device, caps=caps)
 
 
@@ -349,7 +351,8 @@ def run_fp8_packed(q, k, v, cu_q, cu_k, used_k, max_seqlen_q: int, descales, *, 
         return out, lse
     splits = fp8_splits(num_splits, batch=batch, ctas=num_m_blocks * (hq // pack) * batch,
                         max_seqlen_k=total_k if max_seqlen_k is None else min(max_seqlen_k, total_k),
-                        dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps)
+                        dv=v.shape[3], device=q.device, caps=caps, num_warps=cfg.num_warps,
+                        kv_warps=cfg.kv_warps)
     qd, kd, vd = descales
     args = (q.view(torch.uint8) if q_dtype == "e4m3" else q, k.view(torch.uint8), v.view(torch.uint8))
     tail = (qd, kd, vd, sink, cu_q, None if paged else cu_k, used_k, page_table, scale_log2, cap_log2, left, right,

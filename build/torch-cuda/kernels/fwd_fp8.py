@@ -3,7 +3,8 @@
 Layouts (the host passes the e4m3 tensors as uint8 views; the kernel reads bytes):
   q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): last dim contiguous, rows 16-byte aligned;
   out (B, Sq, Hq, Dv) bf16/fp16, lse (B, Hq, Sq) fp32 (natural log); q/k/v_descale (B, Hkv) fp32.
-Grid (ceil(Sq / tile_m), Hq, B), 4 warps of 16 query rows; query head h reads KV head h // (Hq / Hkv).
+Grid (ceil(Sq / tile_m), Hq, B), 4 warps of 16 query rows (the packed decode tile: one 16-row block, below);
+query head h reads KV head h // (Hq / Hkv).
 
 Algorithm, per CTA:
   * Q is copied to shared memory once (cp.async, padded rows as K/V) and read as A fragments one 32-column chunk
@@ -44,6 +45,15 @@ Algorithm, per CTA:
     and page indices are clamped to [0, num_pages), so a lying table reads wrong pages, never outside the pool.
     Lane l of a warp reads the page of the warp's l-th row of the tile once; the copies get it by a shuffle
     (load_kv_paged).  The math is the contiguous kernel's: paged and contiguous give bit-identical results.
+  * Key-split decode tile (cfg.kv_warps > 1, the packed decode tile of config_fp8: tile_m 16): the kv_warps warps
+    share the 16 rows; every thread copies its share of each whole K/V tile as above, and warp w multiplies keys
+    [w, w + 1) x tile_n / kv_warps of it (S, masks with its own first key, its own online softmax, O_w += P_w V_w).
+    After the last tile the other warps park O, row max and per-lane row sum in the K stages and warp 0 merges
+    them (m = max, O and l rescaled by exp2 of the max differences) and runs the epilogue alone
+    (merge_key_warps).  P is rounded to e4m3 against each warp's own running max, as a split rounds it against its
+    own: the result differs from the one-warp tile's by that rounding only.  Paged, the page-table reads of the
+    tile after next are issued a step ahead (page_ahead), and contiguous K/V rows are copied with a strided
+    address (load_rows_strided).
   * A bf16/fp16 query (cfg.q_dtype, varlen form only: an FP8 KV cache under a high-precision model): q is read
     in its dtype (no q_descale) and each tile row, a (query row, head) pair, is quantized to e4m3 in registers
     with scale 448 / amax(row) into the same sQ rows (quantize_q_rows); the row's descale amax / 448 multiplies
@@ -58,8 +68,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement, paged_slot, paged_slot_row
+from ..config_fp8 import ROW_PAD, Fp8FwdConfig, can_implement
 from . import cute_utils as cu
+from .fp8_kv_loader import Fp8KvLoader
 from .fp8_ptx import (cp_async_16, cp_async_commit, cp_async_wait, cvt_bf16x2, cvt_e4m3x4, cvt_f16x2, exp2_approx,
                       ld_global_v4_u32, ld_shared_u32, log2_approx, mma_e4m3_16832, st_global_v4, st_global_v4_f32,
                       st_shared_v2, transpose_bytes_4x4, unpack_x2_f32)
@@ -70,7 +81,7 @@ LN_2 = 0.6931471805599453
 LOG2_E = 1.4426950408889634
 
 
-class FlashFwdFp8:
+class FlashFwdFp8(Fp8KvLoader):
     ARG_NAMES = ("q", "k", "v", "out", "lse", "q_descale", "k_descale", "v_descale", "sink", "cu_seqlens_q",
                  "cu_seqlens_k", "seqused_k", "page_table", "scale_log2", "softcap_log2", "window_left", "window_right",
                  "qheads_per_kvhead", "num_m_blocks")
@@ -88,6 +99,11 @@ class FlashFwdFp8:
         self.k_row = self.d + ROW_PAD  # bytes per padded smem row
         self.v_row = self.dv + ROW_PAD
         self.stages = cfg.num_stages
+        self.kv_warps = cfg.kv_warps  # warps sharing a row block, each on its own keys of every K/V tile
+        self.warp_n = cfg.tile_n // cfg.kv_warps  # the keys of a tile one warp multiplies
+        # paged decode tile: the page-table reads of the tile after next are issued a tile ahead (its copies wait
+        # on them otherwise: a dependent global read at the top of every step, with little work per step to hide it)
+        self.page_ahead = cfg.paged and cfg.kv_warps > 1
         self.has_right = cfg.causal or cfg.local  # a right bound on the keys a row sees
         self.hp_q = cfg.q_dtype != "e4m3"  # a bf16/fp16 q, quantized per tile row here (quantize_q_rows)
         self.launch_smem_bytes = None
@@ -148,6 +164,11 @@ class FlashFwdFp8:
         pack = qheads_per_kvhead if const_expr(self.cfg.pack_gqa) else 1
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
+        kw, wr = 0, warp  # the warp's part of each tile's keys (first key kn) and its 16-row block
+        if const_expr(self.kv_warps > 1):
+            warp = cute.arch.make_warp_uniform(warp)
+            kw, wr = warp % self.kv_warps, warp // self.kv_warps
+        kn = kw * self.warp_n
         sq, sk = mQ.shape[1], mK.shape[1]
         bq = b  # the batch index of q/out/lse and k/v tensors (0 for packed varlen rows)
         q_off, k_off = Int32(0), Int32(0)  # the sequence's first row in them
@@ -171,7 +192,7 @@ class FlashFwdFp8:
         else:
             sl2 = scale_log2 * mQd[b, hkv] * mKd[b, hkv]
             sl2 = (sl2, sl2)  # (row g, row g + 8): one value for the whole tile
-        row0 = m_block * self.tile_m + warp * 16 + g
+        row0 = m_block * self.tile_m + wr * 16 + g
         prow = (row0, row0 + 8)  # packed row indices (the query rows themselves without pack_gqa)
         rows = prow
         if const_expr(self.cfg.pack_gqa):
@@ -207,7 +228,7 @@ class FlashFwdFp8:
             else:
                 cp_async_16(sQ_addr + r * self.k_row + cidx * 16,
                             q_base + Int64(q_row) * Int64(mQ.stride[1]) + Int64(cidx * 16), 16)
-        q_frag_addr = sQ_addr + (warp * 16 + g) * self.k_row + 4 * t
+        q_frag_addr = sQ_addr + (wr * 16 + g) * self.k_row + 4 * t
 
         # bottom-right aligned: row i sees keys j with i + shift - left <= j <= i + shift + right (the host passes
         # right = 0 for causal, and bounds that cover every key for an unbounded side)
@@ -246,7 +267,7 @@ class FlashFwdFp8:
         if const_expr(self.cfg.paged):  # k_base / v_base: head hkv of page 0 (bq = k_off = 0)
             pages = (mPT, b, Int32(mK.shape[0]) - 1, Int32(mK.shape[1]), Int64(mK.stride[0]), Int64(mV.stride[0]))
 
-        n_acc_s = self.tile_n // 8
+        n_acc_s = self.warp_n // 8
         n_acc_o = self.dv // 8
         acc_o = cute.make_rmem_tensor((n_acc_o * 4,), Float32)
         acc_o.fill(0.0)
@@ -259,15 +280,26 @@ class FlashFwdFp8:
         if n_iters > 0:
             self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
         cp_async_commit()
+        ahead = None  # page_ahead: (page, row) pairs of the next tile to load, as lookup_pages gives them
+        if const_expr(self.page_ahead):
+            ahead = cute.make_rmem_tensor((2 * ((self.tile_n // self.cfg.num_warps + 31) // 32),), Int32)
+            self.keep_pages(ahead, self.lookup_pages(cutlass.max(n_max - 2, 0), tidx, sk, pages))
         if const_expr(self.hp_q):  # while the first K/V tile is in flight; the loop's first barrier publishes it
-            dq = self.quantize_q_rows(mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr)
+            dq = self.quantize_q_rows(mQ, bq, h, m_block, wr, kw, g, t, pack, sq, q_off, sQ_addr)
             sl2 = (sl2k * dq[0], sl2k * dq[1])
         for it in cutlass.range(n_iters, unroll=1):
             nb = n_max - 1 - it
             stage = it % 2
             if it + 1 < n_iters:  # the next tile lands in the other stage while this one is used
-                self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
+                if const_expr(self.page_ahead):
+                    self.copy_pages(1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
+                                    [(self.clamp_page(ahead[2 * i], pages), ahead[2 * i + 1])
+                                     for i in range(cute.size(ahead.shape) // 2)])
+                else:
+                    self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
             cp_async_commit()
+            if const_expr(self.page_ahead):  # tile nb - 2 (or any valid one past the range: never copied)
+                self.keep_pages(ahead, self.lookup_pages(cutlass.max(nb - 2, 0), tidx, sk, pages))
             cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
             cute.arch.barrier()
             k_addr = sK_addr + stage * (self.tile_n * self.k_row)
@@ -277,21 +309,21 @@ class FlashFwdFp8:
             for c in cutlass.range_constexpr(self.d // 32):
                 qc = [ld_shared_u32(q_frag_addr + 32 * c + 8 * self.k_row * (x % 2) + 16 * (x // 2)) for x in range(4)]
                 for jt in cutlass.range_constexpr(n_acc_s):
-                    k_row_addr = k_addr + (8 * jt + g) * self.k_row + 4 * t
+                    k_row_addr = k_addr + (kn + 8 * jt + g) * self.k_row + 4 * t
                     bk = [ld_shared_u32(k_row_addr + 32 * c), ld_shared_u32(k_row_addr + 32 * c + 16)]
                     res = mma_e4m3_16832(qc, bk, [acc_s[4 * jt + e] for e in range(4)])
                     for e in cutlass.range_constexpr(4):
                         acc_s[4 * jt + e] = res[e]
-            self.mask_and_scale(acc_s, nb, rows, t, row_first, row_last, sk, shift, window_left, window_right, sl2,
-                                softcap_log2)
+            self.mask_and_scale(acc_s, nb * self.tile_n + kn, rows, t, row_first, row_last, sk, shift, window_left,
+                                window_right, sl2, softcap_log2)
             pa = self.softmax_p(acc_s, row_m, row_l, acc_o)
             # O += P V
-            for c in cutlass.range_constexpr(self.tile_n // 32):
+            for c in cutlass.range_constexpr(self.warp_n // 32):
                 a_frag = pa[c]
                 for cb in cutlass.range_constexpr(self.dv // 32):
                     halves = []
                     for hf in cutlass.range_constexpr(2):
-                        key0 = 32 * c + 16 * hf + 2 * t
+                        key0 = kn + 32 * c + 16 * hf + 2 * t
                         w = [ld_shared_u32(v_addr + (key0 + dk) * self.v_row + 32 * cb + 4 * g) for dk in (0, 1, 8, 9)]
                         halves.append(transpose_bytes_4x4(w))
                     for i in cutlass.range_constexpr(4):
@@ -303,17 +335,63 @@ class FlashFwdFp8:
         cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
         # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
         # with split, out / lse's leading index is the split (the varlen form has one batch of packed rows)
-        self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
-                      split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
+        if const_expr(self.kv_warps > 1):
+            self.merge_key_warps(storage.sK.data_ptr(), acc_o, row_m, row_l, kw, wr, lane)
+            if kw == 0:  # the first warp of each row block holds the merged rows
+                self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
+                              split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
+        else:
+            self.epilogue(mO, mLSE, mSink, acc_o, row_m, row_l, mVd[b, hkv], rows, prow, sq,
+                          split if const_expr(self.cfg.split) else bq, q_off, h, pack, split, t)
 
     @cute.jit
-    def quantize_q_rows(self, mQ, bq, h, m_block, warp, g, t, pack, sq, q_off, sQ_addr):
+    def merge_key_warps(self, sK_ptr, acc_o, row_m, row_l, kw, wr, lane):
+        """Key-split warps (cfg.kv_warps): warps kw > 0 of row block wr park their O registers, row maxima and
+        per-lane row sums in the K stages (free once every warp is past the last tile; config_fp8.merge_bytes),
+        laid out [row block, warp - 1][value][lane] so each access of a warp is 32 consecutive words; warp 0 of the
+        block merges them: m = max(m_0, m_w), O = O_0 2^(m_0 - m) + O_w 2^(m_w - m), l likewise (log2 domain, all
+        warps with the same 2^4 shift).  A row no warp saw keeps m = -inf: its factors are 0 (exp2 of -inf
+        against 0) and the epilogue gives O = 0, LSE = -inf (or the sink); NaN in a warp's part propagates."""
+        n_o = cute.size(acc_o.shape)
+        vals = n_o + 4  # O, then (m, l) of rows g and g + 8
+        parts = self.kv_warps - 1
+        buf = cute.make_tensor(cute.recast_ptr(sK_ptr, dtype=Float32),
+                               cute.make_layout((32, vals, parts * (self.cfg.num_warps // self.kv_warps))))
+        cute.arch.barrier()  # every warp is past its last read of the K/V stages
+        if kw > 0:
+            mine = buf[lane, None, wr * parts + kw - 1]
+            for i in cutlass.range_constexpr(n_o):
+                mine[i] = acc_o[i]
+            for hf in cutlass.range_constexpr(2):
+                mine[n_o + hf] = row_m[hf]
+                mine[n_o + 2 + hf] = row_l[hf]
+        cute.arch.barrier()
+        if kw == 0:
+            for w in cutlass.range_constexpr(parts):
+                theirs = buf[lane, None, wr * parts + w]
+                for hf in cutlass.range_constexpr(2):
+                    m_other = theirs[n_o + hf]
+                    m_new = cute.arch.fmax(row_m[hf], m_other)
+                    safe = 0.0 if m_new == -Float32.inf else m_new
+                    c_mine = exp2_approx(row_m[hf] - safe)
+                    c_other = exp2_approx(m_other - safe)
+                    row_l[hf] = row_l[hf] * c_mine + theirs[n_o + 2 + hf] * c_other
+                    row_m[hf] = m_new
+                    for j in cutlass.range_constexpr(self.dv // 8):
+                        for e in cutlass.range_constexpr(2):
+                            i = 4 * j + 2 * hf + e
+                            acc_o[i] = acc_o[i] * c_mine + theirs[i] * c_other
+
+    @cute.jit
+    def quantize_q_rows(self, mQ, bq, h, m_block, warp, kw, g, t, pack, sq, q_off, sQ_addr):
         """A bf16/fp16 q (cfg.q_dtype) -> e4m3 rows of sQ, each tile row with its own scale; returns the descales
         (amax / 448) of this thread's rows (g, g + 8 of its warp).  Quad g owns those two rows, lane t the 16-byte
         chunks t, t + 4, ... of each (8 values a chunk), so the row amax is a quad reduction and lands in the lanes
-        whose S registers it scales.  The fragments are read by the warp that wrote them, after the loop's first
-        barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as unquantized); NaN in a row gives NaN
-        e4m3 values and so a NaN output row; rows past the sequence read its last row and are never stored."""
+        whose S registers it scales.  ``warp``: the 16-row block; with key-split warps (``kw``: the warp's part)
+        each warp of the block computes its rows' descales and the first one writes the rows.  The fragments are
+        read after the loop's first barrier.  A row of zeros gets scale 0 and descale 0 (scores 0, as
+        unquantized); NaN in a row gives NaN e4m3 values and so a NaN output row; rows past the sequence read its
+        last row and are never stored."""
         fp16 = self.cfg.q_dtype == "fp16"
         esize = 2
         q_base = mQ.iterator.toint() + (Int64(bq) * Int64(mQ.stride[0]) + Int64(h) * Int64(mQ.stride[2])) * esize
@@ -337,102 +415,20 @@ class FlashFwdFp8:
                     amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
             amax = cu.quad_allreduce_max(amax)
             scale = Float32(E4M3_MAX) / amax if amax > 0.0 else Float32(0.0)
-            for i in cutlass.range_constexpr(self.d // 32):
-                vals = [x * scale for j in range(4) for x in unpack_x2_f32(words[4 * i + j], fp16)]
-                st_shared_v2(sQ_addr + r * self.k_row + (t + 4 * i) * 8,
-                             [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
+            if kw == 0:
+                for i in cutlass.range_constexpr(self.d // 32):
+                    vals = [x * scale for j in range(4) for x in unpack_x2_f32(words[4 * i + j], fp16)]
+                    st_shared_v2(sQ_addr + r * self.k_row + (t + 4 * i) * 8,
+                                 [cvt_e4m3x4(*vals[:4]), cvt_e4m3x4(*vals[4:])])
             descales.append(amax * Float32(1.0 / E4M3_MAX))
         return descales
 
     @cute.jit
-    def load_kv(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
-        if const_expr(self.cfg.paged):
-            self.load_kv_paged(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
-        else:
-            self.load_kv_rows(nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr)
-
-    @cute.jit
-    def load_kv_rows(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr):
-        for which in cutlass.range_constexpr(2):
-            width = self.d if const_expr(which == 0) else self.dv
-            row_bytes = self.k_row if const_expr(which == 0) else self.v_row
-            base = k_base if const_expr(which == 0) else v_base
-            rs = k_rs if const_expr(which == 0) else v_rs
-            s_addr = (sK_addr if const_expr(which == 0) else sV_addr) + stage * (self.tile_n * row_bytes)
-            chunks = width // 16
-            if const_expr(self.num_threads >= 128):
-                for j in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
-                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
-            else:
-                # the one-warp decode tile issues 16 copies per thread and tensor: a rolled loop, as unrolled the
-                # hoisted addresses spilled where the mma is emulated (sm_90a, benchmarks/results/
-                # fp8_gate_sm90a.jsonl)
-                for j in cutlass.range(self.tile_n * chunks // self.num_threads, unroll=1):
-                    self.load_row_chunk(tidx + self.num_threads * j, chunks, nb, sk, base, rs, s_addr, row_bytes)
-
-    @cute.jit
-    def load_kv_paged(self, nb, stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages):
-        """Paged K/V: KV tile ``nb``, K and V rows together (d = dv: the same copies address both).  Lane l of each
-        warp looks up the (page, row in page) of the warp's slots l and l + 32 (``config_fp8.paged_slot_row``)
-        once per tile, so a thread waits for one page-table read, not one dependent read per copied row (the
-        one-warp tile copies 16 rows a thread); each copy takes its row's pair from the owning lane by a shuffle.
-        Keys past sk get row -1: zero-filled, nothing read (a last page's tail may hold anything)."""
-        mPT, b, last_page, page_size, k_ps, v_ps = pages
-        chunks = self.d // 16
-        warp, lane = tidx // 32, tidx % 32
-        slots = self.tile_n // self.cfg.num_warps
-        looked = []
-        for i in cutlass.range_constexpr((slots + 31) // 32):
-            slot = (lane + 32 * i) % slots  # the 4-warp tile has 16 slots: lanes 16-31 repeat 0-15 (same reads)
-            key = nb * self.tile_n + paged_slot_row(slot, warp, chunks, self.num_threads)
-            ok = key < sk
-            col = key // page_size if ok else 0  # column 0 exists whenever a tile is loaded (sk > 0)
-            # page indices are the caller's contract: clamped to the pool, a lie reads a wrong page, never outside
-            page = cutlass.min(cutlass.max(mPT[b, col], 0), last_page)
-            looked.append((page, key - col * page_size if ok else -1))
-        ks = sK_addr + stage * (self.tile_n * self.k_row)
-        vs = sV_addr + stage * (self.tile_n * self.v_row)
-        per = self.tile_n * chunks // self.num_threads
-        if const_expr(self.num_threads >= 128):
-            for j in cutlass.range_constexpr(per):
-                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
-        else:  # rolled, as load_kv_rows' one-warp loop
-            for j in cutlass.range(per, unroll=1):
-                self.copy_paged_row(j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs)
-
-    @cute.jit
-    def copy_paged_row(self, j, tidx, lane, chunks, looked, k_base, v_base, k_rs, v_rs, k_ps, v_ps, ks, vs):
-        slot = paged_slot(lane, j, chunks)
-        page, row = looked[0]
-        if const_expr(len(looked) > 1):  # slot // 32 is the same for every lane of a copy (32 // chunks | 32)
-            hi = slot >= 32
-            page = looked[1][0] if hi else page
-            row = looked[1][1] if hi else row
-        page = cute.arch.shuffle_sync(page, slot % 32)
-        row = cute.arch.shuffle_sync(row, slot % 32)
-        ok = row >= 0
-        r, cidx = (tidx + self.num_threads * j) // chunks, tidx % chunks  # the tile row paged_slot_row names
-        page64, row64 = Int64(page if ok else 0), Int64(row if ok else 0)
-        cp_async_16(ks + r * self.k_row + cidx * 16, k_base + page64 * k_ps + row64 * Int64(k_rs) + Int64(cidx * 16),
-                    16 if ok else 0)
-        cp_async_16(vs + r * self.v_row + cidx * 16, v_base + page64 * v_ps + row64 * Int64(v_rs) + Int64(cidx * 16),
-                    16 if ok else 0)
-
-    @cute.jit
-    def load_row_chunk(self, idx, chunks, nb, sk, base, rs, s_addr, row_bytes):
-        r, cidx = idx // chunks, idx % chunks
-        key = nb * self.tile_n + r
-        ok = key < sk
-        key_c = key if ok else 0
-        cp_async_16(s_addr + r * row_bytes + cidx * 16, base + Int64(key_c) * Int64(rs) + Int64(cidx * 16),
-                    16 if ok else 0)
-
-    @cute.jit
-    def mask_and_scale(self, acc_s, nb, rows, t, row_first, row_last, sk, shift, left, right, sl2, softcap_log2):
+    def mask_and_scale(self, acc_s, n0, rows, t, row_first, row_last, sk, shift, left, right, sl2, softcap_log2):
         """Scores to the log2 domain (capped with cfg.softcap: ``softcap_scores``); keys past Sk or outside a row's
-        (causal / window) range to -inf, on the tiles that cross an edge only."""
-        n0 = nb * self.tile_n
-        last = n0 + self.tile_n - 1
+        (causal / window) range to -inf, on the tiles that cross an edge only.  ``n0``: the first key of this warp's
+        part of the tile (warp_n keys)."""
+        last = n0 + self.warp_n - 1
         need = last >= sk
         if const_expr(self.has_right):  # the first row's right edge
             need = need | (last > row_first + shift + right)
@@ -443,7 +439,7 @@ class FlashFwdFp8:
             if const_expr(self.cfg.softcap):
                 acc_s[i] = self.softcap_scores(acc_s[i], softcap_log2)
         if need:
-            for jt in cutlass.range_constexpr(self.tile_n // 8):
+            for jt in cutlass.range_constexpr(self.warp_n // 8):
                 for e in cutlass.range_constexpr(4):
                     key = n0 + 8 * jt + 2 * t + (e % 2)
                     bad = key >= sk
@@ -468,7 +464,7 @@ class FlashFwdFp8:
     @cute.jit
     def softmax_p(self, acc_s, row_m, row_l, acc_o):
         """Online softmax step; returns P as e4m3 A fragments, one list of 4 registers per 32-key chunk."""
-        n_acc_s = self.tile_n // 8
+        n_acc_s = self.warp_n // 8
         for hf in cutlass.range_constexpr(2):
             mx = row_m[hf]
             for jt in cutlass.range_constexpr(n_acc_s):
@@ -489,7 +485,7 @@ class FlashFwdFp8:
                 for e in cutlass.range_constexpr(2):
                     acc_o[4 * j + 2 * hf + e] = acc_o[4 * j + 2 * hf + e] * corr
         pa = []
-        for c in cutlass.range_constexpr(self.tile_n // 32):
+        for c in cutlass.range_constexpr(self.warp_n // 32):
             j0 = 4 * c
             regs = []
             for pair in cutlass.range_constexpr(2):  # tiles (4c, 4c+1), then (4c+2, 4c+3)
