@@ -2,7 +2,6 @@
 counters' workspace, and the relay's schedule, played out by a small simulator of the grid (launch order, limited
 residency, any interleaving) to check that it orders every query tile's adds by key tile and never deadlocks."""
 
-import heapq
 import random
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from flash_attn_4_sm120 import arguments, config_bwd, dispatch_bwd
 from flash_attn_4_sm120.config import WINDOW_UNBOUNDED
-from flash_attn_4_sm120.kernels.dq_relay import first_key_tile, relay_group_pairs, relay_launch_coords
+from flash_attn_4_sm120.kernels.dq_relay import first_key_tile
 from test_block_sparse_bwd import recorded_launches  # noqa: F401  (fixture)
 
 
@@ -151,21 +150,17 @@ class Deadlock(Exception):
 
 
 def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed, ascending=True,
-              at_least=True, group=None):
+              at_least=True):
     """Play the relay out: CTAs dispatched in linear-index order into ``slots`` residency slots, resident CTAs
     stepping in a random interleaving; a CTA's next add waits until its tile's counter reaches its turn.  Returns
-    {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move.  ``group``: the
-    relay's grouped launch order with that many pairs per group (kernels/dq_relay.py relay_launch_coords), which
-    replaces the plain / LPT order."""
+    {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move."""
     rng = random.Random(seed)
     batch = len(lens_q)
     gx, gy, gz = max(-(-max(lens_k) // tn), 1), hkv, batch
     use_lpt = lpt and windowed and gx >= 16 and gy * gz <= 64  # kernels/bwd_dkdv.py cta_coords
     ctas = []
     for lin in range(gx * gy * gz):
-        if group is not None:
-            n, h, b = relay_launch_coords(lin, gx, gy, gy * gz, group)
-        elif use_lpt:
+        if use_lpt:
             n, rest = divmod(lin, gy * gz)
             b, h = divmod(rest, gy)
         else:
@@ -243,47 +238,11 @@ def test_relay_orders_every_tile_by_key_tile_and_never_deadlocks(case, slots):
     cu_q = _cu(lens_q) if varlen else None
     runs = [_simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed)
             for lpt in (False, True) for seed in range(3)]
-    pairs = hkv * len(lens_q)
-    runs += [_simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, False, seed,
-                       group=group)  # the relay's grouped order: every group size, a partial last group
-             for group in sorted({1, 2, 3, pairs}) for seed in range(2)]
     assert runs[0]  # some tile had adds
     for order in runs:
         assert order == runs[0]  # the same order whatever the interleaving and launch order
         for adds in order.values():
             assert adds == sorted(adds) and len(set(adds)) == len(adds)
-
-
-@pytest.mark.parametrize("gx,pairs", [(1, 1), (7, 1), (1, 5), (8, 16), (13, 6), (32, 64), (5, 257)])
-def test_relay_launch_order_is_a_bijection_with_ascending_key_tiles_per_pair(gx, pairs):
-    gy = 2 if pairs % 2 == 0 else 1
-    for group in sorted({1, 2, 3, 5, pairs, pairs + 4}):
-        seen = {}
-        for lin in range(gx * pairs):
-            n, h, b = relay_launch_coords(lin, gx, gy, pairs, min(group, pairs))
-            assert 0 <= n < gx and 0 <= h < gy and 0 <= b < pairs // gy
-            assert (n, h, b) not in seen
-            seen[(n, h, b)] = lin
-        assert len(seen) == gx * pairs
-        for h in range(gy):  # a pair's key tiles launch in ascending order (the deadlock argument)
-            for b in range(pairs // gy):
-                lins = [seen[(n, h, b)] for n in range(gx)]
-                assert lins == sorted(lins)
-        if 1 < min(group, pairs) and gx > 1:  # staggered: key tile 1 of the first pair after key tile 0 of others
-            assert seen[(1, 0, 0)] == min(group, pairs)
-
-
-def test_relay_group_fits_the_budget():
-    assert relay_group_pairs(32, 64, 1, 10**9, 1) == 64  # everything fits: one group (the LPT order)
-    assert relay_group_pairs(32, 64, 1, 32 * 15 + 31, 1) == 15
-    assert relay_group_pairs(32, 64, 4, 32 * 15, 1) == 3  # GQA: each pair walks 4 heads' rows
-    assert relay_group_pairs(32, 64, 4, 32 * 15, 16) == 16  # the floor
-    assert relay_group_pairs(32, 5, 4, 32 * 15, 16) == 5  # ... never more than the grid's pairs
-    assert relay_group_pairs(128, 16, 1, 100, 0) == 1  # never below one pair
-    assert relay_group_pairs(0, 3, 1, 100, 1) == 3  # an empty grid column count divides nothing by zero
-    cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)
-    # Q, dO (bf16) and dQ (fp32) rows of one key tile: 128 x (128 + 128 + 256) bytes = 64 KiB
-    assert config_bwd.relay_key_tiles_in_budget(cfg) == config_bwd.RELAY_GROUP_KIB // 64
 
 
 def test_the_simulator_finds_the_deadlock_of_the_launch_inverted_order():
@@ -309,51 +268,3 @@ def test_lying_metadata_that_shares_tiles_cannot_hang():
         except Deadlock:
             hung += 1
     assert hung  # the exact-turn variant hangs on this metadata: the check above is not vacuous
-
-
-# ---- the wavefront, in a timing model ---------------------------------------------------------------------------
-def _makespan(gx, pairs, m_tiles, slots, hop, group=None):
-    """A timing model of the relay on a plain (non-causal) grid, not a measurement: each CTA walks ``m_tiles`` query
-    tiles in descending order, one time unit per tile; its add of a tile waits until the previous key tile's add
-    there plus ``hop`` (the turn's hand-over); CTAs take the first free residency slot in launch order.  Returns the
-    time the last CTA ends.  ``group``: the relay's grouped launch order (kernels/dq_relay.py), else the plain one."""
-    free = [0.0] * slots
-    added, end = {}, 0.0
-    for lin in range(gx * pairs):
-        if group is None:
-            n, pair = lin % gx, lin // gx
-        else:
-            n, _, pair = relay_launch_coords(lin, gx, 1, pairs, group)
-        t = heapq.heappop(free)
-        for m in reversed(range(m_tiles)):
-            t += 1.0
-            if n > 0:
-                t = max(t, added[(pair, m, n - 1)] + hop)
-            added[(pair, m, n)] = t
-        heapq.heappush(free, t)
-        end = max(end, t)
-    return end
-
-
-def test_grouped_launch_order_removes_the_repeated_wavefront_in_the_model():
-    # mha-d64 at S=4096, B=4 (32 key tiles, 64 pairs, 64 query tiles) on 264 slots (132 SMs x 2 CTAs), a hand-over as
-    # long as one query tile: in the plain order a pair's key tiles launch in one burst and the k-th waits k
-    # hand-overs in every wave (the model puts that at 1.25x the walks' time; main's relay measured 0.71x the default);
-    # grouped (config_bwd's group at d64: 16 pairs, the floor over the budget's 12) the burst is paid in the first
-    # wave only
-    gx, pairs, m_tiles, slots = 32, 64, 64, 264
-    group = relay_group_pairs(gx, pairs, 1, config_bwd.relay_key_tiles_in_budget(
-        config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)),
-        config_bwd.RELAY_GROUP_MIN_PAIRS)
-    assert group == 16
-    # with no hand-over cost both orders take the same time (8 waves of whole walks): the model charges the turns only
-    free = _makespan(gx, pairs, m_tiles, slots, 0.0)
-    assert free == _makespan(gx, pairs, m_tiles, slots, 0.0, group=group) == 8 * m_tiles
-    plain = _makespan(gx, pairs, m_tiles, slots, 1.0)
-    grouped = _makespan(gx, pairs, m_tiles, slots, 1.0, group=group)
-    assert plain > 1.2 * free
-    assert grouped < 0.85 * plain and grouped < 1.05 * free
-    # a long sequence (S=16K: 128 key tiles, 16 pairs, 256 query tiles): the budget alone would give 3 pairs
-    free = _makespan(128, 16, 256, slots, 0.0)
-    assert _makespan(128, 16, 256, slots, 1.0, group=16) < 1.03 * free < _makespan(128, 16, 256, slots, 1.0, group=3)
-    assert _makespan(gx, pairs, m_tiles, slots, 1.0, group=1) == plain  # one pair per group: the plain order

@@ -251,35 +251,6 @@ BWD_LPT_MAX_PAIRS = 64
 # benchmarks/experiments/results/relay_bwd_h200_s35.jsonl); an A/B switch for
 # benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
 DQ_RELAY_RELEASE = "top"
-# The relay form reads its turn counter early (kernels/dq_relay.py ``peek``: before the dK mma, compared at the adds)
-# instead of right before the adds, where the read's L2 round trip stalled every warp on every query tile
-# (SASS: LDG.E.STRONG.GPU + CCTL.IVALL, its value used at once).  An A/B switch for
-# benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.  Not measured yet (no GPU in the session
-# that wrote it): the probe's ``relay_prefetch`` variant.
-DQ_RELAY_PREFETCH = True
-# The relay form's launch order (kernels/dq_relay.py ``relay_launch_coords``): the (KV head, batch) pairs in groups
-# whose Q, dO and fp32 dQ rows fit RELAY_GROUP_KIB KiB (a share of L2: H100/H200 50 MB, RTX 5090 96 MB), key tile n
-# of every pair of a group launched before key tile n + 1 of any, so a pair's key tiles reach the GPU staggered in
-# time instead of in one burst that makes the k-th wait k turn hand-overs (kernels/dq_relay.py, "Where the time
-# went").  0: the default's order (plain, or LPT on windowed walks).  An A/B switch for
-# benchmarks/experiments/probe_relay_bwd.py, not part of the compile key; 24 MiB is a first guess, not measured yet.
-RELAY_GROUP_KIB = 24 * 1024
-# ... but never fewer pairs per group than this (while the grid has them): with few pairs per group the residency
-# slots hold many key tiles of each and a pair's key tiles launch in bursts again (long sequences: 24 MiB holds 3
-# pairs at d64, S=16K).  Going over the L2 budget costs little: a pair's resident key tiles still read each Q/dO
-# tile together, so the DRAM re-reads grow with pairs per group / slots (16 of 264 slots: ~2-4% more traffic at
-# d64), not with the sequence.  tests/test_bwd_relay.py's timing model: 16 pairs reach <= 1.03x the hand-over-free
-# time at S=4K and 16K where the budget alone (12 and 3 pairs) gave 1.07x.  Not measured on a GPU yet.
-RELAY_GROUP_MIN_PAIRS = 16
-
-
-def relay_key_tiles_in_budget(cfg: BwdKernelConfig) -> int:
-    """How many key tiles' worth of query-side rows (Q and dO in 16 bits, dQ in fp32: ``tile_n`` rows each, one
-    query head) fit RELAY_GROUP_KIB (kernels/dq_relay.py ``relay_group_pairs`` divides it by key tiles x heads per
-    pair).  At least 1.  A pair of a self-attention call walks about as many query rows as it has keys, so this is
-    the group's L2 working set (Sq != Sk scales it)."""
-    row_bytes = 2 * cfg.head_dim + 2 * cfg.head_dim_v + 4 * cfg.head_dim
-    return max(RELAY_GROUP_KIB * 1024 // (cfg.tile_n * row_bytes), 1)
 # Head dims (max(head_dim, head_dim_v), as _FUSED_TILES) where ``deterministic=True`` takes the relay form; the rest
 # keep the atomic-free dK/dV + dQ pair.  Measured against the pair in one process (H200, relay_bwd_h200_s35.jsonl):
 # d64 (64x128) 0.98-1.13x the pair (geomean 1.06); d128 (32x128) 0.62-0.90x, the serialised turns cost more than the
