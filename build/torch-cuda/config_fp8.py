@@ -24,7 +24,8 @@ FP8_TILE_M = 64  # 4 warps x 16 query rows
 # Its FP8_DECODE_KV_WARPS warps split the keys of each K/V tile (kv_warps): one warp alone walked a tile in about
 # three times the load latency (the mma is emulated on the proxy), so a CTA's loads sat idle most of the time and
 # the grid had too few warps per SM to cover them; two warps halve each CTA's walk in the same shared memory, and
-# five such CTAs (ten warps) fit an H100 SM, two an SM120 one (fp8_decode_splits.py --tiles measures the change)
+# four such CTAs fit an H100 SM (registers), two an SM120 one (shared memory).  Instructions per step: benchmarks/
+# experiments/results/fp8_decode_tile_sass_cpu.jsonl; the timing: benchmarks/experiments/fp8_decode_splits.py --tiles
 FP8_DECODE_TILE_M, FP8_DECODE_WARPS, FP8_DECODE_KV_WARPS = 16, 2, 2
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4

@@ -20,9 +20,8 @@ dQ, two ways:
     kernels/bwd_dq_convert.py scales and casts the workspace.  The order in which
     the CTAs of a query tile add varies from run to run, so dQ is not bitwise reproducible, except in the relay
     form (config ``dq_relay``, ``deterministic=True``; kernels/dq_relay.py): the CTAs of a query tile add in
-    ascending key-tile order, taking turns on a counter per tile (read early, under the dK and dQ mmas), each CTA
-    walks its query tiles in descending order, and the CTAs launch in groups of (KV head, batch) pairs with the key
-    tile outermost, so a pair's key tiles arrive one after another instead of in one burst.
+    ascending key-tile order, taking turns on a counter per tile, and each CTA walks its query tiles in descending
+    order, so the contributors of a tile reach it at about the same time.
   * otherwise kernels/bwd_dq.py (Q-stationary, no atomics) recomputes S and dP: bitwise reproducible
     (``deterministic=True``) and the path of a learnable sink, whose gradient needs that kernel's row sums.
 
@@ -45,7 +44,7 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
-from .dq_relay import DqRelay, relay_group_pairs, relay_launch_coords
+from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
 
@@ -89,14 +88,6 @@ class FlashBwdDkdv(KernelStateMixin):
         # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
         # drain before the release's fence but makes the next CTA wait longer)
         self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
-        # the relay: its turn counter read early (config_bwd.DQ_RELAY_PREFETCH, kernels/dq_relay.py ``peek``), and
-        # its grouped launch order (config_bwd.RELAY_GROUP_KIB, dq_relay.relay_launch_coords), which replaces the
-        # LPT order there (with every pair in one group it is the LPT order)
-        self.relay_prefetch = cfg.dq_relay and _config_bwd.DQ_RELAY_PREFETCH
-        self.relay_order = cfg.dq_relay and _config_bwd.RELAY_GROUP_KIB > 0
-        if self.relay_order:
-            self.lpt_order = False
-            self.relay_budget_tiles = _config_bwd.relay_key_tiles_in_budget(cfg)
 
     @cute.jit
     def __call__(
@@ -186,7 +177,7 @@ class FlashBwdDkdv(KernelStateMixin):
         copy_dv: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, kv_head, batch = self.cta_coords(qheads_per_kvhead)
+        n_block, kv_head, batch = self.cta_coords()
         st = self.kernel_state(batch, *self.seq_rows(mQ, mK), mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                scale_log2, softcap_prescale, window_left, window_right, 1, dropout=dropout,
                                aux=mAux)
@@ -198,26 +189,15 @@ class FlashBwdDkdv(KernelStateMixin):
             )
 
     @cute.jit
-    def cta_coords(self, qheads_per_kvhead):
+    def cta_coords(self):
         """(key tile, KV head, batch) of this CTA.  The grid is (key tiles, KV heads, batch) and CTAs launch with x
         varying fastest.  With ``lpt_order``, on grids of at least config_bwd.BWD_LPT_MIN_COLUMNS key
         tiles and at most BWD_LPT_MAX_PAIRS (KV head, batch) pairs, the CTA that launches k-th takes key tile
         k // (KV heads x batch): a causal walk's first key tile sees every query tile and its last the fewest, so
         every pair's longest walk launches before any second-longest and the shortest fill the tail of the last
-        wave (longest-processing-time order).  Other grids keep a head's key tiles together.  The relay
-        (``relay_order``) launches in groups of pairs instead, key tile outermost inside a group
-        (kernels/dq_relay.py ``relay_launch_coords``).  Warp-uniform."""
+        wave (longest-processing-time order).  Other grids keep a head's key tiles together.  Warp-uniform."""
         bx, by, bz = cute.arch.block_idx()
         n_block, kv_head, batch = bx, by, bz
-        if const_expr(self.relay_order):
-            gx, gy, gz = cute.arch.grid_dim()
-            pairs = gy * gz
-            group = relay_group_pairs(gx, pairs, qheads_per_kvhead, self.relay_budget_tiles,
-                                      _config_bwd.RELAY_GROUP_MIN_PAIRS)
-            n_block, kv_head, batch = relay_launch_coords(bx + gx * (by + gy * bz), gx, gy, pairs, group)
-            n_block = cute.arch.make_warp_uniform(n_block)
-            kv_head = cute.arch.make_warp_uniform(kv_head)
-            batch = cute.arch.make_warp_uniform(batch)
         if const_expr(self.lpt_order):
             gx, gy, gz = cute.arch.grid_dim()
             if gx >= _config_bwd.BWD_LPT_MIN_COLUMNS and gy * gz <= _config_bwd.BWD_LPT_MAX_PAIRS:
@@ -243,45 +223,27 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx, seen):
+    def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
         tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
         wrong sums, never a write outside it.  With the relay (``relay`` not None), first wait for this key tile's
         turn on the tile; returns the offset of the tile's counter, to pass on once every thread's adds are issued
-        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both).  ``seen``: lane
-        0's early read of the counter (``DQ_RELAY_PREFETCH``, ``peek_turn``), else unused."""
-        blk = self.dq_tile(seq, rows_q, m_block)
+        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
+        if const_expr(self.cfg.varlen_q):
+            blk = seq.offset_q // self.tile_m + seq.batch + m_block
+        else:
+            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
         pend = Int32(-1)
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
                 pend = relay.offset(blk, head)
-                if const_expr(self.relay_prefetch):  # lane 0 read the counter before the dK mma (``seen``)
-                    relay.wait_seen(pend, relay.turn(n_block, m_block), seen)
-                else:
-                    relay.wait(pend, relay.turn(n_block, m_block))
+                relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
                 cu.red_add_f32x2(addr + j * self.num_threads * 8, acc_dQ[2 * j], acc_dQ[2 * j + 1])
         return pend
-
-    @cute.jit
-    def dq_tile(self, seq, rows_q, m_block):
-        """The workspace tile of query tile ``m_block`` of this CTA's sequence (``config_bwd.dq_accum_blocks``)."""
-        if const_expr(self.cfg.varlen_q):
-            return seq.offset_q // self.tile_m + seq.batch + m_block
-        return seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-
-    @cute.jit
-    def peek_turn(self, mDqAccum, relay, seq, rows_q, head, m_block, n_block):
-        """Lane 0's early acquire read of the turn counter of query tile ``m_block`` of ``head`` (kernels/dq_relay.py
-        ``peek``), for ``add_dq``; a tile past the workspace is not read."""
-        blk = self.dq_tile(seq, rows_q, m_block)
-        off = Int32(-1)
-        if blk < mDqAccum.shape[0]:
-            off = relay.offset(blk, head)
-        return relay.peek(off, relay.turn(n_block, m_block))
 
     @cute.jit
     def dense_entry(self, first_head, m_min, num_m, it):
@@ -483,9 +445,6 @@ class FlashBwdDkdv(KernelStateMixin):
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
             cute.arch.barrier()
-            seen = Int32(0)
-            if const_expr(self.relay_prefetch):  # the turn's counter, read under the dK and dQ mmas
-                seen = self.peek_turn(mDqAccum, relay, seq, rows_q, head, m_block, n_block)
             # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
             # registers)
             if it + 1 < num_iters:
@@ -509,7 +468,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
-                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx, seen)
+                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 
