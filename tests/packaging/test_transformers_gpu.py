@@ -68,7 +68,10 @@ def assert_our_kernel_loaded(r: dict, family: str, home: Path) -> None:
 
 
 def assert_close(r: dict, what: str) -> None:
-    assert r["finite"], f"{what}: non-finite logits"
+    # which call went non-finite, and whether its inputs already were (tf_scenarios._describe / _spy record both)
+    bad = [{k: c.get(k) for k in ("fn", "sq", "q_layout", "k_layout", "v_layout")} for c in r.get("calls", [])
+           if c.get("out_finite") is False][:2]
+    assert r["finite"], f"{what}: non-finite logits (transformers' own path finite: {r.get('finite_ref')}; {bad})"
     assert r["err_ours"] <= RATIO * r["err_ref"] + SLACK, (
         f"{what}: ours is {r['err_ours']:.4f} from the fp32 gold, transformers' bf16 path {r['err_ref']:.4f}")
     assert r["err_pair"] < PAIR_TOL, f"{what}: ours vs ref {r['err_pair']:.4f} (max abs {r['max_abs_pair']})"

@@ -106,6 +106,14 @@ def allow_for_gpt_oss(repo: str) -> None:
 CALLS: list[dict] = []
 
 
+def _layout(t):
+    """Shape, strides, storage offset and finiteness of a tensor handed to the kernel (what a layout bug needs)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return {"shape": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
+            "contiguous": t.is_contiguous(), "finite": bool(torch.isfinite(t).all()) if t.is_floating_point() else None}
+
+
 def _describe(name, args, kwargs):
     q = args[0]
     window = kwargs.get("window_size")
@@ -118,6 +126,8 @@ def _describe(name, args, kwargs):
     k = args[1] if len(args) > 1 else kwargs.get("k", kwargs.get("k_cache"))
     return {"fn": name, "keys": sorted(kwargs), "sq": sq, "q_shape": list(q.shape), "q_dtype": str(q.dtype),
             "k_dtype": str(getattr(k, "dtype", None)),
+            "k_layout": _layout(k), "v_layout": _layout(args[2] if len(args) > 2 else kwargs.get("v", kwargs.get("v_cache"))),
+            "q_layout": _layout(q),
             "causal": kwargs.get("causal"), "window_size": list(window) if window is not None else None,
             "softcap": kwargs.get("softcap"), "sink_dtype": str(sink.dtype) if sink is not None else None,
             "sink_requires_grad": bool(sink is not None and sink.requires_grad)}
@@ -126,7 +136,10 @@ def _describe(name, args, kwargs):
 def _spy(name, fn):
     def spy(*args, **kwargs):
         CALLS.append(_describe(name, args, kwargs))
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        o = out[0] if isinstance(out, tuple) else out
+        CALLS[-1]["out_finite"] = bool(torch.isfinite(o).all()) if isinstance(o, torch.Tensor) else None  # harness: a sync is fine
+        return out
     spy.__signature__ = inspect.signature(fn)
     return spy
 
@@ -271,7 +284,7 @@ def judge(o, r, g, prefix=""):
     """Relative L2 errors: ours and ref against the fp32 gold, and ours against ref."""
     return {f"{prefix}err_ours": rel(o, g), f"{prefix}err_ref": rel(r, g), f"{prefix}err_pair": rel(o, r),
             f"{prefix}max_abs_pair": float((o.float() - r.float()).abs().max()),
-            f"{prefix}finite": bool(torch.isfinite(o).all())}
+            f"{prefix}finite": bool(torch.isfinite(o).all()), f"{prefix}finite_ref": bool(torch.isfinite(r).all())}
 
 
 def inputs(cfg, device, padded: bool, batch: int = 3, seq: int = SEQ):
