@@ -31,6 +31,13 @@ KERNEL_FILES = {
     "combine": ("combine.py",),
     "bwd_pre": ("bwd_preprocess.py",),
 }
+# kernel files that every kind reads: a change of one rebuilds every class (gate_ci.kinds_to_rebuild).  Every file under
+# kernels/ is a kind's (KERNEL_FILES), shared (here) or outside the full runs (gate_ci.FULL_RUN_EXCLUDED):
+# tests/test_gate_classes.py fails on a new kernel file listed nowhere, which would otherwise count as shared and make
+# compile_gate --refresh rebuild every kind (it did once, with a new backward kernel file, and ran out of time)
+SHARED_KERNEL_FILES = ("__init__.py", "block_info.py", "block_sparse.py", "cute_utils.py", "fwd_base.py",
+                       "kernel_state.py", "kv_source.py", "mods.py", "philox.py", "rows.py", "score.py",
+                       "score_dropout.py", "score_mask.py", "seqlen_info.py", "softmax.py")
 _FLAGS = ("windowed", "has_softcap", "has_sink", "varlen_q", "varlen_k", "seqused_q", "seqused_k",
           "dropout_seed_tensor", "sink_grad")
 

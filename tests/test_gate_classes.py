@@ -251,6 +251,20 @@ def test_every_kernel_file_of_a_kind_exists():
     assert all((kdir / f).exists() for fs in C.KERNEL_FILES.values() for f in fs)
 
 
+def test_every_kernel_file_is_a_kinds_shared_or_excluded():
+    """A kernel file listed nowhere counts as shared, so --refresh would rebuild every kind for it: each file under
+    kernels/ must be one kind's (or several), shared on purpose, or outside the full runs, and in one group only."""
+    kdir = ROOT / GC.PKG / "kernels"
+    owned = {f for fs in C.KERNEL_FILES.values() for f in fs}
+    excluded = {e.split("/", 1)[1] for e in GC.FULL_RUN_EXCLUDED if e.startswith("kernels/")}
+    shared = set(C.SHARED_KERNEL_FILES)
+    assert not (owned & shared) and not (owned & excluded) and not (shared & excluded)
+    files = {p.name for p in kdir.glob("*.py")}
+    assert files == owned | shared | excluded, (sorted(files - owned - shared - excluded),
+                                                sorted((owned | shared | excluded) - files))
+    assert GC.kinds_to_rebuild(sorted(shared)) == set(C.KERNEL_FILES)
+
+
 # ---- freshness of the committed full runs ------------------------------------------------------------------
 def _git(repo, *args):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@e", *args], check=True,
