@@ -19,6 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout root: scripts.gate_ci
+from scripts.gate_ci import read_run  # noqa: E402
+
 _SAME = ("arch", "cutlass_dsl", "libs", "commit", "sources")
 
 
@@ -29,14 +32,8 @@ def merge(paths: list[Path], shards: int) -> tuple[dict, list[dict]]:
                          "be given once")
     first, rows, seen = None, [], {}
     for p in paths:
-        meta, mine = None, []
-        for line in p.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if "meta" in row:
-                    meta = row["meta"]
-                else:
-                    mine.append(row)
+        meta, named = read_run(p)
+        mine = list(named.values())
         if meta is None:
             raise ValueError(f"{p} has no run record (first line): not a compile_gate.py --json file")
         if first is None:

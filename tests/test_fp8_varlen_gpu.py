@@ -48,13 +48,19 @@ def test_packed_rows_match_each_sequence(d, causal, window, with_sink, lens_q, l
                                          causal=causal, window_size=window, learnable_sink=sink, return_lse=True,
                                          num_splits=1)
     assert out.shape == (sum(lens_q), hq, d) and lse.shape == (hq, sum(lens_q))
+    _check_each_sequence(out, lse, q8, k8, v8, lens_q, lens_k, causal=causal, window=window, sink=sink)
+
+
+def _check_each_sequence(out, lse, q8, k8, v8, lens_q, lens_k, **kw):
+    """Each non-empty sequence of a varlen call against _check_exact (bf16 output) on its own rows and keys."""
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-        q0, k0 = int(cu_q[b]), int(cu_k[b])
-        rows = slice(q0, q0 + lq)
         if lq == 0:
             continue
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        rows = slice(q0, q0 + lq)
         _check_exact(out[rows][None], lse[:, rows][None], q8[rows][None], k8[k0:k0 + lk][None],
-                     v8[k0:k0 + lk][None], torch.bfloat16, causal=causal, window=window, sink=sink)
+                     v8[k0:k0 + lk][None], torch.bfloat16, **kw)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -72,13 +78,7 @@ def test_softcap_packed_rows_match_each_sequence(d, causal, window, pack_gqa):
     out, lse = fa.flash_attn_varlen_func(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                                          causal=causal, window_size=window, learnable_sink=sink, return_lse=True,
                                          num_splits=1, softcap=4.0, pack_gqa=pack_gqa)
-    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-        q0, k0 = int(cu_q[b]), int(cu_k[b])
-        rows = slice(q0, q0 + lq)
-        if lq == 0:
-            continue
-        _check_exact(out[rows][None], lse[:, rows][None], q8[rows][None], k8[k0:k0 + lk][None],
-                     v8[k0:k0 + lk][None], torch.bfloat16, causal=causal, window=window, sink=sink, softcap=4.0)
+    _check_each_sequence(out, lse, q8, k8, v8, lens_q, lens_k, causal=causal, window=window, sink=sink, softcap=4.0)
 
 
 def test_seqused_k_caps_the_keys_and_empty_sequences_are_zero():
