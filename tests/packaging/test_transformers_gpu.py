@@ -177,6 +177,7 @@ def test_generate_with_fp8_cache(hub, home):
 def check_generate_fp8_cache(r: dict, home: Path) -> None:
     assert_our_kernel_loaded(r, "llama", home)
     assert r["cache_layer"] == "Fp8QuantizedLayer" and r["cache_storage_dtype"] == "torch.float8_e4m3fn", r
+    assert not any(r["cache_nan"]), f"transformers' FP8 cache stored NaN (layers, ours then ref: {r['cache_nan']})"
     seen = calls(r, "dense")
     assert len(seen) == 2 * 12 and {c["k_dtype"] for c in seen} == {"torch.bfloat16"}, seen
     assert r["generated"] == 3 * 12 and r["compared_steps"] >= 1

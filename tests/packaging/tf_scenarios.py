@@ -437,6 +437,11 @@ def scenario_generate_fp8_cache(args, device):
     return {**info, **spy, **judge(step[:, :k], ref_step[:, :k], gold_tf[:, :k]), "compared_steps": k,
             "common_steps": common, "worst_gap": float(gaps.max()), "generated": int(toks.numel()),
             "cache_layer": type(layer).__name__, "cache_storage_dtype": str(layer._quantized_keys[0].dtype),
+            # transformers freezes the FP8 scale at the first update and casts later states with it unclamped: a
+            # decode state beyond 448 x scale is stored as NaN (e4m3fn has no inf), which both caches would then hold
+            "cache_nan": [bool(torch.isnan(c.layers[i]._quantized_keys[0].float()).any()
+                               or torch.isnan(c.layers[i]._quantized_values[0].float()).any())
+                          for c in caches for i in range(len(c.layers))],
             "calls": CALLS}
 
 
