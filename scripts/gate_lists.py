@@ -59,6 +59,7 @@ def hand_worklist() -> list:
             items += bwd_gate_configs(dtype, d, dv)
     items += dropout_gate_worklist()
     items += fused_gate_worklist()
+    items += fused_trial_worklist()
     items += combine_gate_configs()
     items += bwd_pre_gate_configs()
     items += mods_worklist()
@@ -307,6 +308,42 @@ def fused_gate_worklist() -> list:
                 cfg = select_fused_config(dtype, d, dv, **flags)
                 if cfg is not None:
                     out += [cfg, dq_convert_config(cfg)] + _relay_of(cfg)
+    return out
+
+
+def fused_trial_worklist() -> list:
+    """The fused tiles built but not selected by default (config_bwd._FUSED_TRIAL_TILES, the V-in-registers tile at
+    d256), with their convert kernels (and relay forms where one serves, ``_relay_of``): per trial head dim, at its largest pair and its smallest dv
+    the tile takes, causal (windowed) and not, in bf16 the lightest set, the heaviest (every flag of the walk),
+    dropout alone and with the heaviest set and a seed tensor; fp16 at the lightest and the heaviest; at the largest
+    pair the causal, document and relative-bias mods with the heaviest set they combine with."""
+    out = []
+    for dmax in sorted(config_bwd._FUSED_TRIAL_TILES):
+        pairs = [p for p in supported_head_dim_pairs() if max(p) == dmax
+                 and select_fused_config("bf16", *p, trial=True) is not None]
+        if not pairs:
+            continue
+        big = max(pairs)
+        thin = min((p for p in pairs if p[0] == big[0]), key=lambda p: p[1])
+        for d, dv in sorted({big, thin}, reverse=True):
+            for windowed in (False, True):
+                heavy = dict(_BWD_HEAVY, windowed=windowed)
+                for dtype, flags in (("bf16", dict(windowed=windowed)), ("bf16", heavy),
+                                     ("bf16", dict(windowed=windowed, has_dropout=True)),
+                                     ("bf16", dict(heavy, has_dropout=True, dropout_seed_tensor=True)),
+                                     ("fp16", dict(windowed=windowed)), ("fp16", heavy)):
+                    cfg = select_fused_config(dtype, d, dv, trial=True, **flags)
+                    if cfg is not None and type(cfg) is not BwdKernelConfig:
+                        out += [cfg, dq_convert_config(cfg)] + _relay_of(cfg)
+        # the library's mask mods and its heaviest score mod, with every flag mods combine with (mods x dropout is
+        # refused at d256), windowed and not
+        heavy = {k: v for k, v in _BWD_HEAVY.items() if k != "has_softcap"}
+        for factory, args, aux_sig, score in (_GATE_MODS[0], _GATE_MODS[2], _GATE_MODS[5]):
+            full = modspec.recipe_placeholder(factory, args, aux_sig, score)
+            for windowed in (True, False):
+                cfg = select_fused_config("bf16", *big, trial=True, mods=full, **dict(heavy, windowed=windowed))
+                if cfg is not None and type(cfg) is not BwdKernelConfig:
+                    out += [cfg] + _relay_of(cfg)
     return out
 
 

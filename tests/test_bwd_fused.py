@@ -79,3 +79,104 @@ def test_fused_configs_are_in_the_gate():
         for flags in ({}, {"has_dropout": True}):
             assert config_bwd.select_fused_config("bf16", d, dv, **flags).name() in names
     assert any(n.startswith("dqcvt_") for n in names)
+
+
+# ---- the V-in-registers tile at d256 (kernels/bwd_dkdv_vregs.py): built and gated, selected only as a trial ----
+def test_vregs_tile_fits_where_the_p_ds_tile_of_its_shape_does_not():
+    cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True)
+    assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig) and cfg.fused_dq
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows) == (32, 64, 8, 32)
+    assert config_bwd.bwd_smem_bytes(cfg) == 99328 <= config_bwd.SMEM_LIMIT_BYTES
+    assert not config_bwd.bwd_problems(cfg)
+    # the same tile with V in shared memory beside P and dS: over SM120's limit
+    pds = config_bwd.BwdKernelConfig("bf16", 256, 256, 32, 64, 8, kv_warp_rows=32, fused_dq=True)
+    assert config_bwd.bwd_smem_bytes(pds) == 106496
+    assert any("shared memory" in p for p in config_bwd.bwd_problems(pds))
+
+
+def test_vregs_tile_is_not_the_default(monkeypatch):
+    monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
+    assert config_bwd.select_fused_config("bf16", 256, 256) is None
+    assert config_bwd.fused_for(config_bwd.select_bwd_config("bf16", 256, 256)) is None
+
+
+def test_the_environment_switches_it_on(monkeypatch):
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "128, 256")
+    pair = config_bwd.select_bwd_config("bf16", 256, 256, windowed=True)
+    fused, cvt = config_bwd.fused_for(pair)
+    assert isinstance(fused, config_bwd.BwdVRegsKernelConfig) and fused.windowed
+    assert (cvt.tile_m, cvt.num_warps, cvt.head_dim) == (32, 8, 256)
+    # other head dims keep their default tiles
+    assert type(config_bwd.select_fused_config("bf16", 128, 128)) is config_bwd.BwdKernelConfig
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "2560")
+    assert config_bwd.select_fused_config("bf16", 256, 256) is None
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(fused_dq=False), "fused tile"), (dict(sparse_q_ratio=1, sparse_kv_ratio=1), "block-sparse"),
+    (dict(tile_m=64), "32x64"), (dict(num_warps=4), "32x64"), (dict(kv_warp_rows=16), "32x64"),
+    (dict(head_dim_v=96), "multiples of 64"),
+])
+def test_vregs_problems_name_the_value(kw, needle):
+    base = dict(dtype="bf16", head_dim=256, head_dim_v=256, tile_m=32, tile_n=64, num_warps=8, kv_warp_rows=32,
+                fused_dq=True)
+    problems = config_bwd.bwd_problems(config_bwd.BwdVRegsKernelConfig(**dict(base, **kw)))
+    assert any(needle in p for p in problems), problems
+
+
+def test_vregs_serves_the_pairs_whose_dims_divide():
+    for dv, served in ((256, True), (192, True), (128, True), (64, True), (96, False), (32, False)):
+        cfg = config_bwd.select_fused_config("bf16", 256, dv, trial=True)
+        assert (cfg is not None) == served, dv
+    assert [config_bwd.vregs_chunk_cols(x) for x in (64, 128, 192, 256)] == [64, 128, 64, 128]
+
+
+def test_vregs_key_and_route_are_its_own():
+    from flash_attn_4_sm120 import jit
+
+    cfg = config_bwd.select_fused_config("fp16", 256, 256, trial=True, has_dropout=True)
+    assert cfg.name().startswith("bwdvr_fp16_d256v256_32x64w8r32f") and cfg.name().endswith("_drop")
+    assert jit.kernel_route(cfg) == ("bwd_dkdv_vregs", "FlashBwdDkdvVRegs")
+    plain = config_bwd.BwdKernelConfig("fp16", 256, 256, 32, 64, 8, kv_warp_rows=32, fused_dq=True,
+                                       has_dropout=True)
+    assert cfg != plain and repr(cfg) != repr(plain)
+    assert jit.kernel_route(plain) == ("bwd_dkdv", "FlashBwdDkdv")
+
+
+def test_vregs_configs_are_in_the_gate():
+    names = {c.name() for c in GL.fused_trial_worklist()}
+    for dtype in ("bf16", "fp16"):
+        for windowed in (False, True):
+            heavy = dict(windowed=windowed, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True,
+                         seqused_k=True)
+            for flags in (dict(windowed=windowed), heavy):
+                cfg = config_bwd.select_fused_config(dtype, 256, 256, trial=True, **flags)
+                assert cfg.name() in names
+                assert config_bwd.dq_convert_config(cfg).name() in names
+    for windowed in (False, True):
+        for flags in (dict(has_dropout=True), dict(has_dropout=True, dropout_seed_tensor=True, has_softcap=True,
+                                                   varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)):
+            cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True, windowed=windowed, **flags)
+            assert cfg.name() in names
+            assert config_bwd.replace(cfg, dq_relay=True).name() not in names  # no relay form (vregs_problems)
+    assert all(isinstance(c, (config_bwd.BwdVRegsKernelConfig, config_bwd.DqConvertKernelConfig))
+               for c in GL.fused_trial_worklist())
+    assert names <= {c.name() for c in GL.hand_worklist()}
+
+
+def test_vregs_takes_mods_and_the_gate_builds_them():
+    from flash_attn_4_sm120 import modspec
+
+    doc = modspec.recipe_placeholder("document", (True,), (("i32", 1),), False)
+    cfg = config_bwd.select_fused_config("bf16", 256, 256, trial=True, mods=doc, windowed=True, varlen_q=True,
+                                         varlen_k=True, seqused_q=True, seqused_k=True)
+    assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig)
+    assert cfg.name() in {c.name() for c in GL.fused_trial_worklist()}
+
+
+def test_vregs_has_no_relay_form(monkeypatch):
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "256")
+    monkeypatch.setattr(config_bwd, "RELAY_HEAD_DIMS", frozenset({64, 256}))
+    pair = config_bwd.select_bwd_config("bf16", 256, 256)
+    assert config_bwd.fused_for(pair, relay=True) is None  # deterministic=True: the kernel pair
+    assert isinstance(config_bwd.fused_for(pair)[0], config_bwd.BwdVRegsKernelConfig)

@@ -108,6 +108,7 @@ def test_device_code_lives_in_kernels_folder():
 
 @pytest.mark.parametrize("cls_path", [
     "fwd_tma.FlashFwdTma", "fwd_cpasync.FlashFwdCpAsync", "fwd_decode.FlashFwdDecode", "bwd_dkdv.FlashBwdDkdv", "bwd_dkdv_kvrows.FlashBwdDkdvKvRows",
+    "bwd_dkdv_vregs.FlashBwdDkdvVRegs",
     "bwd_dq.FlashBwdDq",
     "bwd_preprocess.FlashBwdPreprocess", "combine.FlashCombine"])
 def test_kernel_call_matches_its_record(cls_path):

@@ -2,6 +2,9 @@
 issue 30's 17 cells, one process, one GPU.
 
     python benchmarks/experiments/bwd_fused_ab.py --out benchmarks/experiments/results/bwd_fused_ab_<gpu>.jsonl
+    # a fused tile built but not selected by default (config_bwd._FUSED_TRIAL_TILES), e.g. d256's V-in-registers
+    # tile on the d256 cells; deterministic=True (ours_det) still runs the kernel pair there:
+    FA4_SM120_BWD_FUSED_TRIAL=256 python benchmarks/experiments/bwd_fused_ab.py --cells 12 13 16
 
 Backward only: ours, SDPA FLASH and flash-attn-4 (SM120 path forced) through torch.autograd.grad of a fixed forward
 graph; FROST (cuDNN-frontend's SM120 backward, capability presented as 12.0) called directly with the forward's O
@@ -69,8 +72,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cells", type=int, nargs="*", default=None, help="indices into CELLS")
-    ap.add_argument("--fused-tile", default=None,  # e.g. 128:64,64,8
-                    help="override the fused tile table for one head dim: 'd:tm,tn,warps[,rows]' (a variant)")
+    ap.add_argument("--fused-tile", default=None,  # e.g. 128:64,64,8 or 256:32,64,8,32,vregs
+                    help="override the fused tile table for one head dim: 'd:tm,tn,warps[,rows[,vregs]]' (a variant)")
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
 
@@ -79,8 +82,13 @@ def main(argv=None):
         from flash_attn_4_sm120 import config_bwd
 
         d_, tile = args.fused_tile.split(":")
-        config_bwd._FUSED_TILES[int(d_)] = ((tuple(int(x) for x in tile.split(",")), "all"),)  # every walk
-        variant = args.fused_tile
+        config_bwd._FUSED_TILES[int(d_)] = ((tuple(int(x) if x.isdigit() else x for x in tile.split(",")), "all"),)
+        variant = args.fused_tile  # every walk
+    import os
+
+    from flash_attn_4_sm120 import config_bwd as _cb
+
+    trial = os.environ.get(_cb.FUSED_TRIAL_ENV) or None  # the trial tiles' head dims, recorded with each row
 
     fa4 = frost = None
     try:
@@ -114,7 +122,7 @@ def main(argv=None):
         gout = mk(hq)
         fl = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
         row = dict(cell=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal,
-                   device=torch.cuda.get_device_name(), fused_tile_variant=variant)
+                   device=torch.cuda.get_device_name(), fused_tile_variant=variant, fused_trial=trial)
         ref = reference(q, k, v, gout, causal) if s <= 4096 else None
         impls = {}
         out, lse = fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
