@@ -24,7 +24,7 @@ KERNEL_FILES = {
     "fwd_tma": ("fwd_tma.py",),
     "fwd_cpasync": ("fwd_cpasync.py",),
     "fwd_decode": ("fwd_decode.py", "fwd_cpasync.py"),
-    "dkdv": ("bwd_dkdv.py", "dq_relay.py"),
+    "dkdv": ("bwd_dkdv.py", "dq_relay.py", "bwd_dkdv_vregs.py"),  # the d256 V-in-registers tile is a dkdv config
     "dkdv_kvrows": ("bwd_dkdv_kvrows.py", "bwd_dkdv.py", "dq_relay.py"),
     "dq": ("bwd_dq.py",),
     "dq_convert": ("bwd_dq_convert.py",),
