@@ -312,13 +312,15 @@ def fused_gate_worklist() -> list:
 
 
 def fused_trial_worklist() -> list:
-    """The fused tiles built but not selected by default (config_bwd._FUSED_TRIAL_TILES, the V-in-registers tile at
-    d256), with their convert kernels (and relay forms where one serves, ``_relay_of``): per trial head dim, at its largest pair and its smallest dv
+    """The fused tiles built but not selected by default (config_bwd._FUSED_TRIAL_TILES) and the V-in-registers tile
+    (the d256 default), with their convert kernels (and relay forms where one serves, ``_relay_of``): per trial head dim, at its largest pair and its smallest dv
     the tile takes, causal (windowed) and not, in bf16 the lightest set, the heaviest (every flag of the walk),
     dropout alone and with the heaviest set and a seed tensor; fp16 at the lightest and the heaviest; at the largest
     pair the causal, document and relative-bias mods with the heaviest set they combine with."""
     out = []
-    for dmax in sorted(config_bwd._FUSED_TRIAL_TILES):
+    # the trial tiles' head dims, and those whose default tile is a V-in-registers one (its feature sets live here)
+    vregs_dims = {d for d, entries in config_bwd._FUSED_TILES.items() if any(len(t) > 4 for t, _ in entries)}
+    for dmax in sorted(set(config_bwd._FUSED_TRIAL_TILES) | vregs_dims):
         pairs = [p for p in supported_head_dim_pairs() if max(p) == dmax
                  and select_fused_config("bf16", *p, trial=True) is not None]
         if not pairs:

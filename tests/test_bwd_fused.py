@@ -14,7 +14,7 @@ from scripts import gate_lists as GL
     # d128 windowed walks: 32x128 without mods or dropout (the calls the launch order serves), 64x64 with them
     (128, True, {}, (32, 128)), (128, True, {"has_softcap": True, "varlen_q": True}, (32, 128)),
     (128, True, {"has_dropout": True}, (64, 64)), (128, False, {"has_dropout": True}, (32, 128)),
-    (96, True, {}, (64, 64)), (192, False, {}, None), (256, True, {}, None), (32, False, {}, None),
+    (96, True, {}, (64, 64)), (192, False, {}, None), (256, True, {}, (32, 64)), (32, False, {}, None),
 ])
 def test_fused_tile_policy(d, windowed, flags, expect):
     cfg = config_bwd.select_fused_config("bf16", d, d, windowed=windowed, **flags)
@@ -94,22 +94,25 @@ def test_vregs_tile_fits_where_the_p_ds_tile_of_its_shape_does_not():
     assert any("shared memory" in p for p in config_bwd.bwd_problems(pds))
 
 
-def test_vregs_tile_is_not_the_default(monkeypatch):
+def test_vregs_tile_is_the_d256_default(monkeypatch):
     monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
-    assert config_bwd.select_fused_config("bf16", 256, 256) is None
-    assert config_bwd.fused_for(config_bwd.select_bwd_config("bf16", 256, 256)) is None
-
-
-def test_the_environment_switches_it_on(monkeypatch):
-    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "128, 256")
+    assert isinstance(config_bwd.select_fused_config("bf16", 256, 256), config_bwd.BwdVRegsKernelConfig)
     pair = config_bwd.select_bwd_config("bf16", 256, 256, windowed=True)
     fused, cvt = config_bwd.fused_for(pair)
     assert isinstance(fused, config_bwd.BwdVRegsKernelConfig) and fused.windowed
     assert (cvt.tile_m, cvt.num_warps, cvt.head_dim) == (32, 8, 256)
-    # other head dims keep their default tiles
-    assert type(config_bwd.select_fused_config("bf16", 128, 128)) is config_bwd.BwdKernelConfig
-    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "2560")
-    assert config_bwd.select_fused_config("bf16", 256, 256) is None
+
+
+def test_the_environment_switches_a_trial_tile_on(monkeypatch):
+    """The trial table is empty since the d256 tile moved to the defaults; the switch still works for a new entry."""
+    monkeypatch.setattr(config_bwd, "_FUSED_TRIAL_TILES", {128: (((64, 64, 8), "all"),)})
+    monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
+    assert config_bwd.select_fused_config("bf16", 128, 128).tile_m == 32  # the default 32x128
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "96, 128")
+    assert (config_bwd.select_fused_config("bf16", 128, 128).tile_m,) == (64,)
+    assert config_bwd.select_fused_config("bf16", 64, 64).tile_n == 128  # other head dims keep their tiles
+    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "1280")
+    assert config_bwd.select_fused_config("bf16", 128, 128).tile_m == 32
 
 
 @pytest.mark.parametrize("kw,needle", [

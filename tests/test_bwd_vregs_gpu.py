@@ -1,8 +1,7 @@
-"""The fused backward's V-in-registers tile at max(d, dv) = 256 (kernels/bwd_dkdv_vregs.py) on a GPU, switched on as
-a trial (config_bwd.FUSED_TRIAL_ENV; it is not the default): the switch makes the call take it, its gradients meet the
-fp32 bar of tests/test_bwd_gpu.py (GQA, causal, window, softcap, fp16, d != dv, varlen with empty sequences), with
-dropout it agrees with the kernel pair (the same keep mask), deterministic=True keeps the (bitwise reproducible)
-pair, and without the switch d256 keeps the pair."""
+"""The fused backward's V-in-registers tile at max(d, dv) = 256 (kernels/bwd_dkdv_vregs.py), the d256 default, on a
+GPU: the default call takes it, its gradients meet the fp32 bar of tests/test_bwd_gpu.py (GQA, causal, window,
+softcap, fp16, d != dv, varlen with empty sequences), with dropout it agrees with the kernel pair (the same keep
+mask), and deterministic=True keeps the (bitwise reproducible) pair."""
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from flash_attn_4_sm120 import config_bwd, dispatch_bwd  # noqa: E402
 
 @pytest.fixture
 def trial(monkeypatch):
-    """The trial tiles on for d256 (the autouse _fresh_tile_memo of conftest forgets the plans built with it)."""
-    monkeypatch.setenv(config_bwd.FUSED_TRIAL_ENV, "256")
+    """No trial switch: the tile is the d256 default (the autouse _fresh_tile_memo of conftest forgets the plans)."""
+    monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
 
 
 def _rand(*shape, dtype=torch.bfloat16, seed=0):
@@ -42,19 +41,11 @@ def _spy(monkeypatch):
     return seen
 
 
-def test_the_switch_selects_the_tile(monkeypatch, trial):
+def test_the_default_selects_the_tile(monkeypatch, trial):
     seen = _spy(monkeypatch)
     q, k, v = _rand(2, 113, 4, 256), _rand(2, 211, 2, 256, seed=1), _rand(2, 211, 2, 256, seed=2)
     check(q, k, v, causal=True)
     assert seen and isinstance(seen[0], config_bwd.BwdVRegsKernelConfig) and seen[0].fused_dq
-
-
-def test_without_the_switch_d256_keeps_the_pair(monkeypatch):
-    monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
-    seen = _spy(monkeypatch)
-    q, k, v = _rand(2, 113, 4, 256), _rand(2, 211, 2, 256, seed=1), _rand(2, 211, 2, 256, seed=2)
-    check(q, k, v)
-    assert seen == [None]
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (7, 1)])
@@ -81,12 +72,9 @@ def test_fp16_softcap_window(trial):
 def test_dropout_agrees_with_the_pair(monkeypatch, trial):
     q, k, v = (_rand(2, 177, 4, 256, seed=s) for s in range(3))
     grads = []
-    for on in (True, False):  # the trial tile, then the pair (no switch: d256 has no fused tile by default)
+    for on in (True, False):  # the tile (the default), then the pair (the fused plan hidden, as the pre-fused path)
         if not on:
-            monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV)
-            from flash_attn_4_sm120 import config
-
-            config.clear_caches()
+            monkeypatch.setattr(dispatch_bwd, "fused_plan", lambda plan, device, relay=False: None)
         seen = _spy(monkeypatch)
         out = fa.flash_attn_func(q, k, v, causal=True, dropout_p=0.2, dropout_seed=7)[0]
         grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
@@ -102,7 +90,7 @@ def test_varlen_with_empty_sequences(trial):
     q = _rand(sum(lens_q), 4, 256)
     k, v = _rand(sum(lens_k), 2, 256, seed=1), _rand(sum(lens_k), 2, 256, seed=2)
     grads = []
-    for det in (False, True):  # the trial tile; the pair (deterministic=True: no relay at d256 by default)
+    for det in (False, True):  # the tile; the pair (deterministic=True: no relay at d256 by default)
         out = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=113,
                                         max_seqlen_k=200, causal=True, deterministic=det)[0]
         grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
@@ -124,7 +112,7 @@ def test_deterministic_runs_the_pair_bitwise(monkeypatch, trial):
     assert seen[-1] is None
     for x, y in zip(first, grads(True)):
         assert torch.equal(x, y)
-    for x, y in zip(grads(False), first):  # the trial tile against the pair: accumulation order only
+    for x, y in zip(grads(False), first):  # the tile against the pair: accumulation order only
         assert (x.float() - y.float()).abs().max().item() <= 1e-2 * y.float().abs().max().item() + 1e-3
     assert isinstance(seen[-1], config_bwd.BwdVRegsKernelConfig)
 

@@ -280,6 +280,9 @@ _FUSED_TILES = {
     64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
     96: (((64, 64, 8), "all"),),
     128: (((32, 128, 8), "plain"), ((32, 128, 8), "windowed-bare"), ((64, 64, 8), "windowed")),
+    # the V-in-registers tile below (kernels/bwd_dkdv_vregs.py): 1.06-1.11x the kernel pair on the three d256 cells
+    # of bwd_fused_ab (H200, benchmarks/experiments/results/bwd_fused_ab_vregs_d256_h200_s36.jsonl)
+    256: (((32, 64, 8, 32, "vregs"), "all"),),
 }
 
 
@@ -348,9 +351,7 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
 # default table where ``trial`` is on: by argument, or for the head dims named in the environment variable
 # ``FUSED_TRIAL_ENV`` (comma-separated max(d, dv), e.g. ``FA4_SM120_BWD_FUSED_TRIAL=256``; read when a plan is
 # built, so set it before the first call), the switch the A/B probes and the GPU tests use.
-_FUSED_TRIAL_TILES = {
-    256: (((32, 64, 8, 32, "vregs"), "all"),),
-}
+_FUSED_TRIAL_TILES: dict = {}  # empty: the d256 V-in-registers tile was measured and moved to _FUSED_TILES
 FUSED_TRIAL_ENV = "FA4_SM120_BWD_FUSED_TRIAL"
 
 
