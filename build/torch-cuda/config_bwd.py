@@ -90,6 +90,8 @@ def bwd_smem_bytes(cfg: BwdKernelConfig, elem_bytes: int = 2) -> int:
     p = align(cfg.tile_m * cfg.tile_n * elem_bytes)
     if getattr(cfg, "kv_rows", False):  # two stages of Q and dO, no P / dS; with dropout two blocks' dP sums
         return 2 * (q + do) + k + v + (align(2 * cfg.tile_m * 4) if cfg.has_dropout else 0)
+    if isinstance(cfg, BwdVRegsKernelConfig):  # V read once into registers; P and dS then take its region; the
+        return q + do + k + max(v, 2 * p) + align(2 * cfg.tile_m * 4)  # block's LSE and D per row
     return q + do + k + v + 2 * p
 
 
@@ -165,6 +167,8 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
     if cfg.dq_relay and not cfg.fused_dq:
         problems.append("the dQ relay (dq_relay) orders the fused kernel's dQ adds: it needs fused_dq")
+    if isinstance(cfg, BwdVRegsKernelConfig):
+        problems += vregs_problems(cfg)
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
     if not tma:
         spilling = spilling | _BWD_SPILLING_WITHOUT_TMA.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
@@ -276,21 +280,114 @@ _FUSED_TILES = {
     64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
     96: (((64, 64, 8), "all"),),
     128: (((32, 128, 8), "plain"), ((32, 128, 8), "windowed-bare"), ((64, 64, 8), "windowed")),
+    # the V-in-registers tile below (kernels/bwd_dkdv_vregs.py): 1.06-1.11x the kernel pair on the three d256 cells
+    # of bwd_fused_ab (H200, benchmarks/experiments/results/bwd_fused_ab_vregs_d256_h200_s36.jsonl)
+    256: (((32, 64, 8, 32, "vregs"), "all"),),
 }
 
 
-def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> BwdKernelConfig | None:
+# ---- the fused backward's V-in-registers tile (kernels/bwd_dkdv_vregs.py) -----------------------------------
+# At max(d, dv) = 256 the P/dS tile of bwd_dkdv.py fits SM120's shared memory only as 32x32 with 4 warps, whose dK,
+# dV and dQ accumulators (32 key rows x 256 each, and 32 query rows x 256) leave too few of 255 registers.  This
+# tile keeps 64 keys per CTA with 8 warps, reads V once into registers (its only reader is dP = dO V^T) and stages
+# P and dS in V's shared memory.  S and dP put the 8 warps side by side along the keys (8 keys x 32 query rows
+# each), which halves a warp's share of V against the 2 x 4 query-row grid (16 keys each: 64 registers, which
+# spilled); dK/dV and dQ run in column chunks (``vregs_chunk_cols``; dQ in 64-column chunks without dropout), so
+# one chunk's dQ and operands are live at a time.  Budget at d = dv = 256, 32x64, 8 warps, 16-bit inputs:
+#
+#   shared memory                                  bytes  | registers per thread (256 threads, 255 max)       regs
+#   Q      32 x 256                                16384  | dK accumulator, 64 keys x 256 / 256 threads          64
+#   dO     32 x 256                                16384  | dV accumulator                                       64
+#   K      64 x 256                                32768  | V (8 keys x 256 per warp)                            32
+#   V      64 x 256, then P and dS (2 x 32 x 64)   32768  |   persistent                                       160
+#   LSE and D of the block's 32 rows (fp32)         1024  | S, P, dP of a warp's 32 x 8                      3 x 8
+#   total                                          99328  | dQ, one 64-column chunk (16 rows x 16 per warp)      8
+#   limit                                         101376  | one k16 step of a dK/dV chunk (A 8 + B 8), x2       32
+#   (P and dS beside V: 106496, over the limit)           | (LSE, D and positions of the 4 rows: on use, not held)
+# The compile gate measured 238-255 registers at d256/dv256 and 179-218 at d256/dv64 (the walk's indices,
+# addresses and ptxas's prefetching take the rest) and 0 spills on every feature set of scripts/gate_lists.py
+# ``fused_trial_worklist`` (benchmarks/results/gate_vregs_sm120a_d256.jsonl); its relay form spilled (rows
+# "relay_probe"), so ``vregs_problems`` refuses it.
+@dataclass(frozen=True)
+class BwdVRegsKernelConfig(BwdKernelConfig):
+    """Compile key of the fused backward's V-in-registers tile (kernels/bwd_dkdv_vregs.py): the fields of
+    ``BwdKernelConfig``; its own type, so that the configurations of the other tiles keep their keys."""
+
+    def name(self) -> str:
+        return "bwdvr" + super().name()[3:]
+
+
+def vregs_chunk_cols(dim: int) -> int:
+    """Columns per chunk of the V-in-registers tile's products over a head dim of ``dim``: 128 where it divides,
+    else 64 (the warp grids' column permutation is 64 wide)."""
+    return 128 if dim % 128 == 0 else 64
+
+
+def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
+    """Why the V-in-registers tile cannot take ``cfg`` (empty: it can): it is a fused tile only (its P/dS staging
+    serves the dQ product), walks the dense lists only, and needs 8 warps as 2 x 4 over the query rows (16 rows
+    per warp) and 2 x 4 over the key rows (32 per warp), each warp 16 columns of every 64 of a chunk."""
+    problems = []
+    if not cfg.fused_dq:
+        problems.append("the V-in-registers tile is a fused tile (fused_dq)")
+    if cfg.block_sparse:
+        problems.append("the V-in-registers tile walks no block-sparse lists")
+    if cfg.kv_rows:
+        problems.append("the V-in-registers tile computes S with query rows (kv_rows off)")
+    if (cfg.num_warps, cfg.tile_m, cfg.tile_n, cfg.kv_warp_rows) != (8, 32, 64, 32):
+        problems.append(f"the V-in-registers tile is 32x64 with 8 warps and 32 key rows per warp, got "
+                        f"{cfg.tile_m}x{cfg.tile_n}w{cfg.num_warps}r{cfg.kv_warp_rows}")
+    for dim in (cfg.head_dim, cfg.head_dim_v):
+        if dim % 64:
+            problems.append(f"the V-in-registers tile needs head dims that are multiples of 64, got {dim}")
+    if cfg.dq_relay:  # its relay form spilled 6-10 STL/LDL on sm_120a in windowed and varlen sets
+        # (benchmarks/results/gate_vregs_sm120a_d256.jsonl, rows "relay_probe"): deterministic=True runs the pair
+        problems.append("the V-in-registers tile has no relay form (dq_relay): it spills registers on sm_120a")
+    return problems
+
+
+# Fused tiles built and gated but not selected by default, so that they can be measured first: (tile_m, tile_n,
+# num_warps, kv_warp_rows, "vregs"), walks as ``_FUSED_TILES``.  ``select_fused_config`` tries them before the
+# default table where ``trial`` is on: by argument, or for the head dims named in the environment variable
+# ``FUSED_TRIAL_ENV`` (comma-separated max(d, dv), e.g. ``FA4_SM120_BWD_FUSED_TRIAL=256``; read when a plan is
+# built, so set it before the first call), the switch the A/B probes and the GPU tests use.
+_FUSED_TRIAL_TILES: dict = {}  # empty: the d256 V-in-registers tile was measured and moved to _FUSED_TILES
+FUSED_TRIAL_ENV = "FA4_SM120_BWD_FUSED_TRIAL"
+
+
+def _trial_on(head_dim: int) -> bool:
+    import os
+
+    named = os.environ.get(FUSED_TRIAL_ENV, "")
+    return str(head_dim) in {x.strip() for x in named.split(",")}
+
+
+def _fused_tile_config(dtype: str, head_dim: int, head_dim_v: int, tile: tuple, flags: dict) -> BwdKernelConfig:
+    """The configuration of one fused-table entry (tile_m, tile_n, num_warps[, kv_warp_rows[, "vregs"]])."""
+    tm, tn, nw, *rest = tile
+    rows = rest[0] if rest else 16
+    cls = BwdVRegsKernelConfig if len(rest) > 1 and rest[1] == "vregs" else BwdKernelConfig
+    return cls(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows, fused_dq=True, **flags)
+
+
+def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, trial: bool | None = None,
+                        **flags) -> BwdKernelConfig | None:
     """The fused backward's configuration (``fused_dq``), or None where the dK/dV + dQ kernel pair runs the call:
     a head dim or walk without a fused tile (``_FUSED_TILES``), a feature set that spills every fused tile
     (``bwd_problems``).  Never with a learnable sink (its gradient reads per-row sums of P dP that only the dQ
-    kernel makes) or block sparsity (the callers keep those off)."""
+    kernel makes) or block sparsity (the callers keep those off).  ``trial``: try the tiles of
+    ``_FUSED_TRIAL_TILES`` first (None: where ``FUSED_TRIAL_ENV`` names the head dim)."""
     walk = "windowed" if flags.get("windowed") else "plain"
     # "windowed-bare": a windowed walk without mods or dropout, the calls the launch order serves (BWD_LPT_ORDER)
     bare = walk == "windowed" and not flags.get("mods") and not flags.get("has_dropout")
-    for (tm, tn, nw), walks in _FUSED_TILES.get(max(head_dim, head_dim_v), ()):
+    dmax = max(head_dim, head_dim_v)
+    entries = _FUSED_TILES.get(dmax, ())
+    if trial or (trial is None and _trial_on(dmax)):
+        entries = _FUSED_TRIAL_TILES.get(dmax, ()) + tuple(entries)
+    for tile, walks in entries:
         if walks not in ("all", walk) and not (walks == "windowed-bare" and bare):
             continue
-        cfg = BwdKernelConfig(dtype, head_dim, head_dim_v, tm, tn, nw, fused_dq=True, **flags)
+        cfg = _fused_tile_config(dtype, head_dim, head_dim_v, tile, flags)
         if not bwd_problems(cfg):
             return cfg
     return None

@@ -19,7 +19,8 @@ import time
 from . import compile_cache, prebuilt
 from .arguments import ArgRecord
 from .config_combine import COMBINE_VEC, CombineKernelConfig
-from .config_bwd import BwdKernelConfig, BwdPreKernelConfig, DqConvertKernelConfig, DqKernelConfig
+from .config_bwd import (BwdKernelConfig, BwdPreKernelConfig, BwdVRegsKernelConfig, DqConvertKernelConfig,
+                         DqKernelConfig)
 
 log = logging.getLogger("flash_attn_4_sm120")
 
@@ -138,6 +139,8 @@ def kernel_route(cfg) -> tuple[str, str]:
         return "bwd_dq_convert", "FlashBwdDqConvert"
     if isinstance(cfg, DqKernelConfig):
         return "bwd_dq", "FlashBwdDq"
+    if isinstance(cfg, BwdVRegsKernelConfig):
+        return "bwd_dkdv_vregs", "FlashBwdDkdvVRegs"
     if isinstance(cfg, BwdKernelConfig):
         return ("bwd_dkdv_kvrows", "FlashBwdDkdvKvRows") if cfg.kv_rows else ("bwd_dkdv", "FlashBwdDkdv")
     if cfg.tile.tma:  # paged too: the dispatcher picks a TMA tile only when page_size % tile_n == 0
