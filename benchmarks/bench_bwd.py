@@ -109,6 +109,15 @@ def main(argv=None):
 
     rows = []
     t0 = time.time()
+
+    def emit(row):
+        """Keep, print and (with --out) write the rows so far, so that a run cut short by a time limit keeps the
+        cells it measured (the summary line comes last, once every cell ran)."""
+        rows.append(row)
+        print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}),
+              flush=True)
+        if args.out:
+            args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cells = [(name, hq, hkv, d, s, s, max(1, TOKENS // s), causal, False)
              for name, (hq, hkv, d) in SHAPES.items() if not args.only or name in args.only
              for s in args.seqlens for causal in (False, True)]
@@ -174,8 +183,7 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001
                 row["frost_sm120_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if "ours_tflops" not in row:  # a failed check is an error row: no ratio, never a win
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(row)
             continue
         peers = [row[f"{p}_tflops"] for p in ("sdpa_flash", "fa4_sm120", "frost_sm120") if f"{p}_tflops" in row]
         if peers:
@@ -188,9 +196,7 @@ def main(argv=None):
             row["ratio_vs_frost_sm120"] = row["ours_tflops"] / row["frost_sm120_tflops"]
         if "ours_deterministic_tflops" in row:
             row["deterministic_vs_default"] = row["ours_deterministic_tflops"] / row["ours_tflops"]
-        rows.append(row)
-        print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}),
-              flush=True)
+        emit(row)
 
     def geo(xs):
         xs = [x for x in xs if x]
