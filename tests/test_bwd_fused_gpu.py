@@ -40,7 +40,7 @@ def _launched(monkeypatch, configs=None):
 
 @pytest.mark.parametrize("d,causal,fused", [(64, False, True), (64, True, True), (128, False, True),
                                             (128, True, True), (96, True, True), (192, False, False),
-                                            (256, False, False)])
+                                            (256, False, True)])
 def test_default_takes_the_fused_path_where_it_has_a_tile(monkeypatch, d, causal, fused):
     seen = _launched(monkeypatch)
     q, k, v = _rand(2, 113, 4, d), _rand(2, 211, 2, d, seed=1), _rand(2, 211, 2, d, seed=2)
