@@ -1,7 +1,7 @@
 """Backward benchmark: ours (default and deterministic=True) vs SDPA FLASH (FlashAttention-2), flash-attn-4 (SM120
 path forced) and NVIDIA FROST's SM120 backward (cuDNN-frontend, capability presented as 12.0), one process.
 
-    python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h100.jsonl
+    python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h200.jsonl
 
 Timed region: the backward only (torch.autograd.grad of a fixed forward graph, retain_graph=True), including our
 host-side pieces (rowsum(dO*O), dQ cast).  TFLOPS by the FlashAttention convention: 2.5x the forward FLOPs.
