@@ -177,7 +177,11 @@ def test_generate_with_fp8_cache(hub, home):
 def check_generate_fp8_cache(r: dict, home: Path) -> None:
     assert_our_kernel_loaded(r, "llama", home)
     assert r["cache_layer"] == "Fp8QuantizedLayer" and r["cache_storage_dtype"] == "torch.float8_e4m3fn", r
-    assert not any(r["cache_nan"]), f"transformers' FP8 cache stored NaN (layers, ours then ref: {r['cache_nan']})"
+    # transformers' own cache: where it stores NaN (its unclamped cast, tf_scenarios._saturating_fp8), it does so
+    # whichever attention runs, ours or its own
+    n = len(r["raw_cache_nan"]) // 2
+    assert r["raw_cache_nan"][:n] == r["raw_cache_nan"][n:], f"NaN in the FP8 cache, ours then ref: {r['raw_cache_nan']}"
+    assert not any(r["cache_nan"]), f"the saturating FP8 cache stored NaN (ours then ref: {r['cache_nan']})"
     seen = calls(r, "dense")
     assert len(seen) == 2 * 12 and {c["k_dtype"] for c in seen} == {"torch.bfloat16"}, seen
     assert r["generated"] == 3 * 12 and r["compared_steps"] >= 1

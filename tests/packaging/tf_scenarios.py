@@ -406,12 +406,38 @@ def scenario_generate(args, device):
             "generated": int(toks.numel()), "calls": CALLS}
 
 
+def _saturating_fp8(cache):
+    """Make each layer of a ``QuantizedCache(backend="fp8")`` clamp to e4m3's range before its cast.  transformers
+    5.22.2 freezes the per-tensor scale at the first update and casts later states with it unclamped
+    (``Fp8QuantizedLayer._quantize``), so a decode state beyond 448 x scale is stored as NaN (e4m3fn has no inf);
+    the clamp is the saturating cast that cache would need, applied to ours and ref alike."""
+    import types
+
+    def quantize(layer, tensor, scale=None):
+        if scale is None:
+            scale = (tensor.abs().amax().float() / layer.fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+        return (tensor.float() / scale).clamp(-layer.fp8_max, layer.fp8_max).to(layer.fp8_dtype), scale
+
+    for layer in cache.layers:
+        layer._quantize = types.MethodType(quantize, layer)
+    return cache
+
+
+def _cache_nan(cache) -> list[bool]:
+    return [bool(torch.isnan(layer._quantized_keys[0].float()).any()
+                 or torch.isnan(layer._quantized_values[0].float()).any()) for layer in cache.layers]
+
+
 def scenario_generate_fp8_cache(args, device):
     """Greedy generate with transformers' FP8 KV cache (``QuantizedCache(backend="fp8")``), ours and ref each with
     their own such cache, so both read the same quantized keys and values.  That cache hands the attention
     dequantized states in the model's dtype (``Fp8QuantizedLayer.update``), so the bundle runs its bf16 kernels on
-    them: transformers 5.22.2 has no call that passes an e4m3 cache to an attention kernel.  Step logits of ours
-    against ref's (same cache) and against gold's teacher-forced logits of ours' tokens (no cache quantization)."""
+    them: transformers 5.22.2 has no call that passes an e4m3 cache to an attention kernel.
+
+    Two passes: transformers' cache as it is (``raw_cache_nan``: which layers stored NaN, ours then ref; its
+    unclamped cast stores NaN for a decode state beyond the first update's range, whichever attention runs), then
+    the same cache with a saturating cast (``_saturating_fp8``), which is judged: step logits of ours against ref's
+    (same cache) and against gold's teacher-forced logits of ours' tokens (no cache quantization)."""
     from transformers import QuantizedCache
     cfg, (ours, ref, gold), state, info = load_models(args, device)
     spy = install_spies(args.repo, args.reference_kernel)
@@ -420,7 +446,12 @@ def scenario_generate_fp8_cache(args, device):
     kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
               return_dict_in_generate=True, output_logits=True, pad_token_id=cfg.pad_token_id)
     with torch.no_grad():
-        caches = [QuantizedCache(backend="fp8", config=cfg) for _ in range(2)]
+        raw = [QuantizedCache(backend="fp8", config=cfg) for _ in range(2)]
+        ours.generate(ids, past_key_values=raw[0], **kw)
+        ref.generate(ids, past_key_values=raw[1], **kw)
+        raw_nan = _cache_nan(raw[0]) + _cache_nan(raw[1])
+        CALLS.clear()  # the calls of the judged pass only
+        caches = [_saturating_fp8(QuantizedCache(backend="fp8", config=cfg)) for _ in range(2)]
         gen = ours.generate(ids, past_key_values=caches[0], **kw)
         ref_gen = ref.generate(ids, past_key_values=caches[1], **kw)
         step, ref_step = (torch.stack(g.logits, 1).float() for g in (gen, ref_gen))
@@ -437,11 +468,7 @@ def scenario_generate_fp8_cache(args, device):
     return {**info, **spy, **judge(step[:, :k], ref_step[:, :k], gold_tf[:, :k]), "compared_steps": k,
             "common_steps": common, "worst_gap": float(gaps.max()), "generated": int(toks.numel()),
             "cache_layer": type(layer).__name__, "cache_storage_dtype": str(layer._quantized_keys[0].dtype),
-            # transformers freezes the FP8 scale at the first update and casts later states with it unclamped: a
-            # decode state beyond 448 x scale is stored as NaN (e4m3fn has no inf), which both caches would then hold
-            "cache_nan": [bool(torch.isnan(c.layers[i]._quantized_keys[0].float()).any()
-                               or torch.isnan(c.layers[i]._quantized_values[0].float()).any())
-                          for c in caches for i in range(len(c.layers))],
+            "raw_cache_nan": raw_nan, "cache_nan": _cache_nan(caches[0]) + _cache_nan(caches[1]),
             "calls": CALLS}
 
 
