@@ -103,6 +103,24 @@ def _check_exact(out, lse, q8, k8, v8, out_dtype, causal=False, window=(None, No
     torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-4)
 
 
+def _check_key_split(out, lse, q8, k8, v8, out_dtype, causal=False):
+    """``_check_exact`` for the key-split decode tile (packed rows <= config_fp8.FP8_DECODE_TILE_M): its two warps
+    each round P to e4m3 against their own running max before the merge, so the output is held to P's rounding
+    RMS (the emulation with P rounded against without, as tests/test_fp8_split_gpu.py holds a split) instead of
+    the one-pass emulation's last bits; the LSE (fp32 sums of unrounded P) keeps the exact check's bar."""
+    ones = torch.ones(q8.shape[0], k8.shape[2], device="cuda")
+    emu, plain = (emulate_fp8_attention(q8, k8, v8, ones, ones, ones, causal=causal, out_dtype=torch.float32,
+                                        quantize_p=p) for p in (True, False))
+    _, lse_ref = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal)
+    assert out.dtype == out_dtype and not torch.isnan(out).any()
+    p_rms = rms(emu, plain)
+    assert rms(out.float(), emu) <= 2 * p_rms + 2.0 ** -8 * rms(emu, torch.zeros_like(emu)), (rms(out.float(), emu),
+                                                                                            p_rms)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal, window", [(True, (64, None)), (True, (1, 5)), (False, (100, 30)), (False, (None, 5)),
                                             (False, (0, 0)), (False, (None, None))])
