@@ -115,7 +115,7 @@ VARIANTS = {v.name: v for v in (
     Variant("fused_32x32w4", "reverted", "fused tile 32x32, 4 warps at d256 (spills on sm_120a)",
             head_dims=(256,), fused_tile=(32, 32, 4), expect=_FUSED.format(32, 32, 4)),
     Variant("relay_d128", "reverted", "deterministic=True in the relay form at d128 (RELAY_HEAD_DIMS + 128)",
-            deterministic=True, head_dims=(128,), relay_here=True, expect=r"w8fr(_|,|$)"),
+            deterministic=True, head_dims=(128,), relay_here=True, expect=r"w8(r\d+)?fr(_|,|$)"),
     Variant("relay_after_s", "reverted", "the relay's turn released after the S mma (DQ_RELAY_RELEASE)",
             deterministic=True, head_dims=(64,), constants=(("DQ_RELAY_RELEASE", "after_s"),),
             expect=r"fr(_|,|$)"),

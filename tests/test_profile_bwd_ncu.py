@@ -181,11 +181,12 @@ def test_forced_d256_fused_tile():
 
     v = P.VARIANTS["fused_32x32w4"]
     pair = config_bwd.select_bwd_config("bf16", 256, 256, windowed=True)
-    assert config_bwd.fused_for(pair) is None
+    default, _ = config_bwd.fused_for(pair)  # the V-in-registers tile since it became d256's default
+    assert isinstance(default, config_bwd.BwdVRegsKernelConfig) and (default.tile_m, default.tile_n) == (32, 64)
     with P.forced(v, 256):
         fused, cvt = config_bwd.fused_for(pair)
         assert (fused.tile_m, fused.tile_n, fused.num_warps) == (32, 32, 4) and re.search(v.expect, _names(fused, cvt))
-    assert config_bwd.fused_for(pair) is None and 256 not in config_bwd._FUSED_TILES
+    assert config_bwd.fused_for(pair)[0] == default
 
 
 def test_forced_relay_at_d128():
