@@ -139,6 +139,11 @@ _BWD_SPILLING = {
     # spills; such calls take the 64x64 fused tile
     ((64, 128, 8, 16, False), 64): {"aux_mods"},
     ((64, 128, 8, 16, True), 64): {"aux_mods", "dropout"},
+    # the fused tile's 2 x 4 dK/dV grid at d128 (64 key rows per warp): bf16 dropout with softcap and the aux-reading
+    # mods (document, relative bias) in the heaviest plain-walk set spill on sm_120a and sm_121a (cu12, 101 fused
+    # configurations of each: benchmarks/results/gate_fused_kvrows_s37.jsonl); those calls take the 16-row grid
+    # (its relay form with mods, unbuilt: RELAY_HEAD_DIMS has no d128, held off as on the 16-row grid)
+    ((32, 128, 8, 64, False), 128): {"dropout_softcap", "aux_mods", "relay_mods"},
 }
 # Added on a device without TMA (8.0 / 8.6 / 8.9: they load sm_80 cubins, whose register allocation differs from
 # sm_120a's on these 255-register tiles; the sm_80 full run of 7c4925a, benchmarks/results/
@@ -276,10 +281,19 @@ RELAY_HEAD_DIMS = frozenset({64})
 # (benchmarks/experiments/results/bwd_fused_ab_d96_h200_s31.jsonl; 64x128 and 128x64 exceed the shared memory at
 # d96).  d192 and d256
 # (32x32, 4 warps) measured 0.96-0.98x the pair and keep it; d32 was not measured and keeps it.
+# The dK/dV products' warp grid (kv_warp_rows, the fourth field): 16 key rows per warp stacks all 8 warps along the
+# keys, so each re-reads the whole dO (dV += P^T dO) and Q (dK += dS^T Q) from shared memory, the pipe the
+# profiles found busiest (benchmarks/results/bwd_ncu_h200.jsonl: 73-75% against a 38-40% tensor pipe at d128).
+# 64 rows at d128 (2 x 4 warps) and 32 at d64 (4 x 2) read dO and Q 2x and 4x instead of 8x: 1.07-1.10x at d128
+# and 1.05-1.07x at d64 on the fused A/B cells (H200, one GPU, each variant's process with its own peers:
+# benchmarks/experiments/results/bwd_fused_kvrows_h200_s37.jsonl); 32 rows at d128 gained 1.06-1.08x, 64 at d64
+# 1.00-1.02x.  Feature sets for which such a grid spills (``_BWD_SPILLING``) and head dims it does not divide take
+# the next entry, the 16-row grid.
 _FUSED_TILES = {
-    64: (((64, 128, 8), "all"), ((64, 64, 8), "all")),
+    64: (((64, 128, 8, 32), "all"), ((64, 128, 8), "all"), ((64, 64, 8), "all")),
     96: (((64, 64, 8), "all"),),
-    128: (((32, 128, 8), "plain"), ((32, 128, 8), "windowed-bare"), ((64, 64, 8), "windowed")),
+    128: (((32, 128, 8, 64), "plain"), ((32, 128, 8), "plain"), ((32, 128, 8, 64), "windowed-bare"),
+          ((32, 128, 8), "windowed-bare"), ((64, 64, 8), "windowed")),
     # the V-in-registers tile below (kernels/bwd_dkdv_vregs.py): 1.06-1.11x the kernel pair on the three d256 cells
     # of bwd_fused_ab (H200, benchmarks/experiments/results/bwd_fused_ab_vregs_d256_h200_s36.jsonl)
     256: (((32, 64, 8, 32, "vregs"), "all"),),
