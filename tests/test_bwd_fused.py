@@ -26,6 +26,26 @@ def test_fused_tile_policy(d, windowed, flags, expect):
         assert config_bwd.bwd_smem_bytes(cfg) <= config_bwd.SMEM_LIMIT_BYTES
 
 
+@pytest.mark.parametrize("dv, flags, rows", [
+    (128, {}, 64), (64, {}, 64), (128, {"windowed": True}, 64),  # the 2 x 4 dK/dV grid
+    (128, {"has_dropout": True, "has_softcap": True}, None),  # spills the grid and the 16-row tile: the pair
+    (128, {"mods": "aux"}, 16),  # an aux-reading mod spills the grid on sm_120a: the 16-row grid
+])
+def test_fused_kv_grid_at_d128(dv, flags, rows):
+    """d128's fused tile puts its dK/dV warps 2 x 4 (64 key rows each) unless the feature set spills that grid
+    (config_bwd._BWD_SPILLING), where the 16-row grid of the same tile runs; d64's is 4 x 2 (32 rows)."""
+    if flags.get("mods") == "aux":
+        from flash_attn_4_sm120 import modspec
+
+        flags = {"mods": modspec.recipe_placeholder("relative_bias", (), ("table",), False)}
+    cfg = config_bwd.select_fused_config("bf16", 128, dv, **flags)
+    if rows is None:
+        assert cfg is None
+        return
+    assert (cfg.tile_m, cfg.tile_n, cfg.kv_warp_rows) == (32, 128, rows) and not config_bwd.bwd_problems(cfg)
+    assert config_bwd.select_fused_config("bf16", 64, 64, **flags).kv_warp_rows == 32  # no d64 set spills it
+
+
 def test_fused_falls_back_where_the_copy_does_not_tile():
     # d128 / dv32: the 32-row tile is not a multiple of the dv32 copy's 64 rows per pass
     assert config_bwd.select_fused_config("bf16", 128, 32) is None
