@@ -399,7 +399,10 @@ def mods_worklist() -> list:
             out.append(config_bwd.select_bwd_config("bf16", d, d, mods=full, **bwd_heavy))
             out.append(config_bwd.select_dq_config("bf16", d, d, mods=full, **bwd_heavy, sink_grad=True))
         out += _key_row_heaviest(full, bwd_heavy, {})
-        for d, windowed in ((64, True), (96, True), (128, False), (128, True)):  # config_bwd._FUSED_TILES
+        # config_bwd._FUSED_TILES: every head dim with a fused tile, windowed and not (d64 and d96 plain walks were
+        # missing: the d64 4 x 2 dK/dV grid spilled 6 STL/LDL there with the relative-bias mod, unbuilt by any gate;
+        # benchmarks/results/gate_qgrid_s37.jsonl on branch h-qgrid)
+        for d, windowed in ((64, False), (64, True), (96, False), (96, True), (128, False), (128, True)):
             fused = config_bwd.select_fused_config("bf16", d, d, mods=full, **dict(bwd_heavy, windowed=windowed))
             if fused is not None:
                 out += [fused] + _relay_of(fused)  # and its relay form (deterministic=True)

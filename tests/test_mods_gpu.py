@@ -79,6 +79,14 @@ LIBRARY = ["causal", "sliding_window", "document", "document_causal", "prefix_lm
            "relative_bias"]
 
 
+def _upstream(out, seed=7):
+    """The upstream gradient, from its own seeded generator: torch.randn_like drew it from the global RNG, whose
+    state under xdist depends on which tests a worker ran before, so a case's bar check was not reproducible (one
+    max-error failure on the H200 in session 37, benchmarks/experiments/results/mods_kv_grid_bitwise_h200_s37.jsonl)."""
+    gen = torch.Generator(device=out.device).manual_seed(seed)
+    return torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+
+
 def _check(q, k, v, mods, aux, mask, bias, grads=True, **kw):
     inputs = (q, k, v)
     out, lse = fa.flash_attn_func(q, k, v, return_lse=True, aux_tensors=aux or None, **mods, **kw)
@@ -91,7 +99,7 @@ def _check(q, k, v, mods, aux, mask, bias, grads=True, **kw):
     torch.testing.assert_close(lse[live], ref_lse[live], atol=2e-2, rtol=0)
     if not grads:
         return
-    g = torch.randn_like(out)
+    g = _upstream(out)
     ours = torch.autograd.grad(out, inputs, g)
     ref_in = tuple(t.detach().float().requires_grad_() for t in inputs)
     pt_in = tuple(t.detach().clone().requires_grad_() for t in inputs)
@@ -191,7 +199,7 @@ def test_library_mod_varlen(name):
             return (j <= i)[None, None], None
     out, lse = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                                          max_seqlen_k=max(lens), return_lse=True, aux_tensors=aux or None, **mods)
-    g = torch.randn_like(out)
+    g = _upstream(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
     for bi, n in enumerate(lens):
         s0 = cu[bi].item()
@@ -233,7 +241,7 @@ def test_user_mod_in_upstream_convention():
     ref_o, _ = attention_ref(*ref_in, softmax_scale=2 * scale)
     pt_o, _ = attention_ref(*pt_in, softmax_scale=2 * scale, upcast=False)
     _tol("out", out, ref_o, pt_o)
-    g = torch.randn_like(out)
+    g = _upstream(out)
     for name, a, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), g),
                              torch.autograd.grad(ref_o, ref_in, g.float()), torch.autograd.grad(pt_o, pt_in, g)):
         _tol(name, a, r, p)
@@ -290,7 +298,7 @@ def _check_dropout(q, k, v, mods, aux, mask, bias, p, seed=0x5EED1234, offset=24
     live = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), live), "rows with no keys differ (LSE -inf)"
     torch.testing.assert_close(lse[live], ref_lse.detach()[live], atol=2e-2, rtol=0)
-    g = torch.randn_like(out)
+    g = _upstream(out)
     ours = torch.autograd.grad(out, inputs, g)
     # the backward takes D = rowsum(dO * O) from the rounded output (as every FlashAttention); its difference to
     # the fp32 reference's enters dS like a gradient on the LSE (test_dropout_gpu._d_slack): added to the bound

@@ -144,6 +144,10 @@ _BWD_SPILLING = {
     # configurations of each: benchmarks/results/gate_fused_kvrows_s37.jsonl); those calls take the 16-row grid
     # (its relay form with mods, unbuilt: RELAY_HEAD_DIMS has no d128, held off as on the 16-row grid)
     ((32, 128, 8, 64, False), 128): {"dropout_softcap", "aux_mods", "relay_mods"},
+    # the d64 fused tile's 4 x 2 grid: an aux-reading mod (relative bias, document) on a plain walk spilled 6 STL/LDL,
+    # 26 with varlen/seqused (sm_120a, cu12: gate_qgrid_s37.jsonl rows "base_mods" on branch h-qgrid); windowed walks
+    # built clean, but one entry serves both: such calls take the 16-row grid's next fallback (64x64)
+    ((64, 128, 8, 32, False), 64): {"aux_mods"},
 }
 # Added on a device without TMA (8.0 / 8.6 / 8.9: they load sm_80 cubins, whose register allocation differs from
 # sm_120a's on these 255-register tiles; the sm_80 full run of 7c4925a, benchmarks/results/
