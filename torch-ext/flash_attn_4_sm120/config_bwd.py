@@ -8,7 +8,7 @@ tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .config import SMEM_LIMIT_BYTES, copy_threads_per_row
 
@@ -45,7 +45,8 @@ class BwdKernelConfig:
     # dP = dO V^T mmas (16: 4 x 2 warps on the 64x128 tile, each reading 16 Q rows and 64 keys of K; 32: 2 x 4, 32
     # rows and 32 keys, 64 KB of ldmatrix reads per block instead of 80).  dQ = dS K keeps the 16-row grid (it reads
     # dS from shared memory, and the fp32 workspace and kernels/bwd_dq_convert.py follow that grid's layout)
-    q_warp_rows: int = 16
+    # (left out of the repr at 16, ``__repr__``)
+    q_warp_rows: int = field(default=16, repr=False)
     mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
     # dK/dV kernel (kernels/bwd_dkdv_kvrows.py): S and dP computed transposed, keys as the mma rows (S^T = K Q^T,
     # one warp per 16 keys), so P^T and dS^T go from the accumulators straight into the A operand of dV and dK:
@@ -62,6 +63,14 @@ class BwdKernelConfig:
     # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
     # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
     dq_relay: bool = False
+
+    def __repr__(self) -> str:
+        # the dataclass repr, with q_warp_rows only off its default: the disk compile cache and the prebuilt
+        # manifest key on the repr (compile_cache.py, prebuilt.py), and those of the default tiles stay as they were
+        # (tests/plan_grid.py compares them too).  Subclasses generate their own repr, without the field
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                         if f.repr or (f.name == "q_warp_rows" and self.q_warp_rows != 16))
+        return f"{type(self).__qualname__}({body})"
 
     @property
     def block_sparse(self) -> bool:
