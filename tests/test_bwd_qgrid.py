@@ -75,6 +75,19 @@ def test_spill_entries_of_the_grid_have_their_own_key(monkeypatch):
     assert config_bwd.bwd_problems(config_bwd._fused_tile_config("bf16", 64, 64, Q32[:4], {"mods": mods}))
 
 
+def test_aux_reading_mods_are_refused_on_it():
+    """The compile gate found the q32 tile spilling with aux-reading mods only (benchmarks/results/
+    gate_qgrid_s37.jsonl): those calls take the next tile; a mask mod without aux tensors keeps it."""
+    from flash_attn_4_sm120 import modspec
+
+    aux = modspec.recipe_placeholder("relative_bias", (64,), (("fp32", 2),), True)
+    causal = modspec.recipe_placeholder("causal", (), (), False)
+    for flags in ({"mods": aux}, {"mods": aux, "windowed": True}, {"mods": aux, "dq_relay": True}):
+        problems = config_bwd.bwd_problems(config_bwd._fused_tile_config("bf16", 64, 64, Q32, flags))
+        assert problems == ["backward tile spills registers with aux_mods on sm_120a"], (flags, problems)
+    assert config_bwd.bwd_problems(config_bwd._fused_tile_config("bf16", 64, 64, Q32, {"mods": causal})) == []
+
+
 def test_a_table_entry_selects_it(monkeypatch):
     """What benchmarks/experiments/bwd_fused_ab.py --fused-tile 64:64,128,8,32,q32 does to the table."""
     monkeypatch.setitem(config_bwd._FUSED_TILES, 64, ((Q32, "all"),))
@@ -83,6 +96,10 @@ def test_a_table_entry_selects_it(monkeypatch):
         assert (cfg.tile_m, cfg.tile_n, cfg.kv_warp_rows, cfg.q_warp_rows) == (64, 128, 32, 32), flags
     relay, _ = config_bwd.fused_for(config_bwd.select_bwd_config("bf16", 64, 64), relay=True)
     assert relay.dq_relay and relay.q_warp_rows == 32
+    from flash_attn_4_sm120 import modspec
+
+    aux = modspec.recipe_placeholder("relative_bias", (64,), (("fp32", 2),), True)
+    assert config_bwd.select_fused_config("bf16", 64, 64, mods=aux) is None  # its only entry spills: the pair
 
 
 @pytest.mark.parametrize("windowed", [False, True])

@@ -2,8 +2,8 @@
 through the fused table as benchmarks/experiments/bwd_fused_ab.py --fused-tile does: the call runs that grid, its
 gradients meet the fp32 bar (tests/test_bwd_gpu.py's check), and, since every S/dP element is the same k16 mma
 chain and the same elementwise score code on either grid while dK, dV and dQ keep their grids, its relay form
-(deterministic=True) gives gradients bitwise equal to the 16-row grid's, with dropout, softcap, varlen and a score
-mod that reads an aux table."""
+(deterministic=True) gives gradients bitwise equal to the 16-row grid's, with dropout, softcap, varlen, a score mod
+and a mask mod."""
 
 import pytest
 import torch
@@ -75,7 +75,15 @@ def _cases():
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     dense = (_rand(2, 1000, 8, 64), _rand(2, 1500, 2, 64, seed=1), _rand(2, 1500, 2, 64, seed=2))
     half = tuple(_rand(2, 333, 4, 64, dtype=torch.float16, seed=s) for s in range(3))
-    table = torch.randn(8, 9, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    import cutlass.cute as cute
+
+    @cute.jit
+    def times_two(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return score * cute.full_like(score, 2.0)
+
+    @cute.jit
+    def times_two_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad * cute.full_like(grad, 2.0)
     return [
         ("dense", lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=True), dense),
         ("causal", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, deterministic=True), dense),
@@ -84,8 +92,11 @@ def _cases():
                                                        deterministic=True), dense),
         ("fp16-softcap", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, softcap=5.0, deterministic=True),
          half),
-        ("relative-bias", lambda q, k, v: fa.flash_attn_func(q, k, v, aux_tensors=[table], deterministic=True,
-                                                             **M.relative_bias(4)), dense),
+        # a score mod (its backward reads the raw scores) and a mask mod; aux-reading mods spill the q32 tile
+        # (config_bwd._BWD_SPILLING), which refuses them
+        ("score-mod", lambda q, k, v: fa.flash_attn_func(q, k, v, score_mod=times_two, score_mod_bwd=times_two_bwd,
+                                                         deterministic=True), dense),
+        ("mask-mod", lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=True, **M.causal()), dense),
         ("varlen", lambda q, k, v: fa.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1113, max_seqlen_k=2000, causal=True,
             deterministic=True),

@@ -159,6 +159,11 @@ _BWD_SPILLING = {
     # configurations of each: benchmarks/results/gate_fused_kvrows_s37.jsonl); those calls take the 16-row grid
     # (its relay form with mods, unbuilt: RELAY_HEAD_DIMS has no d128, held off as on the 16-row grid)
     ((32, 128, 8, 64, False), 128): {"dropout_softcap", "aux_mods", "relay_mods"},
+    # the d64 fused tile with its S/dP warps 2 x 4 (q_warp_rows 32; a trial, selected by no default table): the
+    # aux-reading mods (relative bias, document) spill 2-21 STL/LDL on sm_120a, windowed or not, relay or not; every
+    # other set of the fused worklist compiles without (bf16/fp16, d64/dv64 and dv32, heavy flags, dropout, causal
+    # mask mod, relay forms: benchmarks/results/gate_qgrid_s37.jsonl)
+    ((64, 128, 8, 32, False, 32), 64): {"aux_mods"},
 }
 # Added on a device without TMA (8.0 / 8.6 / 8.9: they load sm_80 cubins, whose register allocation differs from
 # sm_120a's on these 255-register tiles; the sm_80 full run of 7c4925a, benchmarks/results/
