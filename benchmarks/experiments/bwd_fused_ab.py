@@ -5,6 +5,10 @@ issue 30's 17 cells, one process, one GPU.
     # a fused tile built but not selected by default (config_bwd._FUSED_TRIAL_TILES), e.g. d256's V-in-registers
     # tile on the d256 cells; deterministic=True (ours_det) still runs the kernel pair there:
     FA4_SM120_BWD_FUSED_TRIAL=256 python benchmarks/experiments/bwd_fused_ab.py --cells 12 13 16
+    # the d64 tile with its S/dP warps 2 x 4 (32 query rows each, config_bwd q_warp_rows) against the same tile's
+    # 4 x 2 grid on the d64 cells (each variant in its own process, with its own peers):
+    python benchmarks/experiments/bwd_fused_ab.py --cells 6 7 8 9 10 11 --fused-tile 64:64,128,8,32,q32
+    python benchmarks/experiments/bwd_fused_ab.py --cells 6 7 8 9 10 11 --fused-tile 64:64,128,8,32
 
 Backward only: ours, SDPA FLASH and flash-attn-4 (SM120 path forced) through torch.autograd.grad of a fixed forward
 graph; FROST (cuDNN-frontend's SM120 backward, capability presented as 12.0) called directly with the forward's O
@@ -72,8 +76,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cells", type=int, nargs="*", default=None, help="indices into CELLS")
-    ap.add_argument("--fused-tile", default=None,  # e.g. 128:64,64,8 or 256:32,64,8,32,vregs
-                    help="override the fused tile table for one head dim: 'd:tm,tn,warps[,rows[,vregs]]' (a variant)")
+    ap.add_argument("--fused-tile", default=None,  # e.g. 128:64,64,8 or 256:32,64,8,32,vregs or 64:64,128,8,32,q32
+                    help="override the fused tile table for one head dim: 'd:tm,tn,warps[,rows[,tag...]]' (a variant;"
+                         " tags: vregs, q<n> = query rows per warp of the S/dP mmas, config_bwd._fused_tile_config)")
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
 

@@ -90,7 +90,50 @@ def sm80_s33_subsets() -> list:
     return out
 
 
-SETS = {"sm80_s33": sm80_s33, "sm80_s33_subsets": sm80_s33_subsets}
+def qgrid_s37() -> list:
+    """Issue 30: the d64 fused tile 64x128 r32 with its S/dP warps 2 x 4 (``q_warp_rows`` 32), on sm_120a: the six
+    sets of the brief, each beside the same tile at 16 rows; the fused worklist's sets (bf16 / fp16, d64 at dv64 and
+    dv32, windowed or not, every flag, dropout, the causal / document / relative-bias mods) and each one's relay
+    form on the q32 tile; and the default d64 tile (16 rows) with aux-reading mods, which no gate run had built on
+    a dense walk (benchmarks/results/gate_qgrid_s37.jsonl)."""
+    from scripts.compile_gate import _package
+
+    _package()
+    from flash_attn_4_sm120 import config_bwd as CB, modspec
+
+    rel = modspec.recipe_placeholder("relative_bias", (64,), (("fp32", 2),), True)
+    doc = modspec.recipe_placeholder("document", (True,), (("i32", 1),), False)
+    causal = modspec.recipe_placeholder("causal", (), (), False)
+    alibi = modspec.recipe_placeholder("alibi", (), (("fp32", 1),), True)
+    q32, q16 = (64, 128, 8, 32, "q32"), (64, 128, 8, 32)
+    every = dict(windowed=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
+    out = []
+    for flags in ({}, dict(windowed=True), dict(has_dropout=True), dict(has_softcap=True, varlen_q=True,
+                                                                         varlen_k=True),
+                  dict(mods=rel), dict(dq_relay=True)):
+        out += [CB._fused_tile_config("bf16", 64, 64, t, flags) for t in (q32, q16)]
+    sets = []
+    for dv in (64, 32):
+        for w in (False, True):
+            heavy = dict(every, windowed=w)
+            sets += [("bf16", dv, dict(windowed=w)), ("bf16", dv, heavy), ("bf16", dv, dict(windowed=w, has_dropout=True)),
+                     ("bf16", dv, dict(heavy, has_dropout=True, dropout_seed_tensor=True)),
+                     ("fp16", dv, dict(windowed=w)), ("fp16", dv, heavy), ("fp16", dv, dict(heavy, has_dropout=True))]
+    no_softcap = {k: v for k, v in every.items() if k != "has_softcap"}
+    for m in (causal, doc, rel):
+        sets += [("bf16", 64, dict(no_softcap, mods=m)), ("bf16", 64, dict(no_softcap, windowed=False, mods=m)),
+                 ("bf16", 64, dict(mods=m, has_dropout=True))]
+    for relay in (False, True):
+        out += [CB._fused_tile_config(dt, 64, dv, q32, dict(fl, dq_relay=relay)) for dt, dv, fl in sets]
+    for m in (rel, doc, alibi):
+        out += [CB._fused_tile_config("bf16", 64, 64, q16, dict(mods=m, dq_relay=relay)) for relay in (False, True)]
+    out += [CB._fused_tile_config("bf16", 64, 64, q16, dict(no_softcap, windowed=False, mods=rel)),
+            CB._fused_tile_config("bf16", 64, 64, q16, dict(mods=rel, has_dropout=True))]
+    seen = set()
+    return [c for c in out if not (c.name() in seen or seen.add(c.name()))]
+
+
+SETS = {"sm80_s33": sm80_s33, "sm80_s33_subsets": sm80_s33_subsets, "qgrid_s37": qgrid_s37}
 
 
 def main(argv=None) -> int:
