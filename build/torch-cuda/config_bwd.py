@@ -8,7 +8,7 @@ tables here (``config_bwd._BWD_TILES``, ``_DQ_TILES``) in place.  Nothing here i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .config import SMEM_LIMIT_BYTES, copy_threads_per_row
 
@@ -41,6 +41,12 @@ class BwdKernelConfig:
     # dK/dV kernel: key rows per warp in the dV = P^T dO and dK = dS^T Q mmas (16: warps stacked along the keys;
     # 32: two m16 atoms per warp and half the warps along the head dim, which halves the ldmatrix reads of dO and Q)
     kv_warp_rows: int = 16
+    # dK/dV kernel (bwd_dkdv.py, not the key-row or V-in-registers tiles): query rows per warp in the S = Q K^T and
+    # dP = dO V^T mmas (16: 4 x 2 warps on the 64x128 tile, each reading 16 Q rows and 64 keys of K; 32: 2 x 4, 32
+    # rows and 32 keys, 64 KB of ldmatrix reads per block instead of 80).  dQ = dS K keeps the 16-row grid (it reads
+    # dS from shared memory, and the fp32 workspace and kernels/bwd_dq_convert.py follow that grid's layout)
+    # (left out of the repr at 16, ``__repr__``)
+    q_warp_rows: int = field(default=16, repr=False)
     mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
     # dK/dV kernel (kernels/bwd_dkdv_kvrows.py): S and dP computed transposed, keys as the mma rows (S^T = K Q^T,
     # one warp per 16 keys), so P^T and dS^T go from the accumulators straight into the A operand of dV and dK:
@@ -57,6 +63,14 @@ class BwdKernelConfig:
     # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
     # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
     dq_relay: bool = False
+
+    def __repr__(self) -> str:
+        # the dataclass repr, with q_warp_rows only off its default: the disk compile cache and the prebuilt
+        # manifest key on the repr (compile_cache.py, prebuilt.py), and those of the default tiles stay as they were
+        # (tests/plan_grid.py compares them too).  Subclasses generate their own repr, without the field
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                         if f.repr or (f.name == "q_warp_rows" and self.q_warp_rows != 16))
+        return f"{type(self).__qualname__}({body})"
 
     @property
     def block_sparse(self) -> bool:
@@ -75,6 +89,7 @@ class BwdKernelConfig:
                  if on]
         return (f"bwd_{self.dtype}_d{self.head_dim}v{self.head_dim_v}_{self.tile_m}x{self.tile_n}w{self.num_warps}"
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
+                + (f"q{self.q_warp_rows}" if self.q_warp_rows != 16 else "")
                 + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "") + ("r" if self.dq_relay else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
@@ -144,6 +159,15 @@ _BWD_SPILLING = {
     # configurations of each: benchmarks/results/gate_fused_kvrows_s37.jsonl); those calls take the 16-row grid
     # (its relay form with mods, unbuilt: RELAY_HEAD_DIMS has no d128, held off as on the 16-row grid)
     ((32, 128, 8, 64, False), 128): {"dropout_softcap", "aux_mods", "relay_mods"},
+    # the d64 fused tile's 4 x 2 grid: an aux-reading mod (relative bias, document) on a plain walk spilled 6 STL/LDL,
+    # 26 with varlen/seqused (sm_120a, cu12: gate_qgrid_s37.jsonl rows "base_mods" on branch h-qgrid); windowed walks
+    # built clean, but one entry serves both: such calls take the 16-row grid's next fallback (64x64)
+    ((64, 128, 8, 32, False), 64): {"aux_mods"},
+    # the d64 fused tile with its S/dP warps 2 x 4 (q_warp_rows 32; a trial, selected by no default table): the
+    # aux-reading mods (relative bias, document) spill 2-21 STL/LDL on sm_120a, windowed or not, relay or not; every
+    # other set of the fused worklist compiles without (bf16/fp16, d64/dv64 and dv32, heavy flags, dropout, causal
+    # mask mod, relay forms: benchmarks/results/gate_qgrid_s37.jsonl)
+    ((64, 128, 8, 32, False, 32), 64): {"aux_mods"},
 }
 # Added on a device without TMA (8.0 / 8.6 / 8.9: they load sm_80 cubins, whose register allocation differs from
 # sm_120a's on these 255-register tiles; the sm_80 full run of 7c4925a, benchmarks/results/
@@ -164,7 +188,11 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
     """Reasons ``cfg`` cannot run (empty: it can); ``tma``: the device has TMA (device.DeviceCaps.tma), else the
     feature sets that spill on sm_80 (``_BWD_SPILLING_WITHOUT_TMA``) count too."""
     problems = []
-    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows, cfg.kv_rows)
+    # the S/dP grid joins the key only when it is not the 16-row default, so the keys of the default tiles stay
+    tile = (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_warp_rows, cfg.kv_rows) + (
+        (cfg.q_warp_rows,) if cfg.q_warp_rows != 16 else ())
+    q_grid = q_grid_problems(cfg)
+    problems += q_grid
     if cfg.kv_rows:
         # one warp per 16 keys, all the block's queries: P^T / dS^T of a warp are whole A operands
         if cfg.tile_n != 16 * cfg.num_warps or cfg.kv_warp_rows != 16:
@@ -193,8 +221,14 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
     smem = bwd_smem_bytes(cfg)
     if smem > SMEM_LIMIT_BYTES:
         problems.append(f"backward needs {smem} B of shared memory > SM120 limit {SMEM_LIMIT_BYTES} B")
-    for rows, ns, per_warp in ((cfg.tile_m, (cfg.tile_n, cfg.head_dim), 16),
-                               (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v), cfg.kv_warp_rows)):
+    # (rows, columns, rows per warp) of each grid: S/dP (tile_n columns) on the q_warp_rows grid, dQ (head_dim
+    # columns) on the 16-row one, dV/dK on the key rows (an unbuildable S/dP grid is reported by q_grid_problems)
+    grids = [(cfg.tile_m, (cfg.head_dim,), 16), (cfg.tile_n, (cfg.head_dim, cfg.head_dim_v), cfg.kv_warp_rows)]
+    if cfg.q_warp_rows == 16:
+        grids[0] = (cfg.tile_m, (cfg.tile_n, cfg.head_dim), 16)
+    elif not q_grid:
+        grids.append((cfg.tile_m, (cfg.tile_n,), cfg.q_warp_rows))
+    for rows, ns, per_warp in grids:
         wm = min(rows // per_warp, cfg.num_warps)
         wn = cfg.num_warps // wm
         for n in ns:
@@ -206,6 +240,25 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
         for rows in (cfg.tile_m, cfg.tile_n):
             if rows % rows_per_pass != 0:
                 problems.append(f"backward tile of {rows} rows is not a multiple of the copy's {rows_per_pass} (d={dim})")
+    return problems
+
+
+def q_grid_problems(cfg: BwdKernelConfig) -> list[str]:
+    """Why ``cfg``'s S/dP warp grid (``q_warp_rows``) cannot be built (empty: it can).  Only bwd_dkdv.py's own
+    product loop reads the field: the key-row tile (``kv_rows``) puts keys on the mma rows and the V-in-registers
+    tile has its own S/dP grid, so both refuse anything but 16.  The rows per warp must be a multiple of the m16
+    atom and divide the tile's query rows, with at most ``num_warps`` warps along them."""
+    rows = cfg.q_warp_rows
+    if rows == 16:
+        return []
+    problems = []
+    if cfg.kv_rows or isinstance(cfg, BwdVRegsKernelConfig):
+        problems.append(f"q_warp_rows={rows}: the key-row and V-in-registers tiles have their own S/dP grid (16 only)")
+    if rows <= 0 or rows % 16 or cfg.tile_m % rows:
+        problems.append(f"q_warp_rows={rows} must be a positive multiple of 16 dividing tile_m={cfg.tile_m}")
+    elif cfg.tile_m // rows > cfg.num_warps or cfg.num_warps % (cfg.tile_m // rows):
+        problems.append(f"q_warp_rows={rows}: {cfg.tile_m // rows} warps along tile_m={cfg.tile_m} do not split "
+                        f"{cfg.num_warps} warps")
     return problems
 
 
@@ -377,11 +430,20 @@ def _trial_on(head_dim: int) -> bool:
 
 
 def _fused_tile_config(dtype: str, head_dim: int, head_dim_v: int, tile: tuple, flags: dict) -> BwdKernelConfig:
-    """The configuration of one fused-table entry (tile_m, tile_n, num_warps[, kv_warp_rows[, "vregs"]])."""
+    """The configuration of one fused-table entry (tile_m, tile_n, num_warps[, kv_warp_rows[, tags...]]); tags:
+    "vregs" (the V-in-registers tile) and "q<n>" (``q_warp_rows`` = n, e.g. "q32").  ValueError on another tag."""
     tm, tn, nw, *rest = tile
     rows = rest[0] if rest else 16
-    cls = BwdVRegsKernelConfig if len(rest) > 1 and rest[1] == "vregs" else BwdKernelConfig
-    return cls(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows, fused_dq=True, **flags)
+    cls, q_rows = BwdKernelConfig, 16
+    for tag in rest[1:]:
+        if tag == "vregs":
+            cls = BwdVRegsKernelConfig
+        elif isinstance(tag, str) and tag[:1] == "q" and tag[1:].isdigit():
+            q_rows = int(tag[1:])
+        else:
+            raise ValueError(f"fused tile tag {tag!r} is neither 'vregs' nor 'q<rows>' (e.g. 'q32')")
+    return cls(dtype, head_dim, head_dim_v, tm, tn, nw, kv_warp_rows=rows, q_warp_rows=q_rows, fused_dq=True,
+               **flags)
 
 
 def select_fused_config(dtype: str, head_dim: int, head_dim_v: int, trial: bool | None = None,

@@ -291,17 +291,22 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
         ld = cu.ldmatrix_atom
-        # S = Q K^T and dP = dO V^T: rows = queries (mma_m)
-        thr_m = mma_m.get_slice(tidx)
-        acc_shape_s = thr_m.partition_shape_C((self.tile_m, self.tile_n))
-        tSrQ = thr_m.make_fragment_A(thr_m.partition_A(sQ))
-        tSrK = thr_m.make_fragment_B(thr_m.partition_B(sK))
-        tPrdO = thr_m.make_fragment_A(thr_m.partition_A(sdO))
-        tPrV = thr_m.make_fragment_B(thr_m.partition_B(sV))
-        cpA_m = cute.make_tiled_copy_A(ld(dt, False), mma_m).get_slice(tidx)
-        cpB_m = cute.make_tiled_copy_B(ld(dt, False), mma_m).get_slice(tidx)
-        tSsQ, tSsK = cpA_m.partition_S(sQ), cpB_m.partition_S(sK)
-        tPsdO, tPsV = cpA_m.partition_S(sdO), cpB_m.partition_S(sV)
+        # S = Q K^T and dP = dO V^T: rows = queries, on the grid of q_warp_rows query rows per warp (mma_s; 16: the
+        # query-row grid mma_m that dQ uses too).  Everything that reads the S accumulator's layout (the score hook,
+        # the rows' LSE / D, the P/dS stores to shared memory) takes it from mma_s; dQ reads dS from shared memory
+        mma_s = mma_m
+        if const_expr(cfg.q_warp_rows != 16):
+            mma_s = bwd_tiled_mma(dt, self.tile_m, self.num_warps, cfg.q_warp_rows)
+        thr_s = mma_s.get_slice(tidx)
+        acc_shape_s = thr_s.partition_shape_C((self.tile_m, self.tile_n))
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
+        tPrdO = thr_s.make_fragment_A(thr_s.partition_A(sdO))
+        tPrV = thr_s.make_fragment_B(thr_s.partition_B(sV))
+        cpA_s = cute.make_tiled_copy_A(ld(dt, False), mma_s).get_slice(tidx)
+        cpB_s = cute.make_tiled_copy_B(ld(dt, False), mma_s).get_slice(tidx)
+        tSsQ, tSsK = cpA_s.partition_S(sQ), cpB_s.partition_S(sK)
+        tPsdO, tPsV = cpA_s.partition_S(sdO), cpB_s.partition_S(sV)
         # dV = P^T dO, dK = dS^T Q: rows = keys (mma_n), A and B read transposed
         thr_n = mma_n.get_slice(tidx)
         tVrPt = thr_n.make_fragment_A(thr_n.partition_A(sPt))
@@ -319,9 +324,11 @@ class FlashBwdDkdv(KernelStateMixin):
         # dQ = dS K (fused): rows = queries (mma_m), A = dS, B = K read transposed
         if const_expr(cfg.fused_dq):
             sKt = cu.transpose_view(sK)
+            thr_m = mma_m.get_slice(tidx)
             tQrdS = thr_m.make_fragment_A(thr_m.partition_A(sdS))
             tQrKt = thr_m.make_fragment_B(thr_m.partition_B(sKt))
             cpBt_m = cute.make_tiled_copy_B(ld(dt, True), mma_m).get_slice(tidx)
+            cpA_m = cute.make_tiled_copy_A(ld(dt, False), mma_m).get_slice(tidx)
             tQsdS, tQsKt = cpA_m.partition_S(sdS), cpBt_m.partition_S(sKt)
             acc_shape_dq = thr_m.partition_shape_C((self.tile_m, self.d))
             rows_q, _ = self.seq_rows(mQ, mK)
@@ -330,11 +337,11 @@ class FlashBwdDkdv(KernelStateMixin):
         if const_expr(cfg.dq_relay):
             relay = DqRelay(mTurns, block)
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
-        st_m = cute.make_tiled_copy_C(st_atom, mma_m).get_slice(tidx)
+        st_s = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
 
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = cu.acc_mn_view(thr_m.partition_C(cS))
-        t0ScS_mn = cu.acc_mn_view(mma_m.get_slice(0).partition_C(cS))
+        tScS_mn = cu.acc_mn_view(thr_s.partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(mma_s.get_slice(0).partition_C(cS))
         num_rows = cute.size(tScS_mn, mode=[0])
         row_qpos = cute.make_rmem_tensor(num_rows, Int32)
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
@@ -411,7 +418,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
-            cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            cu.mma_ss(mma_s, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_s, cpB_s, False)
             if const_expr(self.relay_release_after_s):
                 relay.pass_on(pend, tidx)
             acc_raw = None
@@ -429,7 +436,7 @@ class FlashBwdDkdv(KernelStateMixin):
             # ---- dP, dS
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
-            cu.mma_ss(mma_m, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m, False)
+            cu.mma_ss(mma_s, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_s, cpB_s, False)
             # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
             score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             if const_expr(self.wants_raw_scores()):
@@ -438,8 +445,8 @@ class FlashBwdDkdv(KernelStateMixin):
             rP.store(acc_P.load().to(dt))
             rdS = cute.make_rmem_tensor_like(acc_dP, dt)
             rdS.store(acc_dP.load().to(dt))
-            cute.copy(st_atom, st_m.retile(rP), st_m.partition_D(sP))
-            cute.copy(st_atom, st_m.retile(rdS), st_m.partition_D(sdS))
+            cute.copy(st_atom, st_s.retile(rP), st_s.partition_D(sP))
+            cute.copy(st_atom, st_s.retile(rdS), st_s.partition_D(sdS))
             cute.arch.barrier()
 
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)

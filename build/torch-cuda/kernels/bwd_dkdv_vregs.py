@@ -41,18 +41,6 @@ from .dq_relay import DqRelay
 from .rows import load_rows, store_rows_from_acc
 
 
-@cute.jit
-def mma_sr(tiled_mma, acc, tCrA, tCrB, tCsA, copy_A):
-    """acc += A @ B^T with B already in registers (V) and A streamed from smem one k16 step ahead."""
-    tCrA_view = copy_A.retile(tCrA)
-    num_k = cute.size(tCrB.shape[2])
-    cute.copy(copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        if const_expr(k + 1 < num_k):
-            cute.copy(copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
 class RowPos:
     """Query positions of this thread's accumulator rows, computed on use (``pos[r]`` = first + offsets[r], r a
     trace-time int) instead of held in a register per row across the block."""
@@ -350,7 +338,7 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
             # ---- dP = dO V^T with V from registers, dS
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
-            mma_sr(mma_m, acc_dP, tPrdO, tPrV, tPsdO, cpA_m)
+            cu.mma_sr(mma_m, acc_dP, tPrdO, tPrV, tPsdO, cpA_m)
             score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             if const_expr(self.wants_raw_scores()):
                 score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)

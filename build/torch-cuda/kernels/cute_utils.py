@@ -166,6 +166,18 @@ def mma_rs(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B):
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
 
+@cute.jit
+def mma_sr(tiled_mma, acc, tCrA, tCrB, tCsA, copy_A):
+    """acc += A @ B^T with B already in registers (V in kernels/bwd_dkdv_vregs.py) and A streamed from smem one k16
+    step ahead (``mma_rs`` with the operands' roles swapped)."""
+    tCrA_view = copy_A.retile(tCrA)
+    num_k = cute.size(tCrB.shape[2])
+    cute.copy(copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k + 1 < num_k):
+            cute.copy(copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
 def ldmatrix_atom(dtype, transpose: bool):
     return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
 
