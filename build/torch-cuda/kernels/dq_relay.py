@@ -43,12 +43,17 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 # nanoseconds a polling lane sleeps between two reads of a counter that is not yet at its turn
 SPIN_SLEEP_NS = 32
+# A cost probe for benchmarks/experiments/probe_relay_cost.py, read at trace time and not part of the compile key
+# (the probe clears jit's memory cache between variants and turns the disk cache off): None (every shipped build)
+# runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
+# the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
+RELAY_PROBE = None
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -83,6 +88,15 @@ def red_release_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
+    """``red.relaxed.gpu.global.add.s32``: the add without the release's fence (RELAY_PROBE only)."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
+        "red.relaxed.gpu.global.add.s32 [$0], $1;", "l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
@@ -113,18 +127,22 @@ class DqRelay:
     def wait(self, off, turn):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
         operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
-        if turn > 0:
-            if cute.arch.lane_idx() == 0:
-                addr = self.address(off)
-                seen = ld_acquire_gpu_s32(addr)
-                while seen < turn:
-                    nanosleep(SPIN_SLEEP_NS)
+        if const_expr(RELAY_PROBE not in ("nowait", "free")):
+            if turn > 0:
+                if cute.arch.lane_idx() == 0:
+                    addr = self.address(off)
                     seen = ld_acquire_gpu_s32(addr)
-            cute.arch.sync_warp()
+                    while seen < turn:
+                        nanosleep(SPIN_SLEEP_NS)
+                        seen = ld_acquire_gpu_s32(addr)
+                cute.arch.sync_warp()
 
     @cute.jit
     def pass_on(self, off, tidx):
         """Thread 0 passes the turn of the counter at ``off`` on (``off`` < 0: nothing pending).  Call after a CTA
         barrier that follows every thread's adds of that tile."""
         if tidx == 0 and off >= 0:
-            red_release_gpu_add_s32(self.address(off), 1)
+            if const_expr(RELAY_PROBE in ("relaxed", "free")):
+                red_relaxed_gpu_add_s32(self.address(off), 1)
+            else:
+                red_release_gpu_add_s32(self.address(off), 1)
