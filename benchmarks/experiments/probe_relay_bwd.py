@@ -11,6 +11,13 @@ swapped into jit's memory cache (the disk cache and the prebuilt set are off: th
 key).  Checked first, per cell: each relay variant gives bitwise-equal gradients on a second run, and agrees with the
 pair to fp32 rounding (the rows record the largest difference).  Reported: ms and TFLOPS per variant (median over
 rounds) and the ratios relay / default and pair / default.
+
+Where the relay's time goes (``--variants relay_top relaxed nowait free``): copies of the relay with one part of the
+ordering taken out (kernels/dq_relay.py ``RELAY_PROBE``: "relaxed" passes turns without the release fence, "nowait"
+skips the waits, "free" both, leaving the descending walk and the counter traffic).  They break the ordering, so
+they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
+their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
+file's first copy, probe_relay_cost.py (commit 89851be), folded in here since.
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "pair")
+VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "pair")
+# the variants' (release place, RELAY_PROBE): each pair's kernels are compiled once and kept in their own jit memory
+PLACES = {"relay_after_s": ("after_s", None), "relaxed": ("top", "relaxed"), "nowait": ("top", "nowait"),
+          "free": ("top", "free")}
+CHECKED = ("relay_top", "relay_after_s")  # the variants that keep the ordering
 
 
 def main(argv=None):
@@ -38,22 +49,29 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--seqlens", nargs="*", type=int, default=list(SEQLENS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="*", choices=VARIANTS, default=["relay_top", "relay_after_s"],
+                    help="besides the default and the pair, always timed")
+    ap.add_argument("--relay-dims", nargs="*", type=int, default=[])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
     from flash_attn_4_sm120 import config_bwd, dispatch_bwd, jit
+    from flash_attn_4_sm120.kernels import dq_relay
 
-    memory = {"top": {}, "after_s": {}}  # each release place's jit memory
+    variants = ["default", *[v for v in args.variants if v not in ("default", "pair")], "pair"]
+    config_bwd.RELAY_HEAD_DIMS = frozenset(config_bwd.RELAY_HEAD_DIMS | set(args.relay_dims))
+    memory = {}  # each (release place, probe)'s jit memory
     real_fused_plan = dispatch_bwd.fused_plan
 
     def set_variant(variant: str):
-        place = "after_s" if variant == "relay_after_s" else "top"
-        if place != config_bwd.DQ_RELAY_RELEASE:
-            memory[config_bwd.DQ_RELAY_RELEASE].update(jit._MEMORY)
-            config_bwd.DQ_RELAY_RELEASE = place
+        place = PLACES.get(variant, ("top", None))
+        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE)
+        if place != now:
+            memory.setdefault(now, {}).update(jit._MEMORY)
+            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE = place
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
-            jit._MEMORY.update(memory[place])
+            jit._MEMORY.update(memory.get(place, {}))
         dispatch_bwd.fused_plan = (lambda plan, device, relay=False: None) if variant == "pair" else real_fused_plan
 
     cells = [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d) in SHAPES.items()
@@ -78,38 +96,34 @@ def main(argv=None):
                 row = dict(shape=name, hq=hq, hkv=hkv, d=d, seqlen=s, batch=b, causal=causal,
                            device=torch.cuda.get_device_name())
                 grads = {}
-                for variant in VARIANTS:
+                for variant in variants:
                     set_variant(variant)
                     grads[variant] = call(variant)
-                    if variant.startswith("relay"):
+                    if variant in CHECKED:
                         again = call(variant)
                         row[f"{variant}_bitwise"] = all(torch.equal(a, c) for a, c in zip(grads[variant], again))
-                scale = max(c.float().abs().max().item() for c in grads["pair"])
-                for variant in ("default", "relay_top", "relay_after_s"):
+                row["pair_maxabs"] = max(c.float().abs().max().item() for c in grads["pair"])
+                for variant in ("default", *[v for v in variants if v in CHECKED]):
                     row[f"{variant}_vs_pair_maxdiff"] = max(
                         (a.float() - c.float()).abs().max().item() for a, c in zip(grads[variant], grads["pair"]))
-                row["pair_maxabs"] = scale
-                times = {v: [] for v in VARIANTS}
+                times = {v: [] for v in variants}
                 for _ in range(args.rounds):
-                    for variant in VARIANTS:
+                    for variant in variants:
                         set_variant(variant)
                         times[variant].append(time_fn(lambda: call(variant)))
                 fl = 2.5 * flops(b, hq, s, d, causal)
-                for variant in VARIANTS:
+                for variant in variants:
                     ms = statistics.median(times[variant])
                     row[f"{variant}_ms"] = round(ms, 4)
                     row[f"{variant}_tflops"] = round(fl / ms / 1e9, 1)
-                for variant in ("relay_top", "relay_after_s", "pair"):
-                    row[f"{variant}_vs_default"] = round(row["default_ms"] / row[f"{variant}_ms"], 3)
+                    if variant != "default":
+                        row[f"{variant}_vs_default"] = round(row["default_ms"] / ms, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                append_jsonl(args.out, [row])
     finally:
         set_variant("default")
-        config_bwd.DQ_RELAY_RELEASE = "top"
-    if args.out:
-        for row in rows:
-            append_jsonl(args.out, [row])
-    for variant in ("relay_top", "relay_after_s", "pair"):
+    for variant in variants[1:]:
         ratios = [r[f"{variant}_vs_default"] for r in rows]
         if ratios:
             geo = statistics.geometric_mean(ratios)
