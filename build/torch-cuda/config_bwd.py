@@ -45,7 +45,8 @@ class BwdKernelConfig:
     # dP = dO V^T mmas (16: 4 x 2 warps on the 64x128 tile, each reading 16 Q rows and 64 keys of K; 32: 2 x 4, 32
     # rows and 32 keys, 64 KB of ldmatrix reads per block instead of 80).  dQ = dS K keeps the 16-row grid (it reads
     # dS from shared memory, and the fp32 workspace and kernels/bwd_dq_convert.py follow that grid's layout)
-    # (left out of the repr at 16, ``__repr__``)
+    # (left out of the repr at 16, ``__repr__``).  32 at d64 measured 1.00x on causal walks and 0.93-0.96x without
+    # a window (H200, benchmarks/experiments/results/bwd_qgrid_ab_h200_s38.jsonl): no table selects it
     q_warp_rows: int = field(default=16, repr=False)
     mods: object = None  # modspec.ModSpec (with score_mod_bwd) or None
     # dK/dV kernel (kernels/bwd_dkdv_kvrows.py): S and dP computed transposed, keys as the mma rows (S^T = K Q^T,
@@ -163,7 +164,7 @@ _BWD_SPILLING = {
     # 26 with varlen/seqused (sm_120a, cu12: gate_qgrid_s37.jsonl rows "base_mods" on branch h-qgrid); windowed walks
     # built clean, but one entry serves both: such calls take the 16-row grid's next fallback (64x64)
     ((64, 128, 8, 32, False), 64): {"aux_mods"},
-    # the d64 fused tile with its S/dP warps 2 x 4 (q_warp_rows 32; a trial, selected by no default table): the
+    # the d64 fused tile with its S/dP warps 2 x 4 (q_warp_rows 32; measured, selected by no default table): the
     # aux-reading mods (relative bias, document) spill 2-21 STL/LDL on sm_120a, windowed or not, relay or not; every
     # other set of the fused worklist compiles without (bf16/fp16, d64/dv64 and dv32, heavy flags, dropout, causal
     # mask mod, relay forms: benchmarks/results/gate_qgrid_s37.jsonl)
@@ -317,7 +318,10 @@ DQ_RELAY_RELEASE = "top"
 # keep the atomic-free dK/dV + dQ pair.  Measured against the pair in one process (H200, relay_bwd_h200_s35.jsonl):
 # d64 (64x128) 0.98-1.13x the pair (geomean 1.06); d128 (32x128) 0.62-0.90x, the serialised turns cost more than the
 # pair's extra GEMMs there, so d128 keeps the pair; d96 was not measured and keeps it.  Tests widen it to cover the
-# relay kernel at every fused tile.
+# relay kernel at every fused tile.  Session 38 (H200, benchmarks/experiments/results/relay_cost_d*_h200_s38.jsonl):
+# on the 2 x 4 dK/dV grid d128's relay ran 0.52-0.70x the default against the pair's 0.74-0.81x, so d128 still
+# keeps the pair; the waits for the previous key tile's turn cost 20-45% (the relay without them 0.89-0.97x), the
+# release fence 1-3%.
 RELAY_HEAD_DIMS = frozenset({64})
 
 

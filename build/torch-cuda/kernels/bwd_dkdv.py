@@ -245,6 +245,19 @@ class FlashBwdDkdv(KernelStateMixin):
                 cu.red_add_f32x2(addr + j * self.num_threads * 8, acc_dQ[2 * j], acc_dQ[2 * j + 1])
         return pend
 
+    def score_tile_views(self, mTurns, block, mma, dt, tidx) -> tuple:
+        """Trace time, shared with the V-in-registers tile: the relay of a ``dq_relay`` configuration (else None),
+        the store atom and this thread's copy of the S-shaped accumulators (P, dS) on ``mma`` into shared memory,
+        the (query row, key) coordinates of this thread's and thread 0's S accumulator (``acc_mn_view``) and their
+        row count."""
+        relay = DqRelay(mTurns, block) if self.cfg.dq_relay else None
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = cu.acc_mn_view(mma.get_slice(tidx).partition_C(cS))
+        t0ScS_mn = cu.acc_mn_view(mma.get_slice(0).partition_C(cS))
+        return (relay, st_atom, cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx), tScS_mn, t0ScS_mn,
+                cute.size(tScS_mn, mode=[0]))
+
     @cute.jit
     def dense_entry(self, first_head, m_min, num_m, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
@@ -299,24 +312,12 @@ class FlashBwdDkdv(KernelStateMixin):
             mma_s = bwd_tiled_mma(dt, self.tile_m, self.num_warps, cfg.q_warp_rows)
         thr_s = mma_s.get_slice(tidx)
         acc_shape_s = thr_s.partition_shape_C((self.tile_m, self.tile_n))
-        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
-        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
-        tPrdO = thr_s.make_fragment_A(thr_s.partition_A(sdO))
-        tPrV = thr_s.make_fragment_B(thr_s.partition_B(sV))
-        cpA_s = cute.make_tiled_copy_A(ld(dt, False), mma_s).get_slice(tidx)
-        cpB_s = cute.make_tiled_copy_B(ld(dt, False), mma_s).get_slice(tidx)
-        tSsQ, tSsK = cpA_s.partition_S(sQ), cpB_s.partition_S(sK)
-        tPsdO, tPsV = cpA_s.partition_S(sdO), cpB_s.partition_S(sV)
+        ops_S = cu.ss_operands(mma_s, tidx, ld(dt, False), ld(dt, False), sQ, sK)
+        ops_dP = cu.ss_operands(mma_s, tidx, ld(dt, False), ld(dt, False), sdO, sV)
         # dV = P^T dO, dK = dS^T Q: rows = keys (mma_n), A and B read transposed
         thr_n = mma_n.get_slice(tidx)
-        tVrPt = thr_n.make_fragment_A(thr_n.partition_A(sPt))
-        tVrdOt = thr_n.make_fragment_B(thr_n.partition_B(sdOt))
-        tKrdSt = thr_n.make_fragment_A(thr_n.partition_A(sdSt))
-        tKrQt = thr_n.make_fragment_B(thr_n.partition_B(sQt))
-        cpAt_n = cute.make_tiled_copy_A(ld(dt, True), mma_n).get_slice(tidx)
-        cpBt_n = cute.make_tiled_copy_B(ld(dt, True), mma_n).get_slice(tidx)
-        tVsPt, tVsdOt = cpAt_n.partition_S(sPt), cpBt_n.partition_S(sdOt)
-        tKsdSt, tKsQt = cpAt_n.partition_S(sdSt), cpBt_n.partition_S(sQt)
+        ops_dV = cu.ss_operands(mma_n, tidx, ld(dt, True), ld(dt, True), sPt, sdOt)
+        ops_dK = cu.ss_operands(mma_n, tidx, ld(dt, True), ld(dt, True), sdSt, sQt)
         acc_dV = cute.make_rmem_tensor(thr_n.partition_shape_C((self.tile_n, self.dv)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_n.partition_shape_C((self.tile_n, self.d)), Float32)
         acc_dV.fill(0.0)
@@ -325,24 +326,11 @@ class FlashBwdDkdv(KernelStateMixin):
         if const_expr(cfg.fused_dq):
             sKt = cu.transpose_view(sK)
             thr_m = mma_m.get_slice(tidx)
-            tQrdS = thr_m.make_fragment_A(thr_m.partition_A(sdS))
-            tQrKt = thr_m.make_fragment_B(thr_m.partition_B(sKt))
-            cpBt_m = cute.make_tiled_copy_B(ld(dt, True), mma_m).get_slice(tidx)
-            cpA_m = cute.make_tiled_copy_A(ld(dt, False), mma_m).get_slice(tidx)
-            tQsdS, tQsKt = cpA_m.partition_S(sdS), cpBt_m.partition_S(sKt)
+            ops_dQ = cu.ss_operands(mma_m, tidx, ld(dt, False), ld(dt, True), sdS, sKt)
             acc_shape_dq = thr_m.partition_shape_C((self.tile_m, self.d))
             rows_q, _ = self.seq_rows(mQ, mK)
-        relay = None
         pend = Int32(-1)  # the relay: the counter whose turn this CTA passes on next (-1: none)
-        if const_expr(cfg.dq_relay):
-            relay = DqRelay(mTurns, block)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
-        st_s = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
-
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = cu.acc_mn_view(thr_s.partition_C(cS))
-        t0ScS_mn = cu.acc_mn_view(mma_s.get_slice(0).partition_C(cS))
-        num_rows = cute.size(tScS_mn, mode=[0])
+        relay, st_atom, st_s, tScS_mn, t0ScS_mn, num_rows = self.score_tile_views(mTurns, block, mma_s, dt, tidx)
         row_qpos = cute.make_rmem_tensor(num_rows, Int32)
         lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
@@ -418,7 +406,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
-            cu.mma_ss(mma_s, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_s, cpB_s, False)
+            cu.mma_ss(mma_s, acc_S, *ops_S, False)
             if const_expr(self.relay_release_after_s):
                 relay.pass_on(pend, tidx)
             acc_raw = None
@@ -436,7 +424,7 @@ class FlashBwdDkdv(KernelStateMixin):
             # ---- dP, dS
             acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_dP.fill(0.0)
-            cu.mma_ss(mma_s, acc_dP, tPrdO, tPrV, tPsdO, tPsV, cpA_s, cpB_s, False)
+            cu.mma_ss(mma_s, acc_dP, *ops_dP, False)
             # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
             score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
             if const_expr(self.wants_raw_scores()):
@@ -450,7 +438,7 @@ class FlashBwdDkdv(KernelStateMixin):
             cute.arch.barrier()
 
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
-            cu.mma_ss(mma_n, acc_dV, tVrPt, tVrdOt, tVsPt, tVsdOt, cpAt_n, cpBt_n, False)
+            cu.mma_ss(mma_n, acc_dV, *ops_dV, False)
             cute.arch.barrier()
             # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
             # registers)
@@ -460,7 +448,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 else:
                     next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
-            cu.mma_ss(mma_n, acc_dK, tKrdSt, tKrQt, tKsdSt, tKsQt, cpAt_n, cpBt_n, False)
+            cu.mma_ss(mma_n, acc_dK, *ops_dK, False)
             cute.arch.barrier()
             if it + 1 < num_iters:
                 if const_expr(carry):
@@ -474,7 +462,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 # iteration orders its sdS reads before the next block's writes
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
-                cu.mma_ss(mma_m, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, cpA_m, cpBt_m, False)
+                cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)
                 pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS

@@ -37,7 +37,6 @@ from cutlass import Float32, Int32, const_expr
 from ..config_bwd import vregs_chunk_cols
 from . import cute_utils as cu
 from .bwd_dkdv import FlashBwdDkdv, bwd_tiled_mma
-from .dq_relay import DqRelay
 from .rows import load_rows, store_rows_from_acc
 
 
@@ -200,14 +199,8 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
         # k16 step: two 8x8 matrices per ldmatrix
         thr_m = mma_m.get_slice(tidx)
         acc_shape_s = thr_m.partition_shape_C((self.tile_m, self.tile_n))
-        tSrQ = thr_m.make_fragment_A(thr_m.partition_A(sQ))
-        tSrK = thr_m.make_fragment_B(thr_m.partition_B(sK))
-        tPrdO = thr_m.make_fragment_A(thr_m.partition_A(sdO))
-        tPrV = thr_m.make_fragment_B(thr_m.partition_B(sV))
-        cpA_m = cute.make_tiled_copy_A(ld(dt, False), mma_m).get_slice(tidx)
-        cpB_m = cute.make_tiled_copy_B(ld2, mma_m).get_slice(tidx)
-        tSsQ, tSsK, tPsdO, tPsV = cpA_m.partition_S(sQ), cpB_m.partition_S(sK), cpA_m.partition_S(sdO), \
-            cpB_m.partition_S(sV)
+        ops_S = cu.ss_operands(mma_m, tidx, ld(dt, False), ld2, sQ, sK)
+        tPrdO, tPrV, tPsdO, tPsV, cpA_m, cpB_m = cu.ss_operands(mma_m, tidx, ld(dt, False), ld2, sdO, sV)
         # dQ = dS K: the query-row grid (16 rows per warp) of bwd_dkdv.py, whose value order the workspace keeps
         mma_q = bwd_tiled_mma(dt, self.tile_m, self.num_warps)
         self.check_chunk_order(mma_q, wq)
@@ -241,17 +234,8 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
             acc.fill(0.0)
             acc_dK.append(acc)
         rows_q, _ = self.seq_rows(mQ, mK)
-        relay = None
         pend = Int32(-1)  # the relay: the counter whose turn this CTA passes on next (-1: none)
-        if const_expr(cfg.dq_relay):
-            relay = DqRelay(mTurns, block)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
-        st_m = cute.make_tiled_copy_C(st_atom, mma_m).get_slice(tidx)
-
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = cu.acc_mn_view(thr_m.partition_C(cS))
-        t0ScS_mn = cu.acc_mn_view(mma_m.get_slice(0).partition_C(cS))
-        num_rows = cute.size(tScS_mn, mode=[0])
+        relay, st_atom, st_m, tScS_mn, t0ScS_mn, num_rows = self.score_tile_views(mTurns, block, mma_m, dt, tidx)
         sRows = storage.sRows.get_tensor(cute.make_layout(2 * self.tile_m))
         row_offs = [tScS_mn[r, 0][0] for r in range(num_rows)]
         lse_log2 = cu.SmemRows(sRows, 0, row_offs)
@@ -323,7 +307,7 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
                 drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
             acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
             acc_S.fill(0.0)
-            cu.mma_ss(mma_m, acc_S, tSrQ, tSrK, tSsQ, tSsK, cpA_m, cpB_m, False)
+            cu.mma_ss(mma_m, acc_S, *ops_S, False)
             if const_expr(self.relay_release_after_s):
                 relay.pass_on(pend, tidx)
             acc_raw = None

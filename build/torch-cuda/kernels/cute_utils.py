@@ -136,6 +136,18 @@ def row_sum(row: cute.TensorSSA) -> Float32:
     return res
 
 
+def ss_operands(tiled_mma, tidx, atom_A, atom_B, sA, sB) -> tuple:
+    """The operands of one product streamed from shared memory for ``mma_ss`` on thread ``tidx``: (register
+    fragments of A and B, their ldmatrix source partitions of ``sA`` / ``sB``, the two thread copies), in
+    ``mma_ss``'s argument order; ``atom_A`` / ``atom_B``: the ldmatrix atoms (``ldmatrix_atom``, transposed where
+    the view is)."""
+    thr = tiled_mma.get_slice(tidx)
+    copy_A = cute.make_tiled_copy_A(atom_A, tiled_mma).get_slice(tidx)
+    copy_B = cute.make_tiled_copy_B(atom_B, tiled_mma).get_slice(tidx)
+    return (thr.make_fragment_A(thr.partition_A(sA)), thr.make_fragment_B(thr.partition_B(sB)),
+            copy_A.partition_S(sA), copy_B.partition_S(sB), copy_A, copy_B)
+
+
 @cute.jit
 def mma_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, copy_A, copy_B, a_in_regs: cutlass.Constexpr[bool]):
     """acc += A @ B^T with operands streamed from smem by ldmatrix one k16 step ahead of the mma (A already in

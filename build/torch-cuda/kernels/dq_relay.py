@@ -49,7 +49,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 # nanoseconds a polling lane sleeps between two reads of a counter that is not yet at its turn
 SPIN_SLEEP_NS = 32
-# A cost probe for benchmarks/experiments/probe_relay_cost.py, read at trace time and not part of the compile key
+# A cost probe for benchmarks/experiments/probe_relay_bwd.py --variants, read at trace time and not part of the compile key
 # (the probe clears jit's memory cache between variants and turns the disk cache off): None (every shipped build)
 # runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
 # the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
