@@ -138,7 +138,8 @@ def test_the_environment_switches_a_trial_tile_on(monkeypatch):
 
 @pytest.mark.parametrize("kw,needle", [
     (dict(fused_dq=False), "fused tile"), (dict(sparse_q_ratio=1, sparse_kv_ratio=1), "block-sparse"),
-    (dict(tile_m=64), "32x64"), (dict(num_warps=4), "32x64"), (dict(kv_warp_rows=16), "32x64"),
+    (dict(tile_m=24), "multiple of 16"), (dict(tile_n=96), "multiple of 8 x warps"), (dict(num_warps=4), "8 warps"),
+    (dict(kv_warp_rows=64), "16 or 32 key rows"), (dict(tile_m=64), "shared memory"),
     (dict(head_dim_v=96), "multiples of 64"),
 ])
 def test_vregs_problems_name_the_value(kw, needle):
@@ -204,3 +205,15 @@ def test_vregs_has_no_relay_form(monkeypatch):
     pair = config_bwd.select_bwd_config("bf16", 256, 256)
     assert config_bwd.fused_for(pair, relay=True) is None  # deterministic=True: the kernel pair
     assert isinstance(config_bwd.fused_for(pair)[0], config_bwd.BwdVRegsKernelConfig)
+
+
+def test_vregs_trial_tiles_at_d64_and_d128():
+    """Session 38's trial entries: the V-in-registers tile at d64 (64x128) and d128 (64x64) only where the trial is
+    on; the defaults keep their P/dS tiles."""
+    for d, shape in ((64, (64, 128)), (128, (64, 64))):
+        cfg = config_bwd.select_fused_config("bf16", d, d, trial=True)
+        assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig) and (cfg.tile_m, cfg.tile_n) == shape, cfg
+        assert not config_bwd.bwd_problems(cfg)
+        assert type(config_bwd.select_fused_config("bf16", d, d, trial=False)) is config_bwd.BwdKernelConfig
+    relay = config_bwd.replace(config_bwd.select_fused_config("bf16", 64, 64, trial=True), dq_relay=True)
+    assert any("relay" in p for p in config_bwd.bwd_problems(relay))
