@@ -396,8 +396,9 @@ def vregs_chunk_cols(dim: int) -> int:
 
 def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
     """Why the V-in-registers tile cannot take ``cfg`` (empty: it can): it is a fused tile only (its P/dS staging
-    serves the dQ product), walks the dense lists only, and needs 8 warps as 2 x 4 over the query rows (16 rows
-    per warp) and 2 x 4 over the key rows (32 per warp), each warp 16 columns of every 64 of a chunk."""
+    serves the dQ product), walks the dense lists only, and needs 8 warps: S and dP with every warp on all query
+    rows and 8 keys of every 64 (``tile_n`` a multiple of 64), dQ on the 16-row query grid (``tile_m`` a multiple
+    of 16), dV and dK with 16 or 32 key rows per warp (the default d256 tile: 32x64, 32 rows)."""
     problems = []
     if not cfg.fused_dq:
         problems.append("the V-in-registers tile is a fused tile (fused_dq)")
@@ -405,9 +406,13 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
         problems.append("the V-in-registers tile walks no block-sparse lists")
     if cfg.kv_rows:
         problems.append("the V-in-registers tile computes S with query rows (kv_rows off)")
-    if (cfg.num_warps, cfg.tile_m, cfg.tile_n, cfg.kv_warp_rows) != (8, 32, 64, 32):
-        problems.append(f"the V-in-registers tile is 32x64 with 8 warps and 32 key rows per warp, got "
-                        f"{cfg.tile_m}x{cfg.tile_n}w{cfg.num_warps}r{cfg.kv_warp_rows}")
+    if cfg.num_warps != 8:
+        problems.append(f"the V-in-registers tile has 8 warps, got {cfg.num_warps}")
+    if cfg.tile_n % (8 * cfg.num_warps) or cfg.tile_m % 16 or cfg.tile_m <= 0:
+        problems.append(f"the V-in-registers tile needs tile_n a multiple of 8 x warps (8 keys per warp and mma "
+                        f"repeat) and tile_m a multiple of 16, got {cfg.tile_m}x{cfg.tile_n}w{cfg.num_warps}")
+    if cfg.kv_warp_rows not in (16, 32):
+        problems.append(f"the V-in-registers tile takes 16 or 32 key rows per warp in dV/dK, got {cfg.kv_warp_rows}")
     for dim in (cfg.head_dim, cfg.head_dim_v):
         if dim % 64:
             problems.append(f"the V-in-registers tile needs head dims that are multiples of 64, got {dim}")
@@ -422,7 +427,10 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
 # default table where ``trial`` is on: by argument, or for the head dims named in the environment variable
 # ``FUSED_TRIAL_ENV`` (comma-separated max(d, dv), e.g. ``FA4_SM120_BWD_FUSED_TRIAL=256``; read when a plan is
 # built, so set it before the first call), the switch the A/B probes and the GPU tests use.
-_FUSED_TRIAL_TILES: dict = {}  # empty: the d256 V-in-registers tile was measured and moved to _FUSED_TILES
+# Session 38: the V-in-registers tile at d64 (64x128, as the default P/dS tile) and d128 (64x64, FROST's d128
+# tile): every set of the fused trial worklist compiled without spills on sm_120a (regs 224-254 at d64, 166-234 at
+# d128, cu12), measured against the defaults by bwd_fused_ab.py before any table selects them.
+_FUSED_TRIAL_TILES: dict = {64: (((64, 128, 8, 32, "vregs"), "all"),), 128: (((64, 64, 8, 32, "vregs"), "all"),)}
 FUSED_TRIAL_ENV = "FA4_SM120_BWD_FUSED_TRIAL"
 
 
