@@ -207,13 +207,11 @@ def test_vregs_has_no_relay_form(monkeypatch):
     assert isinstance(config_bwd.fused_for(pair)[0], config_bwd.BwdVRegsKernelConfig)
 
 
-def test_vregs_trial_tiles_at_d64_and_d128():
-    """Session 38's trial entries: the V-in-registers tile at d64 (64x128) and d128 (64x64) only where the trial is
-    on; the defaults keep their P/dS tiles."""
-    for d, shape in ((64, (64, 128)), (128, (64, 64))):
-        cfg = config_bwd.select_fused_config("bf16", d, d, trial=True)
-        assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig) and (cfg.tile_m, cfg.tile_n) == shape, cfg
-        assert not config_bwd.bwd_problems(cfg)
-        assert type(config_bwd.select_fused_config("bf16", d, d, trial=False)) is config_bwd.BwdKernelConfig
-    relay = config_bwd.replace(config_bwd.select_fused_config("bf16", 64, 64, trial=True), dq_relay=True)
-    assert any("relay" in p for p in config_bwd.bwd_problems(relay))
+def test_vregs_tile_builds_other_shapes():
+    """The V-in-registers tile's rule takes the shapes session 38 measured at d64 (64x128) and d128 (64x64, 32x128);
+    no table selects them (they lost to the defaults), and they keep no relay form."""
+    for d, tm, tn in ((64, 64, 128), (128, 64, 64), (128, 32, 128)):
+        cfg = config_bwd._fused_tile_config("bf16", d, d, (tm, tn, 8, 32, "vregs"), {})
+        assert isinstance(cfg, config_bwd.BwdVRegsKernelConfig) and not config_bwd.bwd_problems(cfg), cfg
+        assert any("relay" in p for p in config_bwd.bwd_problems(config_bwd.replace(cfg, dq_relay=True)))
+        assert type(config_bwd.select_fused_config("bf16", d, d, trial=True)) is config_bwd.BwdKernelConfig

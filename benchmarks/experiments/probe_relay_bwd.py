@@ -17,7 +17,7 @@ ordering taken out (kernels/dq_relay.py ``RELAY_PROBE``: "relaxed" passes turns 
 skips the waits, "free" both, leaving the descending walk and the counter traffic).  They break the ordering, so
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
 their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
-file's first copy, probe_relay_cost.py (commit 89851be), folded in here since.
+file's first copy (a separate probe script at commit 89851be), folded in here since.
 """
 
 from __future__ import annotations
