@@ -427,10 +427,14 @@ def vregs_problems(cfg: BwdKernelConfig) -> list[str]:
 # default table where ``trial`` is on: by argument, or for the head dims named in the environment variable
 # ``FUSED_TRIAL_ENV`` (comma-separated max(d, dv), e.g. ``FA4_SM120_BWD_FUSED_TRIAL=256``; read when a plan is
 # built, so set it before the first call), the switch the A/B probes and the GPU tests use.
-# Session 38: the V-in-registers tile at d64 (64x128, as the default P/dS tile) and d128 (64x64, FROST's d128
-# tile): every set of the fused trial worklist compiled without spills on sm_120a (regs 224-254 at d64, 166-234 at
-# d128, cu12), measured against the defaults by bwd_fused_ab.py before any table selects them.
-_FUSED_TRIAL_TILES: dict = {64: (((64, 128, 8, 32, "vregs"), "all"),), 128: (((64, 64, 8, 32, "vregs"), "all"),)}
+# Empty: the d256 V-in-registers tile was measured and moved to _FUSED_TILES.  Session 38 tried that tile at d64
+# (64x128) and d128 (64x64 as FROST's, and 32x128) as trials: every set of the fused trial worklist compiled without
+# spills on sm_120a, 311 GPU tests passed with the trial switch on (H100; the run stopped at its time limit, and its 3
+# failures were relay tests expecting d64's relay form, which this tile lacks), and it lost to the default tiles on
+# bwd_fused_ab's cells (H100, one process per variant, the compile gate running beside: d64 0.88-0.92x, d128 64x64
+# 0.68-0.81x, 32x128 0.87-0.91x; benchmarks/experiments/results/bwd_vregs_d64_d128_ab_h100_s38.jsonl), so no table
+# selects it there.
+_FUSED_TRIAL_TILES: dict = {}
 FUSED_TRIAL_ENV = "FA4_SM120_BWD_FUSED_TRIAL"
 
 
