@@ -6,7 +6,10 @@
 #
 # Every tensor is its own allocation (PYTORCH_NO_CUDA_MEMORY_CACHING=1, no guard rows around q/k/v), so memcheck
 # sees any out-of-bounds read or write instead of a hit inside a pooled segment.  The debug-check tests are left
-# out (-k "not debug": they raise before any launch).  Exit status: non-zero on any sanitizer error, any test
+# out (-k "not debug": they raise before any launch).  API-call errors are not reported (--report-api-errors no):
+# session 38's run (H100, cutlass-dsl 4.8.1) counted 34, every one CUDA_ERROR_INVALID_VALUE from cuGetProcAddress_v2
+# inside cuda-python's driver bindings (a symbol lookup they handle), no memory error, 78 passed
+# (benchmarks/results/sanitize_lying_metadata_h100_s38.txt); the flag was added after that run.  Exit status: non-zero on any sanitizer error, any test
 # failure, or the timeout (124).  The log is written to $SANITIZE_LOG (default: a temporary file).
 set -u -o pipefail
 
@@ -25,7 +28,7 @@ export FA4_SM120_TEST_GUARD_ROWS=0
 unset FA4_SM120_DEBUG_CHECKS
 
 timeout --signal=TERM --kill-after=30 "$TIMEOUT" \
-    compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 50 \
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 --print-limit 50 \
     "$PY" -m pytest -q -p no:cacheprovider tests/test_lying_metadata_gpu.py -m gpu -k "not debug" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 
