@@ -229,14 +229,18 @@ class FlashBwdDkdv(KernelStateMixin):
         tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
         wrong sums, never a write outside it.  With the relay (``relay`` not None), first wait for this key tile's
         turn on the tile; returns the offset of the tile's counter, to pass on once every thread's adds are issued
-        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
+        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both).  With relay
+        planes (``dq_planes``) the workspace is that many planes of equal tiles and this key tile adds into plane
+        n_block % dq_planes (``DqRelay.plane_tile``)."""
         if const_expr(self.cfg.varlen_q):
             blk = seq.offset_q // self.tile_m + seq.batch + m_block
         else:
             blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
         pend = Int32(-1)
-        if blk < mDqAccum.shape[0]:
+        planes = self.cfg.dq_planes
+        if blk < mDqAccum.shape[0] // planes:
             if const_expr(relay is not None):
+                blk = relay.plane_tile(blk, n_block, mDqAccum.shape[0] // planes)
                 pend = relay.offset(blk, head)
                 relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
@@ -250,7 +254,7 @@ class FlashBwdDkdv(KernelStateMixin):
         the store atom and this thread's copy of the S-shaped accumulators (P, dS) on ``mma`` into shared memory,
         the (query row, key) coordinates of this thread's and thread 0's S accumulator (``acc_mn_view``) and their
         row count."""
-        relay = DqRelay(mTurns, block) if self.cfg.dq_relay else None
+        relay = DqRelay(mTurns, block, self.cfg.dq_planes) if self.cfg.dq_relay else None
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS_mn = cu.acc_mn_view(mma.get_slice(tidx).partition_C(cS))
