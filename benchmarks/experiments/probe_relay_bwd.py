@@ -18,7 +18,10 @@ skips the waits, "free" both, leaving the descending walk and the counter traffi
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
 their relay runs on the default fused tile (d128's has no relay by default).  ``--variants planes2 planes4``: the
 relay with its dQ workspace in 2 or 4 planes (config_bwd.RELAY_PLANES, ``dq_planes``: key tile n adds into plane
-n % P and waits only for key tile n - P; kernels/dq_relay.py), checked as the relay is.  Session 38's rows were made by this
+n % P and waits only for key tile n - P; kernels/dq_relay.py), checked as the relay is.  ``early``: the counter
+read with a relaxed load before the dK/dV products and checked at the adds, a fence completing the acquire
+(dq_relay.EARLY_PROBES; checked); ``early_p2`` the same on 2 planes; ``early_nofence`` without the fence and
+``pollonce`` one acquire read without the spin (timing only).  Session 38's rows were made by this
 file's first copy (a separate probe script at commit 89851be), folded in here since.
 """
 
@@ -39,12 +42,16 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "planes2", "planes4", "pair")
+VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "planes2", "planes4", "early",
+            "early_nofence", "early_p2", "pollonce", "pair")
 # the variants' (release place, RELAY_PROBE, RELAY_PLANES): each one's kernels are compiled once and kept in their
 # own jit memory
 PLACES = {"relay_after_s": ("after_s", None, 1), "relaxed": ("top", "relaxed", 1), "nowait": ("top", "nowait", 1),
-          "free": ("top", "free", 1), "planes2": ("top", None, 2), "planes4": ("top", None, 4)}
-CHECKED = ("relay_top", "relay_after_s", "planes2", "planes4")  # the variants that keep the ordering
+          "free": ("top", "free", 1), "planes2": ("top", None, 2), "planes4": ("top", None, 4),
+          "early": ("top", "early", 1), "early_nofence": ("top", "early_nofence", 1), "early_p2": ("top", "early", 2),
+          "pollonce": ("top", "pollonce", 1)}
+# the variants that keep the ordering
+CHECKED = ("relay_top", "relay_after_s", "planes2", "planes4", "early", "early_p2")
 
 
 def main(argv=None):

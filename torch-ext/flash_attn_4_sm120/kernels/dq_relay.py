@@ -62,6 +62,10 @@ SPIN_SLEEP_NS = 32
 # runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
 # the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
 RELAY_PROBE = None
+# Probe values that read the counter early, with a relaxed load issued before the dK/dV products (``peek``) and
+# checked at the adds: "early" (seen at its turn: a fence.acq_rel completes the acquire pattern; not yet: the
+# acquire spin), "early_nofence" (no fence: timing only); "pollonce": one acquire read, no spin (timing only)
+EARLY_PROBES = ("early", "early_nofence")
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -115,6 +119,22 @@ def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def ld_relaxed_gpu_s32(addr, *, loc=None, ip=None) -> Int32:
+    """``ld.relaxed.gpu.global.b32``: a strong read without the acquire's ordering (no L1 invalidation), so it
+    can be issued early and its value consumed later."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    """``fence.acq_rel.gpu``: after a strong read that saw the release, completes the acquire pattern."""
+    llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
@@ -149,17 +169,40 @@ class DqRelay:
         return (self.turns.iterator + off).toint()
 
     @cute.jit
-    def wait(self, off, turn):
+    def peek(self, off, turn):
+        """RELAY_PROBE in EARLY_PROBES: lane 0's relaxed read of the counter at ``off``, issued early (0 elsewhere)."""
+        seen = Int32(0)
+        if const_expr(RELAY_PROBE in EARLY_PROBES):
+            if turn > 0:
+                if cute.arch.lane_idx() == 0:
+                    seen = ld_relaxed_gpu_s32(self.address(off))
+        return seen
+
+    @cute.jit
+    def wait(self, off, turn, early=None):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
-        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
+        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read.  ``early``: ``peek``'s
+        value (RELAY_PROBE in EARLY_PROBES)."""
         if const_expr(RELAY_PROBE not in ("nowait", "free")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
-                    seen = ld_acquire_gpu_s32(addr)
-                    while seen < turn:
-                        nanosleep(SPIN_SLEEP_NS)
+                    if const_expr(RELAY_PROBE == "pollonce"):
+                        ld_acquire_gpu_s32(addr)
+                    elif const_expr(RELAY_PROBE in EARLY_PROBES):
+                        if early >= turn:
+                            if const_expr(RELAY_PROBE == "early"):
+                                fence_acq_rel_gpu()
+                        else:
+                            seen = ld_acquire_gpu_s32(addr)
+                            while seen < turn:
+                                nanosleep(SPIN_SLEEP_NS)
+                                seen = ld_acquire_gpu_s32(addr)
+                    else:
                         seen = ld_acquire_gpu_s32(addr)
+                        while seen < turn:
+                            nanosleep(SPIN_SLEEP_NS)
+                            seen = ld_acquire_gpu_s32(addr)
                 cute.arch.sync_warp()
 
     @cute.jit
