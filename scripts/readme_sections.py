@@ -256,7 +256,8 @@ def bench_fp8_decode_section() -> str:
     """benchmarks/bench_fp8_decode.py: the e4m3 KV cache with a bf16 query against the bf16 cache and SDPA.  Rows
     with ``fp8_unsplit_ms`` come from the bench since packed GQA and split-KV (the FP8 default call packs and
     splits; ``fp8_unsplit`` is num_splits=1); older rows measured the kernel without either."""
-    path = ROOT / "benchmarks" / "results" / "fp8_decode_h100.jsonl"
+    # the run of the shipped decode tile (key-split, session 39, H200); fp8_decode_h100.jsonl is the one-warp tile's
+    path = ROOT / "benchmarks" / "results" / "fp8_decode_h200.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     cells = [r for r in rows if "kv_len" in r]
     dev = cells[0].get("device", "?") if cells else "?"

@@ -9,7 +9,7 @@ import torch
 
 from flash_attn_4_sm120 import arguments, config_bwd, dispatch_bwd
 from flash_attn_4_sm120.config import WINDOW_UNBOUNDED
-from flash_attn_4_sm120.kernels.dq_relay import first_key_tile, relay_turn
+from flash_attn_4_sm120.kernels.dq_relay import first_key_tile
 from test_block_sparse_bwd import recorded_launches  # noqa: F401  (fixture)
 
 
@@ -58,36 +58,6 @@ def test_relay_with_mods_on_the_plain_d128_tile_runs_the_pair(wide_relay):
 def test_relay_needs_the_fused_kernel():
     cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, dq_relay=True)
     assert any("dq_relay" in p for p in config_bwd.bwd_problems(cfg))
-
-
-def test_relay_planes_config(monkeypatch):
-    base = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True)
-    for planes in (2, 4):
-        cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True, dq_planes=planes)
-        assert not config_bwd.bwd_problems(cfg)
-        assert cfg.name() == base.name().replace("fr", f"frp{planes}") and f"dq_planes={planes}" in repr(cfg)
-        assert config_bwd.dq_convert_config(cfg).planes == planes
-        assert config_bwd.dq_convert_config(cfg).name().endswith(f"_p{planes}")
-    # one plane keeps the keys of every shipped build (compile cache, prebuilt manifest)
-    assert "dq_planes" not in repr(base) and "p1" not in base.name()
-    assert not config_bwd.dq_convert_config(base).name().endswith("_p1")
-    for bad in (config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_planes=2),
-                config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True, dq_planes=3)):
-        assert any("dq_planes=" in p for p in config_bwd.bwd_problems(bad))
-    pair = config_bwd.select_bwd_config("bf16", 64, 64)
-    monkeypatch.setattr(config_bwd, "RELAY_PLANES", 2)
-    relay, cvt = config_bwd.fused_for(pair, relay=True)
-    assert relay.dq_planes == 2 and cvt.planes == 2
-    assert config_bwd.fused_for(pair)[0].dq_planes == 1  # the default form has no turns and no planes
-
-
-@pytest.mark.parametrize("planes", [2, 4])
-def test_planes_multiply_the_workspace_and_the_counters(planes):
-    cfg = config_bwd.BwdKernelConfig("bf16", 64, 64, 64, 128, 8, fused_dq=True, dq_relay=True, dq_planes=planes)
-    accum, turns = dispatch_bwd.dq_workspace(cfg, 3, 1000, 5, False, torch.device("cpu"))
-    blocks = config_bwd.dq_accum_blocks(64, 3, 1000, False)
-    assert accum.shape == (planes * blocks, 5, 64 * 64) and turns.shape == (planes * blocks, 5)
-    assert not accum.any() and not turns.any()
 
 
 def test_turns_argument_follows_the_workspace():
@@ -180,11 +150,10 @@ class Deadlock(Exception):
 
 
 def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed, ascending=True,
-              at_least=True, planes=1):
+              at_least=True):
     """Play the relay out: CTAs dispatched in linear-index order into ``slots`` residency slots, resident CTAs
     stepping in a random interleaving; a CTA's next add waits until its tile's counter reaches its turn.  Returns
-    {(tile, head, plane): [key tiles in the order they added]}; raises Deadlock when no CTA can move.  ``planes``:
-    the relay's workspace planes (key tile n in plane n % planes, kernels/dq_relay.py relay_turn)."""
+    {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move."""
     rng = random.Random(seed)
     batch = len(lens_q)
     gx, gy, gz = max(-(-max(lens_k) // tn), 1), hkv, batch
@@ -206,13 +175,13 @@ def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slot
                     blk = cu_q[b] // tm + b + m if cu_q is not None else b * -(-max(lens_q) // tm) + m
                     first = first_key_tile(m, tm, tn, windowed, sq, sk, left)
                     if ascending:
-                        turn = relay_turn(n, first, planes)
+                        turn = n - first
                     else:  # the last contributor first
                         last = max(j for j in range(-(-sk // tn)) if _q_range(j, tm, tn, windowed, sq, sk, left,
                                                                                right)[0] <= m
                                    < _q_range(j, tm, tn, windowed, sq, sk, left, right)[1])
                         turn = last - n
-                    walk.append(((blk, head, n % planes), turn, n))
+                    walk.append(((blk, head), turn, n))
         ctas.append(walk)
     counters, order = {}, {}
     nxt, resident = 0, []
@@ -274,26 +243,6 @@ def test_relay_orders_every_tile_by_key_tile_and_never_deadlocks(case, slots):
         assert order == runs[0]  # the same order whatever the interleaving and launch order
         for adds in order.values():
             assert adds == sorted(adds) and len(set(adds)) == len(adds)
-
-
-@pytest.mark.parametrize("planes", [2, 4])
-@pytest.mark.parametrize("case", range(len(_CASES)))
-def test_relay_planes_order_each_plane_and_never_deadlock(case, planes):
-    lens_q, lens_k, varlen, hq, hkv, (tm, tn), windowed, left, right = _CASES[case]
-    cu_q = _cu(lens_q) if varlen else None
-    runs = [_simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed, planes=planes)
-            for slots in (1, 3, 64) for lpt in (False, True) for seed in range(2)]
-    one = _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, 3, False, 0)
-    assert runs[0]
-    for order in runs:
-        assert order == runs[0]
-        for (blk, head, plane), adds in order.items():
-            assert adds == sorted(adds) and all(n % planes == plane for n in adds)
-        # the planes split each tile's contributors of the one-plane relay, none lost or added
-        merged = {}
-        for (blk, head, _), adds in order.items():
-            merged.setdefault((blk, head, 0), []).extend(adds)
-        assert {key: sorted(v) for key, v in merged.items()} == one
 
 
 def test_the_simulator_finds_the_deadlock_of_the_launch_inverted_order():

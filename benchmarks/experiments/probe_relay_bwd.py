@@ -16,13 +16,13 @@ Where the relay's time goes (``--variants relay_top relaxed nowait free``): copi
 ordering taken out (kernels/dq_relay.py ``RELAY_PROBE``: "relaxed" passes turns without the release fence, "nowait"
 skips the waits, "free" both, leaving the descending walk and the counter traffic).  They break the ordering, so
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
-their relay runs on the default fused tile (d128's has no relay by default).  ``--variants planes2 planes4``: the
-relay with its dQ workspace in 2 or 4 planes (config_bwd.RELAY_PLANES, ``dq_planes``: key tile n adds into plane
-n % P and waits only for key tile n - P; kernels/dq_relay.py), checked as the relay is.  ``early``: the counter
-read with a relaxed load before the dK/dV products and checked at the adds, a fence completing the acquire
-(dq_relay.EARLY_PROBES; checked); ``early_p2`` the same on 2 planes; ``early_nofence`` without the fence and
-``pollonce`` one acquire read without the spin (timing only).  Session 38's rows were made by this
-file's first copy (a separate probe script at commit 89851be), folded in here since.
+their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
+file's first copy (a separate probe script at commit 89851be), folded in here since.  Session 39 added and measured
+two more forms and took them out again with the kernel code they needed (commits cf340f9 and 8bc9181, reverted):
+``planes2`` / ``planes4`` (the dQ workspace in 2 or 4 planes, key tile n adding into plane n % P and waiting for key
+tile n - P) and ``early`` (the counter read with a relaxed load before the dK/dV products, a fence completing the
+acquire), with the timing-only ``early_nofence`` and ``pollonce`` (one acquire read, no spin); rows in
+benchmarks/experiments/results/relay_planes_*_h200_s39.jsonl and relay_early_*_h200_s39.jsonl.
 """
 
 from __future__ import annotations
@@ -42,16 +42,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "planes2", "planes4", "early",
-            "early_nofence", "early_p2", "pollonce", "pair")
-# the variants' (release place, RELAY_PROBE, RELAY_PLANES): each one's kernels are compiled once and kept in their
-# own jit memory
-PLACES = {"relay_after_s": ("after_s", None, 1), "relaxed": ("top", "relaxed", 1), "nowait": ("top", "nowait", 1),
-          "free": ("top", "free", 1), "planes2": ("top", None, 2), "planes4": ("top", None, 4),
-          "early": ("top", "early", 1), "early_nofence": ("top", "early_nofence", 1), "early_p2": ("top", "early", 2),
-          "pollonce": ("top", "pollonce", 1)}
-# the variants that keep the ordering
-CHECKED = ("relay_top", "relay_after_s", "planes2", "planes4", "early", "early_p2")
+VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "pair")
+# the variants' (release place, RELAY_PROBE): each pair's kernels are compiled once and kept in their own jit memory
+PLACES = {"relay_after_s": ("after_s", None), "relaxed": ("top", "relaxed"), "nowait": ("top", "nowait"),
+          "free": ("top", "free")}
+CHECKED = ("relay_top", "relay_after_s")  # the variants that keep the ordering
 
 
 def main(argv=None):
@@ -74,11 +69,11 @@ def main(argv=None):
     real_fused_plan = dispatch_bwd.fused_plan
 
     def set_variant(variant: str):
-        place = PLACES.get(variant, ("top", None, 1))
-        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, config_bwd.RELAY_PLANES)
+        place = PLACES.get(variant, ("top", None))
+        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE)
         if place != now:
             memory.setdefault(now, {}).update(jit._MEMORY)
-            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, config_bwd.RELAY_PLANES = place
+            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE = place
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
             jit._MEMORY.update(memory.get(place, {}))

@@ -64,20 +64,13 @@ class BwdKernelConfig:
     # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
     # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
     dq_relay: bool = False
-    # the relay's workspace planes (``dq_relay`` only): key tile n adds into plane n % dq_planes, whose tiles have
-    # their own turn counters, so a CTA waits only for key tile n - dq_planes (its turn on a query tile is
-    # (n - first contributor) // dq_planes) and up to dq_planes contributors of one query tile add at once; the
-    # convert kernel sums the planes in plane order, so the result stays reproducible.  The workspace and the
-    # memset grow dq_planes-fold (left out of the repr at 1, ``__repr__``; ``RELAY_PLANES`` picks it)
-    dq_planes: int = field(default=1, repr=False)
 
     def __repr__(self) -> str:
         # the dataclass repr, with q_warp_rows only off its default: the disk compile cache and the prebuilt
         # manifest key on the repr (compile_cache.py, prebuilt.py), and those of the default tiles stay as they were
         # (tests/plan_grid.py compares them too).  Subclasses generate their own repr, without the field
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                         if f.repr or (f.name == "q_warp_rows" and self.q_warp_rows != 16)
-                         or (f.name == "dq_planes" and self.dq_planes != 1))
+                         if f.repr or (f.name == "q_warp_rows" and self.q_warp_rows != 16))
         return f"{type(self).__qualname__}({body})"
 
     @property
@@ -99,7 +92,6 @@ class BwdKernelConfig:
                 + (f"r{self.kv_warp_rows}" if self.kv_warp_rows != 16 else "")
                 + (f"q{self.q_warp_rows}" if self.q_warp_rows != 16 else "")
                 + ("t" if self.kv_rows else "") + ("f" if self.fused_dq else "") + ("r" if self.dq_relay else "")
-                + (f"p{self.dq_planes}" if self.dq_planes != 1 else "")
                 + ("_" + "_".join(flags) if flags else ""))
 
 
@@ -209,9 +201,6 @@ def bwd_problems(cfg: BwdKernelConfig, tma: bool = True) -> list[str]:
                             f"{cfg.tile_n}, {cfg.num_warps} warps, {cfg.kv_warp_rows} rows")
     if cfg.dq_relay and not cfg.fused_dq:
         problems.append("the dQ relay (dq_relay) orders the fused kernel's dQ adds: it needs fused_dq")
-    if cfg.dq_planes != 1 and (not cfg.dq_relay or cfg.dq_planes not in RELAY_PLANE_COUNTS):
-        problems.append(f"dq_planes={cfg.dq_planes} needs the relay form (dq_relay) and one of "
-                        f"{sorted(RELAY_PLANE_COUNTS)}")
     if isinstance(cfg, BwdVRegsKernelConfig):
         problems += vregs_problems(cfg)
     spilling = _BWD_SPILLING.get((tile, max(cfg.head_dim, cfg.head_dim_v)), set())
@@ -334,10 +323,6 @@ DQ_RELAY_RELEASE = "top"
 # keeps the pair; the waits for the previous key tile's turn cost 20-45% (the relay without them 0.89-0.97x), the
 # release fence 1-3%.
 RELAY_HEAD_DIMS = frozenset({64})
-# Workspace planes of the relay form (``dq_planes``) that ``deterministic=True`` takes, and the counts the kernels
-# build (the convert kernel unrolls its sum over them)
-RELAY_PLANES = 1
-RELAY_PLANE_COUNTS = frozenset({1, 2, 4})
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
@@ -515,7 +500,7 @@ def fused_for(bwd_cfg: BwdKernelConfig, relay: bool = False) -> tuple[BwdKernelC
     cfg = select_fused_config(bwd_cfg.dtype, bwd_cfg.head_dim, bwd_cfg.head_dim_v,
                               **{f: getattr(bwd_cfg, f) for f in _FUSED_FLAGS})
     if cfg is not None and relay:  # the same tile where the relay serves and compiles on it, else none (the pair)
-        cfg = replace(cfg, dq_relay=True, dq_planes=RELAY_PLANES)
+        cfg = replace(cfg, dq_relay=True)
         if not relay_serves(cfg):
             return None
     return None if cfg is None else (cfg, dq_convert_config(cfg))
@@ -557,27 +542,18 @@ class DqConvertKernelConfig:
     num_warps: int
     varlen_q: bool = False
     seqused_q: bool = False
-    # the relay's workspace planes (BwdKernelConfig.dq_planes), summed in plane order (in the repr only off 1, so the
-    # keys of the shipped builds stay as they were)
-    planes: int = field(default=1, repr=False)
     # SeqInfo's flags of the key side (this kernel touches no keys)
     varlen_k = False
     seqused_k = False
 
-    def __repr__(self) -> str:
-        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                         if f.repr or (f.name == "planes" and self.planes != 1))
-        return f"{type(self).__qualname__}({body})"
-
     def name(self) -> str:
         return (f"dqcvt_{self.dtype}_d{self.head_dim}_{self.tile_m}w{self.num_warps}"
-                + ("_vq" if self.varlen_q else "") + ("_uq" if self.seqused_q else "")
-                + (f"_p{self.planes}" if self.planes != 1 else ""))
+                + ("_vq" if self.varlen_q else "") + ("_uq" if self.seqused_q else ""))
 
 
 def dq_convert_config(fused: BwdKernelConfig) -> DqConvertKernelConfig:
     return DqConvertKernelConfig(fused.dtype, fused.head_dim, fused.tile_m, fused.num_warps, fused.varlen_q,
-                                 fused.seqused_q, fused.dq_planes)
+                                 fused.seqused_q)
 
 
 # dQ kernel (bwd_dq.py): Q-stationary, warps stacked along M; (tile_m, tile_n, num_warps, kv_stages).  With two

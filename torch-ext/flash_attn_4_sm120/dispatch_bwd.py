@@ -61,9 +61,8 @@ def fused_plan(plan: P.Plan, device: torch.device, relay: bool = False):
 def dq_workspace(fcfg, batch: int, rows_q: int, hq: int, varlen_q: bool, device):
     """(dq_accum, dq_turns) of a fused call: the fp32 dQ workspace (tiles, Hq, tile_m * D) and, for the relay form,
     its int32 turn counters (tiles, Hq) (None otherwise), zeroed by one memset of one allocation (the counters
-    after the workspace, 16-byte aligned: config_bwd.dq_turns_offset).  With relay planes (``dq_planes``) the
-    tiles are the planes one after the other, each ``dq_accum_blocks`` tiles."""
-    blocks = dq_accum_blocks(fcfg.tile_m, batch, rows_q, varlen_q) * fcfg.dq_planes
+    after the workspace, 16-byte aligned: config_bwd.dq_turns_offset)."""
+    blocks = dq_accum_blocks(fcfg.tile_m, batch, rows_q, varlen_q)
     elems = blocks * hq * fcfg.tile_m * fcfg.head_dim
     if not fcfg.dq_relay:
         return torch.zeros((blocks, hq, fcfg.tile_m * fcfg.head_dim), dtype=torch.float32, device=device), None

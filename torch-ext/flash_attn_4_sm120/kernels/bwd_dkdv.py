@@ -44,7 +44,6 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
-from . import dq_relay as _dq_relay
 from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
@@ -224,40 +223,22 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def peek_dq_turn(self, mDqAccum, relay, seq, rows_q, head, m_block, n_block):
-        """The relay's early read of this tile's counter (kernels/dq_relay.py EARLY_PROBES; 0 where not read)."""
-        if const_expr(self.cfg.varlen_q):
-            blk = seq.offset_q // self.tile_m + seq.batch + m_block
-        else:
-            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-        early = Int32(0)
-        planes = self.cfg.dq_planes
-        if blk < mDqAccum.shape[0] // planes:
-            blk = relay.plane_tile(blk, n_block, mDqAccum.shape[0] // planes)
-            early = relay.peek(relay.offset(blk, head), relay.turn(n_block, m_block))
-        return early
-
-    @cute.jit
-    def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx, early=None):
+    def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
         tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
         wrong sums, never a write outside it.  With the relay (``relay`` not None), first wait for this key tile's
         turn on the tile; returns the offset of the tile's counter, to pass on once every thread's adds are issued
-        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both).  With relay
-        planes (``dq_planes``) the workspace is that many planes of equal tiles and this key tile adds into plane
-        n_block % dq_planes (``DqRelay.plane_tile``)."""
+        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
         if const_expr(self.cfg.varlen_q):
             blk = seq.offset_q // self.tile_m + seq.batch + m_block
         else:
             blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
         pend = Int32(-1)
-        planes = self.cfg.dq_planes
-        if blk < mDqAccum.shape[0] // planes:
+        if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
-                blk = relay.plane_tile(blk, n_block, mDqAccum.shape[0] // planes)
                 pend = relay.offset(blk, head)
-                relay.wait(pend, relay.turn(n_block, m_block), early)
+                relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
@@ -269,7 +250,7 @@ class FlashBwdDkdv(KernelStateMixin):
         the store atom and this thread's copy of the S-shaped accumulators (P, dS) on ``mma`` into shared memory,
         the (query row, key) coordinates of this thread's and thread 0's S accumulator (``acc_mn_view``) and their
         row count."""
-        relay = DqRelay(mTurns, block, self.cfg.dq_planes) if self.cfg.dq_relay else None
+        relay = DqRelay(mTurns, block) if self.cfg.dq_relay else None
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS_mn = cu.acc_mn_view(mma.get_slice(tidx).partition_C(cS))
@@ -455,9 +436,6 @@ class FlashBwdDkdv(KernelStateMixin):
             cute.copy(st_atom, st_s.retile(rP), st_s.partition_D(sP))
             cute.copy(st_atom, st_s.retile(rdS), st_s.partition_D(sdS))
             cute.arch.barrier()
-            early = None  # the relay's early read of this tile's counter (dq_relay.EARLY_PROBES)
-            if const_expr(cfg.dq_relay and _dq_relay.RELAY_PROBE in _dq_relay.EARLY_PROBES):
-                early = self.peek_dq_turn(mDqAccum, relay, seq, rows_q, head, m_block, n_block)
 
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, *ops_dV, False)
@@ -485,7 +463,7 @@ class FlashBwdDkdv(KernelStateMixin):
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)
-                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx, early)
+                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 

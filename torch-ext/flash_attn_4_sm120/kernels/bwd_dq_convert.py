@@ -6,9 +6,7 @@ Layouts: dq_accum (blocks, Hq, tile_m * D) fp32, each tile in the order the fuse
 (total_q, Hq, D).  One CTA per (query tile, head, batch entry), with as many threads as the fused kernel: each thread
 reads back exactly the values its namesake added (8-byte loads, a warp's 32 loads 256 contiguous bytes) and stores
 them through the same mma partition, so the permutation is never spelled out twice.  Rows past the (clamped)
-sequence are not written; a tile index past the workspace (lying varlen metadata) is skipped.  With the relay's
-planes (config ``planes``, kernels/dq_relay.py) the workspace holds that many planes of equal tiles, summed in
-plane order (the same order on every run).
+sequence are not written; a tile index past the workspace (lying varlen metadata) is skipped.
 
 Constraints: fp16/bf16 output; the fused kernel's tile_m, num_warps and head dim (config_bwd.dq_convert_config).
 Profile: ``ncu -k regex:kernel_cutlass_kernel.*FlashBwdDqConvert``.
@@ -59,29 +57,18 @@ class FlashBwdDqConvert:
                 blk = seq.offset_q // self.tile_m + batch + m_block
             else:
                 blk = batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-            planes = cfg.planes
-            plane_blocks = mDqAccum.shape[0]
-            if const_expr(planes > 1):
-                plane_blocks = mDqAccum.shape[0] // planes
-            if blk < plane_blocks:
+            if blk < mDqAccum.shape[0]:
                 thr = mma.get_slice(tidx)
                 acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.d)), Float32)
+                addr = (mDqAccum[blk, head, None].iterator + tidx * 2).toint()
                 atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-                for p in cutlass.range_constexpr(planes):
-                    addr = (mDqAccum[blk + p * plane_blocks, head, None].iterator + tidx * 2).toint()
-                    for j in cutlass.range_constexpr(cute.size(acc) // 2):
-                        src = cute.make_tensor(cute.make_ptr(Float32, addr + j * self.num_threads * 8,
-                                                             cute.AddressSpace.gmem, assumed_align=8),
-                                               cute.make_layout(2))
-                        v = cute.make_rmem_tensor(2, Float32)
-                        cute.copy(atom, src, v)
-                        if const_expr(p > 0):
-                            v[0] = acc[2 * j] + v[0]
-                            v[1] = acc[2 * j + 1] + v[1]
-                        if const_expr(p == planes - 1):
-                            v[0] = v[0] * softmax_scale
-                            v[1] = v[1] * softmax_scale
-                        acc[2 * j] = v[0]
-                        acc[2 * j + 1] = v[1]
+                for j in cutlass.range_constexpr(cute.size(acc) // 2):
+                    src = cute.make_tensor(cute.make_ptr(Float32, addr + j * self.num_threads * 8,
+                                                         cute.AddressSpace.gmem, assumed_align=8),
+                                           cute.make_layout(2))
+                    v = cute.make_rmem_tensor(2, Float32)
+                    cute.copy(atom, src, v)
+                    acc[2 * j] = v[0] * softmax_scale
+                    acc[2 * j + 1] = v[1] * softmax_scale
                 store_row_pairs_from_acc(lambda pos: seq.q_row(mdQ, pos, head), acc, thr, first_q, seq.seqlen_q,
                                          (self.tile_m, self.d), self.dtype)

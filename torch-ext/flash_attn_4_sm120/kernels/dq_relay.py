@@ -25,14 +25,6 @@ contributors of m are one run of consecutive key tiles, and the first is the sma
 max_seqlen_k) or with no query tile are never inside that run's prefix, so no CTA waits for a turn nobody passes on:
 causal and windowed walks (the first contributor is not key tile 0), varlen with empty sequences, seqused.
 
-Planes (config ``dq_planes``, P > 1).  Key tile n adds into workspace plane n % P, each plane with its own tiles and
-counters, and its turn on query tile m is (n - first_key_tile(m)) // P: the contributors of m in one plane are every
-P-th key tile from the first of them.  A CTA then waits only for key tile n - P, so P contributors of a tile add at
-once (in the one-plane relay, the key tiles of one wave that start on the same query tile queue behind each other,
-which measured 20-45% of the default's time).  Every plane's sums are in a fixed order and the convert kernel adds
-the planes in plane order, so dQ stays bitwise reproducible; deadlock safety is the same argument (the CTA waited
-for has a lower key tile).
-
 The wait is ``counter >= k``, not ``== k``: with honest metadata the counter of a tile is exactly the number of its
 contributors that are done, so the two are the same; with lying varlen metadata that makes two sequences share a
 workspace tile (their sums are wrong anyway) ``>=`` still lets every CTA through, where ``==`` could hang.
@@ -62,10 +54,6 @@ SPIN_SLEEP_NS = 32
 # runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
 # the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
 RELAY_PROBE = None
-# Probe values that read the counter early, with a relaxed load issued before the dK/dV products (``peek``) and
-# checked at the adds: "early" (seen at its turn: a fence.acq_rel completes the acquire pattern; not yet: the
-# acquire spin), "early_nofence" (no fence: timing only); "pollonce": one acquire read, no spin (timing only)
-EARLY_PROBES = ("early", "early_nofence")
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -78,16 +66,6 @@ def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, 
         return 0
     y = m_block * tile_m + (seqlen_k - seqlen_q) - window_left
     return cutlass.max(y, 0) // tile_n
-
-
-def relay_turn(n_block, first, planes: int):
-    """The turn of key tile ``n_block`` on a query tile whose contributors start at key tile ``first``, with
-    ``planes`` workspace planes (config dq_planes; key tile n adds into plane n % planes): the contributors of one
-    plane are every planes-th key tile from the first of them, so the turn is (n - first) // planes.  Plain integer
-    arithmetic (n >= first for every contributor), as ``first_key_tile``."""
-    if planes == 1:
-        return n_block - first
-    return (n_block - first) // planes
 
 
 @dsl_user_op
@@ -119,22 +97,6 @@ def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_relaxed_gpu_s32(addr, *, loc=None, ip=None) -> Int32:
-    """``ld.relaxed.gpu.global.b32``: a strong read without the acquire's ordering (no L1 invalidation), so it
-    can be issued early and its value consumed later."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    """``fence.acq_rel.gpu``: after a strong read that saw the release, completes the acquire pattern."""
-    llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
@@ -147,19 +109,12 @@ class DqRelay:
 
     turns: cute.Tensor
     block: object
-    planes: int = 1  # config dq_planes (trace time)
 
     def turn(self, n_block, m_block):
-        """This key tile's place among the contributors of query tile ``m_block`` in its plane (0: first)."""
+        """This key tile's place among the contributors of query tile ``m_block`` (0: first)."""
         b = self.block
-        return relay_turn(n_block, first_key_tile(m_block, b.tile_m, b.tile_n, b.windowed, b.seq.seqlen_q,
-                                                  b.seq.seqlen_k, b.window_left), self.planes)
-
-    def plane_tile(self, blk, n_block, plane_blocks):
-        """The workspace tile of tile ``blk`` of key tile ``n_block``'s plane (planes of ``plane_blocks`` tiles)."""
-        if const_expr(self.planes == 1):
-            return blk
-        return blk + (n_block % self.planes) * plane_blocks
+        return n_block - first_key_tile(m_block, b.tile_m, b.tile_n, b.windowed, b.seq.seqlen_q, b.seq.seqlen_k,
+                                        b.window_left)
 
     def offset(self, blk, head):
         """Element offset of the counter of workspace tile ``blk`` of ``head`` (kept across a loop iteration)."""
@@ -169,40 +124,17 @@ class DqRelay:
         return (self.turns.iterator + off).toint()
 
     @cute.jit
-    def peek(self, off, turn):
-        """RELAY_PROBE in EARLY_PROBES: lane 0's relaxed read of the counter at ``off``, issued early (0 elsewhere)."""
-        seen = Int32(0)
-        if const_expr(RELAY_PROBE in EARLY_PROBES):
-            if turn > 0:
-                if cute.arch.lane_idx() == 0:
-                    seen = ld_relaxed_gpu_s32(self.address(off))
-        return seen
-
-    @cute.jit
-    def wait(self, off, turn, early=None):
+    def wait(self, off, turn):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
-        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read.  ``early``: ``peek``'s
-        value (RELAY_PROBE in EARLY_PROBES)."""
+        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
         if const_expr(RELAY_PROBE not in ("nowait", "free")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
-                    if const_expr(RELAY_PROBE == "pollonce"):
-                        ld_acquire_gpu_s32(addr)
-                    elif const_expr(RELAY_PROBE in EARLY_PROBES):
-                        if early >= turn:
-                            if const_expr(RELAY_PROBE == "early"):
-                                fence_acq_rel_gpu()
-                        else:
-                            seen = ld_acquire_gpu_s32(addr)
-                            while seen < turn:
-                                nanosleep(SPIN_SLEEP_NS)
-                                seen = ld_acquire_gpu_s32(addr)
-                    else:
+                    seen = ld_acquire_gpu_s32(addr)
+                    while seen < turn:
+                        nanosleep(SPIN_SLEEP_NS)
                         seen = ld_acquire_gpu_s32(addr)
-                        while seen < turn:
-                            nanosleep(SPIN_SLEEP_NS)
-                            seen = ld_acquire_gpu_s32(addr)
                 cute.arch.sync_warp()
 
     @cute.jit
