@@ -7,6 +7,7 @@ under CUDA-graph capture and torch.compile."""
 import pytest
 import torch
 
+from bwd_gpu_helpers import rand_grad as _rand, spy_fused_plan
 from test_bwd_gpu import check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -18,34 +19,14 @@ if not torch.cuda.is_available():
 from flash_attn_4_sm120 import dispatch_bwd  # noqa: E402
 
 
-def _rand(*shape, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g).to(dtype).requires_grad_()
-
-
-def _launched(monkeypatch, configs=None):
-    """Record which backward path each call takes (and, into ``configs``, the fused configuration or None)."""
-    seen = []
-    real = dispatch_bwd.fused_plan
-
-    def spy(plan, device, relay=False):
-        fused = real(plan, device, relay)
-        seen.append(fused is not None)
-        if configs is not None:
-            configs.append(None if fused is None else fused[0])
-        return fused
-    monkeypatch.setattr(dispatch_bwd, "fused_plan", spy)
-    return seen
-
-
 @pytest.mark.parametrize("d,causal,fused", [(64, False, True), (64, True, True), (128, False, True),
                                             (128, True, True), (96, True, True), (192, False, False),
                                             (256, False, True)])
 def test_default_takes_the_fused_path_where_it_has_a_tile(monkeypatch, d, causal, fused):
-    seen = _launched(monkeypatch)
+    seen = spy_fused_plan(monkeypatch)
     q, k, v = _rand(2, 113, 4, d), _rand(2, 211, 2, d, seed=1), _rand(2, 211, 2, d, seed=2)
     check(q, k, v, causal=causal)
-    assert seen and seen[0] is fused
+    assert seen and (seen[0] is not None) is fused
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (7, 1)])
@@ -161,7 +142,7 @@ def test_deterministic_flag_is_checked():
 def test_relay_runs_where_the_fused_kernel_serves(monkeypatch, d, causal, relay):
     """By default (config_bwd.RELAY_HEAD_DIMS) the relay serves d64; d96/d128 keep the pair, which beat it there."""
     configs = []
-    _launched(monkeypatch, configs)
+    spy_fused_plan(monkeypatch, configs)
     q, k, v = _rand(2, 113, 4, d), _rand(2, 211, 2, d, seed=1), _rand(2, 211, 2, d, seed=2)
     check(q, k, v, causal=causal, deterministic=True)
     assert configs
@@ -212,7 +193,7 @@ def _relay_cases():
 
 def test_relay_bitwise_reproducible_under_load(wide_relay, monkeypatch):
     configs = []
-    _launched(monkeypatch, configs)
+    spy_fused_plan(monkeypatch, configs)
     side = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda")
     for name, call, inputs in _relay_cases():

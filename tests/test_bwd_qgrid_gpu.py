@@ -8,6 +8,7 @@ and a mask mod."""
 import pytest
 import torch
 
+from bwd_gpu_helpers import rand_grad as _rand, spy_fused_plan, times_two_mods
 from test_bwd_gpu import check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -16,28 +17,17 @@ fa = pytest.importorskip("flash_attn_4_sm120")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from flash_attn_4_sm120 import config, config_bwd, dispatch_bwd  # noqa: E402
+from flash_attn_4_sm120 import config, config_bwd  # noqa: E402
 
 Q32 = (64, 128, 8, 32, "q32")
 Q16 = (64, 128, 8, 32)
-
-
-def _rand(*shape, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g).to(dtype).requires_grad_()
 
 
 def _force(monkeypatch, tile, configs):
     """The d64 fused table reduced to ``tile`` (every walk); ``configs`` records each call's fused configuration."""
     monkeypatch.setitem(config_bwd._FUSED_TILES, 64, ((tile, "all"),))
     config.clear_caches()  # plans and tile choices memoised under the previous table
-    real = dispatch_bwd.fused_plan
-
-    def spy(plan, device, relay=False):
-        fused = real(plan, device, relay)
-        configs.append(None if fused is None else fused[0])
-        return fused
-    monkeypatch.setattr(dispatch_bwd, "fused_plan", spy)
+    spy_fused_plan(monkeypatch, configs)
 
 
 def _ran_q32(configs):
@@ -75,15 +65,7 @@ def _cases():
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     dense = (_rand(2, 1000, 8, 64), _rand(2, 1500, 2, 64, seed=1), _rand(2, 1500, 2, 64, seed=2))
     half = tuple(_rand(2, 333, 4, 64, dtype=torch.float16, seed=s) for s in range(3))
-    import cutlass.cute as cute
-
-    @cute.jit
-    def times_two(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return score * cute.full_like(score, 2.0)
-
-    @cute.jit
-    def times_two_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return grad * cute.full_like(grad, 2.0)
+    times_two, times_two_bwd = times_two_mods()
     return [
         ("dense", lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=True), dense),
         ("causal", lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, deterministic=True), dense),

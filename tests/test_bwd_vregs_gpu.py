@@ -6,6 +6,7 @@ mask), and deterministic=True keeps the (bitwise reproducible) pair."""
 import pytest
 import torch
 
+from bwd_gpu_helpers import rand_grad as _rand, spy_fused_plan as _spy
 from test_bwd_gpu import check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -21,24 +22,6 @@ from flash_attn_4_sm120 import config_bwd, dispatch_bwd  # noqa: E402
 def trial(monkeypatch):
     """No trial switch: the tile is the d256 default (the autouse _fresh_tile_memo of conftest forgets the plans)."""
     monkeypatch.delenv(config_bwd.FUSED_TRIAL_ENV, raising=False)
-
-
-def _rand(*shape, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g).to(dtype).requires_grad_()
-
-
-def _spy(monkeypatch):
-    """The fused configuration each backward takes (None: the kernel pair)."""
-    seen = []
-    real = dispatch_bwd.fused_plan
-
-    def spy(plan, device, relay=False):
-        fused = real(plan, device, relay)
-        seen.append(None if fused is None else fused[0])
-        return fused
-    monkeypatch.setattr(dispatch_bwd, "fused_plan", spy)
-    return seen
 
 
 def test_the_default_selects_the_tile(monkeypatch, trial):

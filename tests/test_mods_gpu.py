@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from bwd_gpu_helpers import times_two_mods
 from reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -221,15 +222,7 @@ def test_library_mod_varlen(name):
 def test_user_mod_in_upstream_convention():
     """A score_mod written for upstream flash-attn-4 (TensorSSA arithmetic, default vec size 2, keyword indices)
     runs unchanged, with its score_mod_bwd."""
-    import cutlass.cute as cute
-
-    @cute.jit
-    def times_two(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return score * cute.full_like(score, 2.0)
-
-    @cute.jit
-    def times_two_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return grad * cute.full_like(grad, 2.0)
+    times_two, times_two_bwd = times_two_mods()
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     q, k, v = (_rand(2, 77, 2, 64, gen=gen, grad=True) for _ in range(3))
