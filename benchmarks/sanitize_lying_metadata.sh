@@ -9,7 +9,8 @@
 # out (-k "not debug": they raise before any launch).  API-call errors are not reported (--report-api-errors no):
 # session 38's run (H100, cutlass-dsl 4.8.1) counted 34, every one CUDA_ERROR_INVALID_VALUE from cuGetProcAddress_v2
 # inside cuda-python's driver bindings (a symbol lookup they handle), no memory error, 78 passed
-# (benchmarks/results/sanitize_lying_metadata_h100_s38.txt); the flag was added after that run.  Exit status: non-zero on any sanitizer error, any test
+# (benchmarks/results/sanitize_lying_metadata_h100_s38.txt); the flag was added after that run, and session 39's run
+# with it (H200) reported 0 errors, 78 passed (benchmarks/results/sanitize_lying_metadata_h200_s39.txt).  Exit status: non-zero on any sanitizer error, any test
 # failure, or the timeout (124).  The log is written to $SANITIZE_LOG (default: a temporary file).
 set -u -o pipefail
 
