@@ -22,7 +22,11 @@ two more forms and took them out again with the kernel code they needed (commits
 ``planes2`` / ``planes4`` (the dQ workspace in 2 or 4 planes, key tile n adding into plane n % P and waiting for key
 tile n - P) and ``early`` (the counter read with a relaxed load before the dK/dV products, a fence completing the
 acquire), with the timing-only ``early_nofence`` and ``pollonce`` (one acquire read, no spin); rows in
-benchmarks/experiments/results/relay_planes_*_h200_s39.jsonl and relay_early_*_h200_s39.jsonl.
+benchmarks/experiments/results/relay_planes_*_h200_s39.jsonl and relay_early_*_h200_s39.jsonl.  ``warp0``: one poller
+per CTA (lane 0 of warp 0 spins, a CTA barrier releases the other warps; dq_relay.ORDERED_PROBES), ``sleep0`` /
+``sleep256``: the spin's nanosleep (dq_relay.SPIN_SLEEP_NS, 32 shipped) at 0 and 256 ns; all three keep the ordering
+and are checked.  ``relay_after_add``: the turn passed right after the adds, behind a CTA barrier of its own
+(config_bwd.DQ_RELAY_RELEASE "after_add").
 """
 
 from __future__ import annotations
@@ -42,11 +46,16 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "pair")
-# the variants' (release place, RELAY_PROBE): each pair's kernels are compiled once and kept in their own jit memory
-PLACES = {"relay_after_s": ("after_s", None), "relaxed": ("top", "relaxed"), "nowait": ("top", "nowait"),
-          "free": ("top", "free")}
-CHECKED = ("relay_top", "relay_after_s")  # the variants that keep the ordering
+VARIANTS = ("default", "relay_top", "relay_after_s", "relay_after_add", "relaxed", "nowait", "free", "warp0", "sleep0", "sleep256",
+            "pair")
+# the variants' (release place, RELAY_PROBE, SPIN_SLEEP_NS): each one's kernels are compiled once and kept in their
+# own jit memory
+_SLEEP = 32  # dq_relay.SPIN_SLEEP_NS as shipped
+PLACES = {"relay_after_s": ("after_s", None, _SLEEP), "relay_after_add": ("after_add", None, _SLEEP),
+          "relaxed": ("top", "relaxed", _SLEEP),
+          "nowait": ("top", "nowait", _SLEEP), "free": ("top", "free", _SLEEP), "warp0": ("top", "warp0", _SLEEP),
+          "sleep0": ("top", None, 0), "sleep256": ("top", None, 256)}
+CHECKED = ("relay_top", "relay_after_s", "relay_after_add", "warp0", "sleep0", "sleep256")  # the variants that keep the ordering
 
 
 def main(argv=None):
@@ -69,11 +78,11 @@ def main(argv=None):
     real_fused_plan = dispatch_bwd.fused_plan
 
     def set_variant(variant: str):
-        place = PLACES.get(variant, ("top", None))
-        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE)
+        place = PLACES.get(variant, ("top", None, _SLEEP))
+        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, dq_relay.SPIN_SLEEP_NS)
         if place != now:
             memory.setdefault(now, {}).update(jit._MEMORY)
-            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE = place
+            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, dq_relay.SPIN_SLEEP_NS = place
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
             jit._MEMORY.update(memory.get(place, {}))

@@ -88,6 +88,7 @@ class FlashBwdDkdv(KernelStateMixin):
         # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
         # drain before the release's fence but makes the next CTA wait longer)
         self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
+        self.relay_release_after_add = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_add"
 
     @cute.jit
     def __call__(
@@ -397,7 +398,8 @@ class FlashBwdDkdv(KernelStateMixin):
                     cur_head, cur_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
+            if const_expr(cfg.dq_relay and not self.relay_release_after_s
+                          and not self.relay_release_after_add):  # the previous tile's adds are
                 relay.pass_on(pend, tidx)  # issued (barrier): pass its turn on
 
             # ---- S, then the score hook (softcap, masks)
@@ -464,6 +466,10 @@ class FlashBwdDkdv(KernelStateMixin):
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)
                 pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
+                if const_expr(self.relay_release_after_add):  # a barrier of its own, then the turn at once
+                    cute.arch.barrier()
+                    relay.pass_on(pend, tidx)
+                    pend = Int32(-1)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 

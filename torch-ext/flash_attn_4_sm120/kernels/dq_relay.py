@@ -54,6 +54,9 @@ SPIN_SLEEP_NS = 32
 # runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
 # the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
 RELAY_PROBE = None
+# Probe values that keep the ordering (benchmarks/experiments/probe_relay_bwd.py checks them bitwise): "warp0" lets
+# only lane 0 of warp 0 spin and releases the CTA with a barrier (one poller per CTA instead of one per warp)
+ORDERED_PROBES = ("warp0",)
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -127,7 +130,16 @@ class DqRelay:
     def wait(self, off, turn):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
         operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
-        if const_expr(RELAY_PROBE not in ("nowait", "free")):
+        if const_expr(RELAY_PROBE == "warp0"):
+            if turn > 0:
+                if cute.arch.thread_idx()[0] == 0:
+                    addr = self.address(off)
+                    seen = ld_acquire_gpu_s32(addr)
+                    while seen < turn:
+                        nanosleep(SPIN_SLEEP_NS)
+                        seen = ld_acquire_gpu_s32(addr)
+                cute.arch.barrier()
+        elif const_expr(RELAY_PROBE not in ("nowait", "free")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
