@@ -239,7 +239,7 @@ class FlashBwdDkdv(KernelStateMixin):
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
                 pend = relay.offset(blk, head)
-                relay.wait(pend, relay.turn(n_block, m_block))
+                relay.wait(pend, relay.turn(n_block, m_block), m_block)
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):

@@ -56,7 +56,11 @@ SPIN_SLEEP_NS = 32
 RELAY_PROBE = None
 # Probe values that keep the ordering (benchmarks/experiments/probe_relay_bwd.py checks them bitwise): "warp0" lets
 # only lane 0 of warp 0 spin and releases the CTA with a barrier (one poller per CTA instead of one per warp)
-ORDERED_PROBES = ("warp0",)
+ORDERED_PROBES = ("warp0", "count")
+# "count" (benchmarks/experiments/probe_relay_waits.py): the relay as shipped, and lane 0 of each waiting warp adds
+# its failed polls, its wait in units of 64 ns and 1 into three int32 tables of STATS_SLOTS entries by query tile,
+# placed right after the turn counters (the probe allocates them; a shipped call never runs this form)
+STATS_SLOTS = 1024
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -100,6 +104,12 @@ def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def globaltimer_ns(*, loc=None, ip=None) -> Int64:
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
@@ -127,10 +137,27 @@ class DqRelay:
         return (self.turns.iterator + off).toint()
 
     @cute.jit
-    def wait(self, off, turn):
+    def wait(self, off, turn, m_block=None):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
         operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
-        if const_expr(RELAY_PROBE == "warp0"):
+        if const_expr(RELAY_PROBE == "count"):
+            if turn > 0:
+                if cute.arch.lane_idx() == 0:
+                    addr = self.address(off)
+                    t0 = globaltimer_ns()
+                    polls = Int32(0)
+                    seen = ld_acquire_gpu_s32(addr)
+                    while seen < turn:
+                        nanosleep(SPIN_SLEEP_NS)
+                        seen = ld_acquire_gpu_s32(addr)
+                        polls = polls + 1
+                    waited = Int32((globaltimer_ns() - t0) >> 6)
+                    base = self.turns.shape[0] * self.turns.shape[1] + cutlass.min(m_block, STATS_SLOTS - 1)
+                    red_relaxed_gpu_add_s32(self.address(base), polls)
+                    red_relaxed_gpu_add_s32(self.address(base + STATS_SLOTS), waited)
+                    red_relaxed_gpu_add_s32(self.address(base + 2 * STATS_SLOTS), 1)
+                cute.arch.sync_warp()
+        elif const_expr(RELAY_PROBE == "warp0"):
             if turn > 0:
                 if cute.arch.thread_idx()[0] == 0:
                     addr = self.address(off)
