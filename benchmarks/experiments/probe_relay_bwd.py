@@ -26,7 +26,9 @@ benchmarks/experiments/results/relay_planes_*_h200_s39.jsonl and relay_early_*_h
 per CTA (lane 0 of warp 0 spins, a CTA barrier releases the other warps; dq_relay.ORDERED_PROBES), ``sleep0`` /
 ``sleep256``: the spin's nanosleep (dq_relay.SPIN_SLEEP_NS, 32 shipped) at 0 and 256 ns; all three keep the ordering
 and are checked.  ``relay_after_add``: the turn passed right after the adds, behind a CTA barrier of its own
-(config_bwd.DQ_RELAY_RELEASE "after_add").
+(config_bwd.DQ_RELAY_RELEASE "after_add"); ``wait_first``: the turn awaited before the dQ mma instead of after it;
+``asc``: the ascending walk where no window makes the contributors' first query tiles differ (causal and windowed
+walks stay descending, so their rows are a noise control), ``free_asc`` the same without waits or fence (timing only).
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
 VARIANTS = ("default", "relay_top", "relay_after_s", "relay_after_add", "relaxed", "nowait", "free", "warp0", "sleep0", "sleep256",
-            "pair")
+            "wait_first", "asc", "free_asc", "pair")
 # the variants' (release place, RELAY_PROBE, SPIN_SLEEP_NS): each one's kernels are compiled once and kept in their
 # own jit memory
 _SLEEP = 32  # dq_relay.SPIN_SLEEP_NS as shipped
 PLACES = {"relay_after_s": ("after_s", None, _SLEEP), "relay_after_add": ("after_add", None, _SLEEP),
           "relaxed": ("top", "relaxed", _SLEEP),
           "nowait": ("top", "nowait", _SLEEP), "free": ("top", "free", _SLEEP), "warp0": ("top", "warp0", _SLEEP),
-          "sleep0": ("top", None, 0), "sleep256": ("top", None, 256)}
-CHECKED = ("relay_top", "relay_after_s", "relay_after_add", "warp0", "sleep0", "sleep256")  # the variants that keep the ordering
+          "sleep0": ("top", None, 0), "sleep256": ("top", None, 256), "wait_first": ("top", "wait_first", _SLEEP),
+          "asc": ("top", "asc", _SLEEP), "free_asc": ("top", "free_asc", _SLEEP)}
+CHECKED = ("relay_top", "relay_after_s", "relay_after_add", "warp0", "sleep0", "sleep256", "wait_first", "asc")  # the variants that keep the ordering
 
 
 def main(argv=None):

@@ -44,6 +44,7 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
+from . import dq_relay as _dq_relay
 from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
@@ -224,6 +225,16 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def wait_dq_turn(self, mDqAccum, relay, seq, rows_q, head, m_block, n_block):
+        """RELAY_PROBE "wait_first": this key tile's turn on the tile's counter, awaited before the dQ mma."""
+        if const_expr(self.cfg.varlen_q):
+            blk = seq.offset_q // self.tile_m + seq.batch + m_block
+        else:
+            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        if blk < mDqAccum.shape[0]:
+            relay.wait(relay.offset(blk, head), relay.turn(n_block, m_block), m_block)
+
+    @cute.jit
     def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
@@ -239,7 +250,8 @@ class FlashBwdDkdv(KernelStateMixin):
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
                 pend = relay.offset(blk, head)
-                relay.wait(pend, relay.turn(n_block, m_block), m_block)
+                if const_expr(_dq_relay.RELAY_PROBE != "wait_first"):
+                    relay.wait(pend, relay.turn(n_block, m_block), m_block)
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
@@ -263,9 +275,16 @@ class FlashBwdDkdv(KernelStateMixin):
     def dense_entry(self, first_head, m_min, num_m, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
         inner, ascending (the relay: descending, kernels/dq_relay.py)."""
-        if const_expr(self.cfg.dq_relay):
+        if const_expr(self.relay_descending()):
             return first_head + it // num_m, m_min + num_m - 1 - it % num_m, Int32(1)
         return first_head + it // num_m, m_min + it % num_m, Int32(1)
+
+    def relay_descending(self) -> bool:
+        """Trace time: whether the walk visits query tiles in descending order (the relay; RELAY_PROBE "asc" /
+        "free_asc" keep the ascending walk where no window makes the contributors' first tiles differ)."""
+        if not self.cfg.dq_relay:
+            return False
+        return not (_dq_relay.RELAY_PROBE in ("asc", "free_asc") and not self.cfg.windowed)
 
     def branch_masks(self) -> bool:
         """Trace time: whether the walk masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
@@ -388,7 +407,7 @@ class FlashBwdDkdv(KernelStateMixin):
                     dpsum[r] = mDpsum[idx]
             if const_expr(carry and cfg.block_sparse):
                 cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
-            elif const_expr(carry and cfg.dq_relay):  # descending (dense_entry)
+            elif const_expr(carry and self.relay_descending()):  # descending (dense_entry)
                 cur_head, cur_m_block = head, m_block - 1
                 if cur_m_block < m_min:
                     cur_head, cur_m_block = head + 1, m_max - 1
@@ -462,6 +481,8 @@ class FlashBwdDkdv(KernelStateMixin):
                 # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
                 # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
                 # iteration orders its sdS reads before the next block's writes
+                if const_expr(cfg.dq_relay and _dq_relay.RELAY_PROBE == "wait_first"):
+                    self.wait_dq_turn(mDqAccum, relay, seq, rows_q, head, m_block, n_block)
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)

@@ -56,7 +56,7 @@ SPIN_SLEEP_NS = 32
 RELAY_PROBE = None
 # Probe values that keep the ordering (benchmarks/experiments/probe_relay_bwd.py checks them bitwise): "warp0" lets
 # only lane 0 of warp 0 spin and releases the CTA with a barrier (one poller per CTA instead of one per warp)
-ORDERED_PROBES = ("warp0", "count")
+ORDERED_PROBES = ("warp0", "count", "wait_first", "asc")
 # "count" (benchmarks/experiments/probe_relay_waits.py): the relay as shipped, and lane 0 of each waiting warp adds
 # its failed polls, its wait in units of 64 ns and 1 into three int32 tables of STATS_SLOTS entries by query tile,
 # placed right after the turn counters (the probe allocates them; a shipped call never runs this form)
@@ -166,7 +166,7 @@ class DqRelay:
                         nanosleep(SPIN_SLEEP_NS)
                         seen = ld_acquire_gpu_s32(addr)
                 cute.arch.barrier()
-        elif const_expr(RELAY_PROBE not in ("nowait", "free")):
+        elif const_expr(RELAY_PROBE not in ("nowait", "free", "free_asc")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
@@ -181,7 +181,7 @@ class DqRelay:
         """Thread 0 passes the turn of the counter at ``off`` on (``off`` < 0: nothing pending).  Call after a CTA
         barrier that follows every thread's adds of that tile."""
         if tidx == 0 and off >= 0:
-            if const_expr(RELAY_PROBE in ("relaxed", "free")):
+            if const_expr(RELAY_PROBE in ("relaxed", "free", "free_asc")):
                 red_relaxed_gpu_add_s32(self.address(off), 1)
             else:
                 red_release_gpu_add_s32(self.address(off), 1)
