@@ -4,7 +4,11 @@ into tables by query tile placed after the turn counters, and reports per cell: 
 summed wait against the kernel's warp-time (CTAs x 8 warps x kernel time / resident waves), and how the waits spread
 over the walk (the descending walk visits query tile M-1 first, so the tile index tells the step).
 
-    python benchmarks/experiments/probe_relay_waits.py [--cells mha-d64:4096 ...] [--out F]
+    python benchmarks/experiments/probe_relay_waits.py [--cells mha-d64:4096 ...] [--timeline] [--out F]
+
+``--timeline`` (dq_relay.TIMELINE): instead, each relay CTA's start, end and SM, for the shipped relay and its
+"free" form (no waits, no fence), and from them: the kernel's span, the mean CTA duration, how many CTAs an SM runs
+at once, the SMs' idle time between CTAs, and the mean duration by key tile (first, middle, last of a head's).
 
 Timing-free otherwise: the counting form is not the shipped kernel (it adds three reds per wait).  The gradients are
 checked bitwise against the shipped relay's, so the counting form keeps the ordering it measures."""
@@ -29,6 +33,7 @@ from bench_fwd import SHAPES, TOKENS, append_jsonl, time_fn  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", nargs="*", default=["mha-d64:1024", "mha-d64:4096", "llama3-8b:4096"])
+    ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import flash_attn_4_sm120 as fa
@@ -42,14 +47,19 @@ def main(argv=None):
 
     def workspace(fcfg, batch, rows_q, hq, varlen_q, device):
         accum, turns = orig_ws(fcfg, batch, rows_q, hq, varlen_q, device)
-        if turns is None or dq_relay.RELAY_PROBE != "count":
+        if turns is None or (dq_relay.RELAY_PROBE != "count" and not dq_relay.TIMELINE):
             return accum, turns
-        big = torch.zeros(turns.numel() + 3 * slots, dtype=torch.int32, device=device)
-        holder["stats"] = big[turns.numel():].view(3, slots)
+        big = torch.zeros(turns.numel() + 3 * slots + 4 * holder.get("ctas", 0), dtype=torch.int32, device=device)
+        holder["stats"] = big[turns.numel():turns.numel() + 3 * slots].view(3, slots)
+        holder["timeline"] = big[turns.numel() + 3 * slots:].view(-1, 4)
         return accum, big[:turns.numel()].view(turns.shape)
     dispatch_bwd.dq_workspace = workspace
 
     def set_probe(value):
+        if value == "__reset__":  # forget compiled kernels (TIMELINE is trace time too)
+            jit._MEMORY.clear()
+            dispatch_bwd.clear_caches()
+            return
         if dq_relay.RELAY_PROBE != value:
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()
@@ -70,6 +80,11 @@ def main(argv=None):
 
             def call():
                 return torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+            if args.timeline:
+                row = timeline_row(call, set_probe, holder, dq_relay, name, s, b, d, hkv, causal, props)
+                print(json.dumps(row), flush=True)
+                append_jsonl(args.out, [row])
+                continue
             set_probe(None)
             ref = call()
             ms = time_fn(call)
@@ -95,6 +110,56 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             append_jsonl(args.out, [row])
     return 0
+
+
+def timeline_row(call, set_probe, holder, dq_relay, name, s, b, d, hkv, causal, props):
+    """--timeline: the relay and its "free" form, one timed call each with the CTA table read back."""
+    tile_m, tile_n = (64, 128) if d == 64 else (32, 128)
+    gx = -(-s // tile_n)
+    holder["ctas"] = gx * hkv * b
+    row = dict(cell=name, seqlen=s, batch=b, causal=causal, d=d, device=props.name, ctas=holder["ctas"],
+               timeline=True)
+    for label, probe in (("relay", None), ("free", "free")):
+        set_probe("__reset__")
+        dq_relay.TIMELINE = True
+        set_probe(probe)
+        call()  # compile, warm
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        tl = holder["timeline"].long().cpu()
+        done = tl[:, 3] == 1
+        t0, t1, sm = tl[done, 0], tl[done, 1], tl[done, 2]
+        dur = (t1 - t0).double() * 64 / 1000  # microseconds
+        per_sm, gaps, overlap = {}, 0.0, 0
+        for i in range(len(sm)):
+            per_sm.setdefault(int(sm[i]), []).append((int(t0[i]), int(t1[i])))
+        for ivs in per_sm.values():
+            ivs.sort()
+            busy_until = ivs[0][1]
+            for a, z in ivs[1:]:
+                if a < busy_until:
+                    overlap += 1
+                else:
+                    gaps += (a - busy_until) * 64 / 1000
+                busy_until = max(busy_until, z)
+        lin = torch.arange(len(tl))[done]
+        n = lin % gx  # plain launch order: key tile fastest (the LPT order of causal walks differs)
+        by_key = {f"key{k}": round(dur[n == k].mean().item(), 1) for k in (0, gx // 2, gx - 1) if (n == k).any()}
+        row.update({f"{label}_call_ms": round(start.elapsed_time(end), 4), f"{label}_ctas_recorded": int(done.sum()),
+                    f"{label}_span_us": round((int(t1.max()) - int(t0.min())) * 64 / 1000, 1),
+                    f"{label}_cta_mean_us": round(dur.mean().item(), 1),
+                    f"{label}_cta_max_us": round(dur.max().item(), 1),
+                    f"{label}_sms": len(per_sm), f"{label}_overlapping_ctas": overlap,
+                    f"{label}_sm_idle_between_ctas_us_mean": round(gaps / max(len(per_sm), 1), 1),
+                    f"{label}_cta_mean_us_by_key_tile": by_key})
+    dq_relay.TIMELINE = False
+    set_probe("__reset__")
+    set_probe(None)
+    return row
 
 
 if __name__ == "__main__":

@@ -184,11 +184,18 @@ class FlashBwdDkdv(KernelStateMixin):
                                scale_log2, softcap_prescale, window_left, window_right, 1, dropout=dropout,
                                aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
+        timeline = const_expr(self.cfg.dq_relay and _dq_relay.TIMELINE)  # a probe, off in every shipped build
+        t_start = None
+        if const_expr(timeline):
+            t_start = _dq_relay.globaltimer_ns()
         if n_block * self.tile_n < seq.seqlen_k:
             self.process(
                 seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, (mDqAccum, mTurns), sparse,
                 softmax_scale, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
             )
+        if const_expr(timeline):
+            if tidx == 0:
+                _dq_relay.record_cta(mTurns, t_start)
 
     @cute.jit
     def cta_coords(self):

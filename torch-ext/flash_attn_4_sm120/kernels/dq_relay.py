@@ -61,6 +61,10 @@ ORDERED_PROBES = ("warp0", "count", "wait_first", "asc")
 # its failed polls, its wait in units of 64 ns and 1 into three int32 tables of STATS_SLOTS entries by query tile,
 # placed right after the turn counters (the probe allocates them; a shipped call never runs this form)
 STATS_SLOTS = 1024
+# Trace-time probe switch (benchmarks/experiments/probe_relay_waits.py --timeline), with any RELAY_PROBE: thread 0 of
+# each relay CTA writes (start, end, SM, 1) as int32 (times in 64 ns units, low 31 bits of %globaltimer) at entry
+# 4 x (linear block index) of a table after the count tables; the probe allocates it.  False in every shipped build
+TIMELINE = False
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -107,6 +111,24 @@ def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 def globaltimer_ns(*, loc=None, ip=None) -> Int64:
     return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def record_cta(turns: cute.Tensor, t_start):
+    """TIMELINE: this CTA's (start, end, SM, 1) into the table after the turn counters and the count tables."""
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, _ = cute.arch.grid_dim()
+    lin = bx + gx * (by + gy * bz)
+    base = turns.shape[0] * turns.shape[1] + 3 * STATS_SLOTS + 4 * lin
+    t_end = globaltimer_ns()
+    for j, v in enumerate((Int32((t_start >> 6) & 0x7FFFFFFF), Int32((t_end >> 6) & 0x7FFFFFFF), smid(), Int32(1))):
+        red_relaxed_gpu_add_s32((turns.iterator + base + j).toint(), v)
 
 
 @dsl_user_op
