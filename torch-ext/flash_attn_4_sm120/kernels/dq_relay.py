@@ -56,7 +56,7 @@ SPIN_SLEEP_NS = 32
 RELAY_PROBE = None
 # Probe values that keep the ordering (benchmarks/experiments/probe_relay_bwd.py checks them bitwise): "warp0" lets
 # only lane 0 of warp 0 spin and releases the CTA with a barrier (one poller per CTA instead of one per warp)
-ORDERED_PROBES = ("warp0", "count", "wait_first", "asc")
+ORDERED_PROBES = ("warp0", "count", "wait_first", "asc", "asmspin", "poller")
 # "count" (benchmarks/experiments/probe_relay_waits.py): the relay as shipped, and lane 0 of each waiting warp adds
 # its failed polls, its wait in units of 64 ns and 1 into three int32 tables of STATS_SLOTS entries by query tile,
 # placed right after the turn counters (the probe allocates them; a shipped call never runs this form)
@@ -114,6 +114,21 @@ def globaltimer_ns(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def spin_until_gpu_s32(addr, turn, sleep_ns: int, *, loc=None, ip=None) -> None:
+    """Spin until the int32 at ``addr`` (read with ld.acquire.gpu) reaches ``turn``, sleeping ``sleep_ns`` between
+    reads: the whole loop in one asm block, so the compiler sees straight-line code around it."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(turn).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred %p;\n\t.reg .b32 %v;\n"
+        "SPIN_${:uid}:\n\t"
+        "ld.acquire.gpu.global.b32 %v, [$0];\n\t"
+        "setp.lt.s32 %p, %v, $1;\n\t"
+        f"@%p nanosleep.u32 {int(sleep_ns)};\n\t"
+        "@%p bra SPIN_${:uid};\n}",
+        "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def smid(*, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
@@ -129,6 +144,13 @@ def record_cta(turns: cute.Tensor, t_start):
     t_end = globaltimer_ns()
     for j, v in enumerate((Int32((t_start >> 6) & 0x7FFFFFFF), Int32((t_end >> 6) & 0x7FFFFFFF), smid(), Int32(1))):
         red_relaxed_gpu_add_s32((turns.iterator + base + j).toint(), v)
+
+
+@dsl_user_op
+def ld_relaxed_gpu_s32(addr, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
@@ -178,6 +200,51 @@ class DqRelay:
                     red_relaxed_gpu_add_s32(self.address(base), polls)
                     red_relaxed_gpu_add_s32(self.address(base + STATS_SLOTS), waited)
                     red_relaxed_gpu_add_s32(self.address(base + 2 * STATS_SLOTS), 1)
+                cute.arch.sync_warp()
+        elif const_expr(RELAY_PROBE in ("v_relaxedpoll", "v_nosync", "v_nosleep", "v_onepoll")):
+            if turn > 0:
+                if cute.arch.lane_idx() == 0:
+                    addr = self.address(off)
+                    if const_expr(RELAY_PROBE == "v_relaxedpoll"):
+                        seen = ld_relaxed_gpu_s32(addr)
+                        while seen < turn:
+                            nanosleep(SPIN_SLEEP_NS)
+                            seen = ld_relaxed_gpu_s32(addr)
+                    elif const_expr(RELAY_PROBE == "v_onepoll"):
+                        seen = ld_acquire_gpu_s32(addr)
+                        if seen < turn:
+                            nanosleep(SPIN_SLEEP_NS)
+                    else:
+                        seen = ld_acquire_gpu_s32(addr)
+                        while seen < turn:
+                            if const_expr(RELAY_PROBE != "v_nosleep"):
+                                nanosleep(SPIN_SLEEP_NS)
+                            seen = ld_acquire_gpu_s32(addr)
+                if const_expr(RELAY_PROBE != "v_nosync"):
+                    cute.arch.sync_warp()
+        elif const_expr(RELAY_PROBE == "v_alllanes"):
+            if turn > 0:
+                addr = self.address(off)
+                seen = ld_acquire_gpu_s32(addr)
+                while seen < turn:
+                    nanosleep(SPIN_SLEEP_NS)
+                    seen = ld_acquire_gpu_s32(addr)
+        elif const_expr(RELAY_PROBE == "v_shfl"):
+            if turn > 0:
+                addr = self.address(off)
+                seen = Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    seen = ld_acquire_gpu_s32(addr)
+                seen = cute.arch.shuffle_sync(seen, 0)
+                while seen < turn:
+                    nanosleep(SPIN_SLEEP_NS)
+                    if cute.arch.lane_idx() == 0:
+                        seen = ld_acquire_gpu_s32(addr)
+                    seen = cute.arch.shuffle_sync(seen, 0)
+        elif const_expr(RELAY_PROBE == "asmspin"):
+            if turn > 0:
+                if cute.arch.lane_idx() == 0:
+                    spin_until_gpu_s32(self.address(off), turn, SPIN_SLEEP_NS)
                 cute.arch.sync_warp()
         elif const_expr(RELAY_PROBE == "warp0"):
             if turn > 0:
