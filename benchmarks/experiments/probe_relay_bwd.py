@@ -28,7 +28,9 @@ per CTA (lane 0 of warp 0 spins, a CTA barrier releases the other warps; dq_rela
 and are checked.  ``relay_after_add``: the turn passed right after the adds, behind a CTA barrier of its own
 (config_bwd.DQ_RELAY_RELEASE "after_add"); ``wait_first``: the turn awaited before the dQ mma instead of after it;
 ``asc``: the ascending walk where no window makes the contributors' first query tiles differ (causal and windowed
-walks stay descending, so their rows are a noise control), ``free_asc`` the same without waits or fence (timing only).
+walks stay descending, so their rows are a noise control), ``free_asc`` the same without waits or fence (timing only);
+``v_dummyloop``: one acquire read and a spin loop that never turns, ``v_onepoll``: one acquire read and no loop
+(both timing only: is it the loop's presence that costs?).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
 VARIANTS = ("default", "relay_top", "relay_after_s", "relay_after_add", "relaxed", "nowait", "free", "warp0", "sleep0", "sleep256",
-            "wait_first", "asc", "free_asc", "pair")
+            "wait_first", "asc", "free_asc", "v_dummyloop", "v_onepoll", "pair")
 # the variants' (release place, RELAY_PROBE, SPIN_SLEEP_NS): each one's kernels are compiled once and kept in their
 # own jit memory
 _SLEEP = 32  # dq_relay.SPIN_SLEEP_NS as shipped
@@ -57,7 +59,8 @@ PLACES = {"relay_after_s": ("after_s", None, _SLEEP), "relay_after_add": ("after
           "relaxed": ("top", "relaxed", _SLEEP),
           "nowait": ("top", "nowait", _SLEEP), "free": ("top", "free", _SLEEP), "warp0": ("top", "warp0", _SLEEP),
           "sleep0": ("top", None, 0), "sleep256": ("top", None, 256), "wait_first": ("top", "wait_first", _SLEEP),
-          "asc": ("top", "asc", _SLEEP), "free_asc": ("top", "free_asc", _SLEEP)}
+          "asc": ("top", "asc", _SLEEP), "free_asc": ("top", "free_asc", _SLEEP),
+          "v_dummyloop": ("top", "v_dummyloop", _SLEEP), "v_onepoll": ("top", "v_onepoll", _SLEEP)}
 CHECKED = ("relay_top", "relay_after_s", "relay_after_add", "warp0", "sleep0", "sleep256", "wait_first", "asc")  # the variants that keep the ordering
 
 

@@ -201,7 +201,7 @@ class DqRelay:
                     red_relaxed_gpu_add_s32(self.address(base + STATS_SLOTS), waited)
                     red_relaxed_gpu_add_s32(self.address(base + 2 * STATS_SLOTS), 1)
                 cute.arch.sync_warp()
-        elif const_expr(RELAY_PROBE in ("v_relaxedpoll", "v_nosync", "v_nosleep", "v_onepoll")):
+        elif const_expr(RELAY_PROBE in ("v_relaxedpoll", "v_nosync", "v_nosleep", "v_onepoll", "v_dummyloop")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
@@ -210,6 +210,11 @@ class DqRelay:
                         while seen < turn:
                             nanosleep(SPIN_SLEEP_NS)
                             seen = ld_relaxed_gpu_s32(addr)
+                    elif const_expr(RELAY_PROBE == "v_dummyloop"):  # the loop is there and never turns
+                        seen = ld_acquire_gpu_s32(addr)
+                        while seen < -1:
+                            nanosleep(SPIN_SLEEP_NS)
+                            seen = ld_acquire_gpu_s32(addr)
                     elif const_expr(RELAY_PROBE == "v_onepoll"):
                         seen = ld_acquire_gpu_s32(addr)
                         if seen < turn:
