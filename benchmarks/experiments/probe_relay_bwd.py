@@ -17,20 +17,12 @@ ordering taken out (kernels/dq_relay.py ``RELAY_PROBE``: "relaxed" passes turns 
 skips the waits, "free" both, leaving the descending walk and the counter traffic).  They break the ordering, so
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
 their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
-file's first copy (a separate probe script at commit 89851be), folded in here since.  Session 39 added and measured
-two more forms and took them out again with the kernel code they needed (commits cf340f9 and 8bc9181, reverted):
-``planes2`` / ``planes4`` (the dQ workspace in 2 or 4 planes, key tile n adding into plane n % P and waiting for key
-tile n - P) and ``early`` (the counter read with a relaxed load before the dK/dV products, a fence completing the
-acquire), with the timing-only ``early_nofence`` and ``pollonce`` (one acquire read, no spin); rows in
-benchmarks/experiments/results/relay_planes_*_h200_s39.jsonl and relay_early_*_h200_s39.jsonl.  ``warp0``: one poller
-per CTA (lane 0 of warp 0 spins, a CTA barrier releases the other warps; dq_relay.ORDERED_PROBES), ``sleep0`` /
-``sleep256``: the spin's nanosleep (dq_relay.SPIN_SLEEP_NS, 32 shipped) at 0 and 256 ns; all three keep the ordering
-and are checked.  ``relay_after_add``: the turn passed right after the adds, behind a CTA barrier of its own
-(config_bwd.DQ_RELAY_RELEASE "after_add"); ``wait_first``: the turn awaited before the dQ mma instead of after it;
-``asc``: the ascending walk where no window makes the contributors' first query tiles differ (causal and windowed
-walks stay descending, so their rows are a noise control), ``free_asc`` the same without waits or fence (timing only);
-``v_dummyloop``: one acquire read and a spin loop that never turns, ``v_onepoll``: one acquire read and no loop
-(both timing only: is it the loop's presence that costs?).
+file's first copy (a separate probe script at commit 89851be), folded in here since.  Session 39 measured more
+forms, with probe hooks in the kernels that were taken out again afterwards (their last state, with this file's
+variants and benchmarks/experiments/probe_relay_waits.py, is commit ce7456d): the workspace in planes, early and
+single reads of the counter, one poller per CTA, the spin's sleep, the pass right after the adds, the wait before
+the dQ mma, the ascending walk, a spin loop that never turns, per-CTA wait counts and timelines
+(benchmarks/experiments/README.md, rows of this file; results/relay_*_h200_s39.jsonl).
 """
 
 from __future__ import annotations
@@ -50,18 +42,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "relay_after_add", "relaxed", "nowait", "free", "warp0", "sleep0", "sleep256",
-            "wait_first", "asc", "free_asc", "v_dummyloop", "v_onepoll", "pair")
-# the variants' (release place, RELAY_PROBE, SPIN_SLEEP_NS): each one's kernels are compiled once and kept in their
-# own jit memory
-_SLEEP = 32  # dq_relay.SPIN_SLEEP_NS as shipped
-PLACES = {"relay_after_s": ("after_s", None, _SLEEP), "relay_after_add": ("after_add", None, _SLEEP),
-          "relaxed": ("top", "relaxed", _SLEEP),
-          "nowait": ("top", "nowait", _SLEEP), "free": ("top", "free", _SLEEP), "warp0": ("top", "warp0", _SLEEP),
-          "sleep0": ("top", None, 0), "sleep256": ("top", None, 256), "wait_first": ("top", "wait_first", _SLEEP),
-          "asc": ("top", "asc", _SLEEP), "free_asc": ("top", "free_asc", _SLEEP),
-          "v_dummyloop": ("top", "v_dummyloop", _SLEEP), "v_onepoll": ("top", "v_onepoll", _SLEEP)}
-CHECKED = ("relay_top", "relay_after_s", "relay_after_add", "warp0", "sleep0", "sleep256", "wait_first", "asc")  # the variants that keep the ordering
+VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "pair")
+# the variants' (release place, RELAY_PROBE): each pair's kernels are compiled once and kept in their own jit memory
+PLACES = {"relay_after_s": ("after_s", None), "relaxed": ("top", "relaxed"), "nowait": ("top", "nowait"),
+          "free": ("top", "free")}
+CHECKED = ("relay_top", "relay_after_s")  # the variants that keep the ordering
 
 
 def main(argv=None):
@@ -84,11 +69,11 @@ def main(argv=None):
     real_fused_plan = dispatch_bwd.fused_plan
 
     def set_variant(variant: str):
-        place = PLACES.get(variant, ("top", None, _SLEEP))
-        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, dq_relay.SPIN_SLEEP_NS)
+        place = PLACES.get(variant, ("top", None))
+        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE)
         if place != now:
             memory.setdefault(now, {}).update(jit._MEMORY)
-            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, dq_relay.SPIN_SLEEP_NS = place
+            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE = place
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
             jit._MEMORY.update(memory.get(place, {}))

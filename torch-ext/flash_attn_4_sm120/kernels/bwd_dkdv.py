@@ -44,7 +44,6 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
-from . import dq_relay as _dq_relay
 from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
@@ -89,10 +88,6 @@ class FlashBwdDkdv(KernelStateMixin):
         # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
         # drain before the release's fence but makes the next CTA wait longer)
         self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
-        self.relay_release_after_add = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_add"
-        # RELAY_PROBE "poller": one more warp spins on the turn counters and meets the compute warps at a named
-        # barrier before their adds, so the compute loop holds no spin loop (kernels/dq_relay.py)
-        self.poller = cfg.dq_relay and _dq_relay.RELAY_PROBE == "poller"
 
     @cute.jit
     def __call__(
@@ -138,7 +133,7 @@ class FlashBwdDkdv(KernelStateMixin):
             SharedStorage,
         ).launch(
             grid=(num_n_blocks, num_kv_heads, num_batch),
-            block=(self.num_threads + (32 if self.poller else 0), 1, 1),
+            block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1,
             stream=stream,
@@ -187,29 +182,11 @@ class FlashBwdDkdv(KernelStateMixin):
                                scale_log2, softcap_prescale, window_left, window_right, 1, dropout=dropout,
                                aux=mAux)
         seq, block, score, kv = st.seq, st.block, st.score, st.kv
-        timeline = const_expr(self.cfg.dq_relay and _dq_relay.TIMELINE)  # a probe, off in every shipped build
-        t_start = None
-        if const_expr(timeline):
-            t_start = _dq_relay.globaltimer_ns()
         if n_block * self.tile_n < seq.seqlen_k:
-            if const_expr(self.poller):
-                if cute.arch.warp_idx() == self.cfg.num_warps:
-                    self.poll_walk(seq, block, mQ, mK, mDqAccum, mTurns, qheads_per_kvhead, n_block, kv_head)
-                else:
-                    self.process(
-                        seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, (mDqAccum, mTurns), sparse,
-                        softmax_scale, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv,
-                        SharedStorage, tidx, n_block, kv_head,
-                    )
-            else:
-                self.process(
-                    seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, (mDqAccum, mTurns), sparse,
-                    softmax_scale, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv,
-                    SharedStorage, tidx, n_block, kv_head,
-                )
-        if const_expr(timeline):
-            if tidx == 0:
-                _dq_relay.record_cta(mTurns, t_start)
+            self.process(
+                seq, block, score, kv, mQ, mK, mV, mdO, mLSE, mDpsum, mdK, mdV, (mDqAccum, mTurns), sparse,
+                softmax_scale, qheads_per_kvhead, sQ_l, sdO_l, sK_l, sV_l, sP_l, mma_m, mma_n, copy_d, copy_dv, SharedStorage, tidx, n_block, kv_head,
+            )
 
     @cute.jit
     def cta_coords(self):
@@ -246,16 +223,6 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def wait_dq_turn(self, mDqAccum, relay, seq, rows_q, head, m_block, n_block):
-        """RELAY_PROBE "wait_first": this key tile's turn on the tile's counter, awaited before the dQ mma."""
-        if const_expr(self.cfg.varlen_q):
-            blk = seq.offset_q // self.tile_m + seq.batch + m_block
-        else:
-            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-        if blk < mDqAccum.shape[0]:
-            relay.wait(relay.offset(blk, head), relay.turn(n_block, m_block), m_block)
-
-    @cute.jit
     def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
@@ -271,8 +238,7 @@ class FlashBwdDkdv(KernelStateMixin):
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
                 pend = relay.offset(blk, head)
-                if const_expr(_dq_relay.RELAY_PROBE not in ("wait_first", "poller")):
-                    relay.wait(pend, relay.turn(n_block, m_block), m_block)
+                relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
@@ -296,16 +262,9 @@ class FlashBwdDkdv(KernelStateMixin):
     def dense_entry(self, first_head, m_min, num_m, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
         inner, ascending (the relay: descending, kernels/dq_relay.py)."""
-        if const_expr(self.relay_descending()):
+        if const_expr(self.cfg.dq_relay):
             return first_head + it // num_m, m_min + num_m - 1 - it % num_m, Int32(1)
         return first_head + it // num_m, m_min + it % num_m, Int32(1)
-
-    def relay_descending(self) -> bool:
-        """Trace time: whether the walk visits query tiles in descending order (the relay; RELAY_PROBE "asc" /
-        "free_asc" keep the ascending walk where no window makes the contributors' first tiles differ)."""
-        if not self.cfg.dq_relay:
-            return False
-        return not (_dq_relay.RELAY_PROBE in ("asc", "free_asc") and not self.cfg.windowed)
 
     def branch_masks(self) -> bool:
         """Trace time: whether the walk masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
@@ -319,42 +278,6 @@ class FlashBwdDkdv(KernelStateMixin):
             return not cfg.block_sparse and cfg.mods is None
         return (not cfg.block_sparse and cfg.mods is None and cfg.windowed
                 and max(cfg.head_dim, cfg.head_dim_v) <= 128)
-
-    def sync(self):
-        """The compute warps' CTA barrier (with a poller warp: a named barrier of the compute threads only)."""
-        if const_expr(self.poller):
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads)
-        else:
-            cute.arch.barrier()
-
-    @cute.jit
-    def poll_walk(self, seq, block, mQ, mK, mDqAccum, mTurns, qheads_per_kvhead, n_block, kv_head):
-        """RELAY_PROBE "poller": the extra warp walks the compute warps' (head, query tile) entries; for each it
-        waits (lane 0, acquire) until the tile's counter reaches this key tile's turn, then meets the compute warps
-        at named barrier 2, which orders their adds after its acquire."""
-        relay = DqRelay(mTurns, block)
-        rows_q, _ = self.seq_rows(mQ, mK)
-        m_min, m_max = block.q_range(n_block)
-        num_m = cutlass.max(m_max - m_min, 0)
-        num_iters = num_m * qheads_per_kvhead
-        first_head = kv_head * qheads_per_kvhead
-        for it in cutlass.range(num_iters, unroll=1):
-            head, m_block, _ = self.dense_entry(first_head, m_min, num_m, it)
-            if const_expr(self.cfg.varlen_q):
-                blk = seq.offset_q // self.tile_m + seq.batch + m_block
-            else:
-                blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-            if blk < mDqAccum.shape[0]:
-                turn = relay.turn(n_block, m_block)
-                if turn > 0:
-                    if cute.arch.lane_idx() == 0:
-                        addr = relay.address(relay.offset(blk, head))
-                        seen = _dq_relay.ld_acquire_gpu_s32(addr)
-                        while seen < turn:
-                            _dq_relay.nanosleep(_dq_relay.SPIN_SLEEP_NS)
-                            seen = _dq_relay.ld_acquire_gpu_s32(addr)
-                    cute.arch.sync_warp()
-            cute.arch.barrier(barrier_id=2, number_of_threads=self.num_threads + 32)
 
     @cute.jit
     def process(
@@ -464,7 +387,7 @@ class FlashBwdDkdv(KernelStateMixin):
                     dpsum[r] = mDpsum[idx]
             if const_expr(carry and cfg.block_sparse):
                 cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
-            elif const_expr(carry and self.relay_descending()):  # descending (dense_entry)
+            elif const_expr(carry and cfg.dq_relay):  # descending (dense_entry)
                 cur_head, cur_m_block = head, m_block - 1
                 if cur_m_block < m_min:
                     cur_head, cur_m_block = head + 1, m_max - 1
@@ -473,9 +396,8 @@ class FlashBwdDkdv(KernelStateMixin):
                 if cur_m_block == m_max:
                     cur_head, cur_m_block = head + 1, m_min
             cute.arch.cp_async_wait_group(0)
-            self.sync()
-            if const_expr(cfg.dq_relay and not self.relay_release_after_s
-                          and not self.relay_release_after_add):  # the previous tile's adds are
+            cute.arch.barrier()
+            if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
                 relay.pass_on(pend, tidx)  # issued (barrier): pass its turn on
 
             # ---- S, then the score hook (softcap, masks)
@@ -513,11 +435,11 @@ class FlashBwdDkdv(KernelStateMixin):
             rdS.store(acc_dP.load().to(dt))
             cute.copy(st_atom, st_s.retile(rP), st_s.partition_D(sP))
             cute.copy(st_atom, st_s.retile(rdS), st_s.partition_D(sdS))
-            self.sync()
+            cute.arch.barrier()
 
             # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
             cu.mma_ss(mma_n, acc_dV, *ops_dV, False)
-            self.sync()
+            cute.arch.barrier()
             # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
             # registers)
             if it + 1 < num_iters:
@@ -527,7 +449,7 @@ class FlashBwdDkdv(KernelStateMixin):
                     next_head, next_m_block, _ = where(it + 1)
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
             cu.mma_ss(mma_n, acc_dK, *ops_dK, False)
-            self.sync()
+            cute.arch.barrier()
             if it + 1 < num_iters:
                 if const_expr(carry):
                     next_head, next_m_block = cur_head, cur_m_block
@@ -538,23 +460,15 @@ class FlashBwdDkdv(KernelStateMixin):
                 # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
                 # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
                 # iteration orders its sdS reads before the next block's writes
-                if const_expr(cfg.dq_relay and _dq_relay.RELAY_PROBE == "wait_first"):
-                    self.wait_dq_turn(mDqAccum, relay, seq, rows_q, head, m_block, n_block)
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 acc_dQ.fill(0.0)
                 cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)
-                if const_expr(self.poller):  # the poller saw this tile's turn (its acquire, then this barrier)
-                    cute.arch.barrier(barrier_id=2, number_of_threads=self.num_threads + 32)
                 pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
-                if const_expr(self.relay_release_after_add):  # a barrier of its own, then the turn at once
-                    self.sync()
-                    relay.pass_on(pend, tidx)
-                    pend = Int32(-1)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 
         if const_expr(cfg.dq_relay):  # the last tile's turn, once every thread's adds are issued
-            self.sync()
+            cute.arch.barrier()
             relay.pass_on(pend, tidx)
 
         # ---- dK (scaled), dV: one write per CTA

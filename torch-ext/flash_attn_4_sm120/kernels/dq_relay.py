@@ -54,17 +54,6 @@ SPIN_SLEEP_NS = 32
 # runs the relay as described above; "relaxed" passes turns with a relaxed add (no release fence), "nowait" skips
 # the waits, "free" both.  Each of the three breaks the ordering, so its gradients are not reproducible: timing only.
 RELAY_PROBE = None
-# Probe values that keep the ordering (benchmarks/experiments/probe_relay_bwd.py checks them bitwise): "warp0" lets
-# only lane 0 of warp 0 spin and releases the CTA with a barrier (one poller per CTA instead of one per warp)
-ORDERED_PROBES = ("warp0", "count", "wait_first", "asc", "asmspin", "poller")
-# "count" (benchmarks/experiments/probe_relay_waits.py): the relay as shipped, and lane 0 of each waiting warp adds
-# its failed polls, its wait in units of 64 ns and 1 into three int32 tables of STATS_SLOTS entries by query tile,
-# placed right after the turn counters (the probe allocates them; a shipped call never runs this form)
-STATS_SLOTS = 1024
-# Trace-time probe switch (benchmarks/experiments/probe_relay_waits.py --timeline), with any RELAY_PROBE: thread 0 of
-# each relay CTA writes (start, end, SM, 1) as int32 (times in 64 ns units, low 31 bits of %globaltimer) at entry
-# 4 x (linear block index) of a table after the count tables; the probe allocates it.  False in every shipped build
-TIMELINE = False
 
 
 def first_key_tile(m_block, tile_m: int, tile_n: int, windowed: bool, seqlen_q, seqlen_k, window_left):
@@ -108,52 +97,6 @@ def red_relaxed_gpu_add_s32(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def globaltimer_ns(*, loc=None, ip=None) -> Int64:
-    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def spin_until_gpu_s32(addr, turn, sleep_ns: int, *, loc=None, ip=None) -> None:
-    """Spin until the int32 at ``addr`` (read with ld.acquire.gpu) reaches ``turn``, sleeping ``sleep_ns`` between
-    reads: the whole loop in one asm block, so the compiler sees straight-line code around it."""
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(turn).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .pred %p;\n\t.reg .b32 %v;\n"
-        "SPIN_${:uid}:\n\t"
-        "ld.acquire.gpu.global.b32 %v, [$0];\n\t"
-        "setp.lt.s32 %p, %v, $1;\n\t"
-        f"@%p nanosleep.u32 {int(sleep_ns)};\n\t"
-        "@%p bra SPIN_${:uid};\n}",
-        "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def smid(*, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def record_cta(turns: cute.Tensor, t_start):
-    """TIMELINE: this CTA's (start, end, SM, 1) into the table after the turn counters and the count tables."""
-    bx, by, bz = cute.arch.block_idx()
-    gx, gy, _ = cute.arch.grid_dim()
-    lin = bx + gx * (by + gy * bz)
-    base = turns.shape[0] * turns.shape[1] + 3 * STATS_SLOTS + 4 * lin
-    t_end = globaltimer_ns()
-    for j, v in enumerate((Int32((t_start >> 6) & 0x7FFFFFFF), Int32((t_end >> 6) & 0x7FFFFFFF), smid(), Int32(1))):
-        red_relaxed_gpu_add_s32((turns.iterator + base + j).toint(), v)
-
-
-@dsl_user_op
-def ld_relaxed_gpu_s32(addr, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
@@ -181,86 +124,10 @@ class DqRelay:
         return (self.turns.iterator + off).toint()
 
     @cute.jit
-    def wait(self, off, turn, m_block=None):
+    def wait(self, off, turn):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
         operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
-        if const_expr(RELAY_PROBE == "count"):
-            if turn > 0:
-                if cute.arch.lane_idx() == 0:
-                    addr = self.address(off)
-                    t0 = globaltimer_ns()
-                    polls = Int32(0)
-                    seen = ld_acquire_gpu_s32(addr)
-                    while seen < turn:
-                        nanosleep(SPIN_SLEEP_NS)
-                        seen = ld_acquire_gpu_s32(addr)
-                        polls = polls + 1
-                    waited = Int32((globaltimer_ns() - t0) >> 6)
-                    base = self.turns.shape[0] * self.turns.shape[1] + cutlass.min(m_block, STATS_SLOTS - 1)
-                    red_relaxed_gpu_add_s32(self.address(base), polls)
-                    red_relaxed_gpu_add_s32(self.address(base + STATS_SLOTS), waited)
-                    red_relaxed_gpu_add_s32(self.address(base + 2 * STATS_SLOTS), 1)
-                cute.arch.sync_warp()
-        elif const_expr(RELAY_PROBE in ("v_relaxedpoll", "v_nosync", "v_nosleep", "v_onepoll", "v_dummyloop")):
-            if turn > 0:
-                if cute.arch.lane_idx() == 0:
-                    addr = self.address(off)
-                    if const_expr(RELAY_PROBE == "v_relaxedpoll"):
-                        seen = ld_relaxed_gpu_s32(addr)
-                        while seen < turn:
-                            nanosleep(SPIN_SLEEP_NS)
-                            seen = ld_relaxed_gpu_s32(addr)
-                    elif const_expr(RELAY_PROBE == "v_dummyloop"):  # the loop is there and never turns
-                        seen = ld_acquire_gpu_s32(addr)
-                        while seen < -1:
-                            nanosleep(SPIN_SLEEP_NS)
-                            seen = ld_acquire_gpu_s32(addr)
-                    elif const_expr(RELAY_PROBE == "v_onepoll"):
-                        seen = ld_acquire_gpu_s32(addr)
-                        if seen < turn:
-                            nanosleep(SPIN_SLEEP_NS)
-                    else:
-                        seen = ld_acquire_gpu_s32(addr)
-                        while seen < turn:
-                            if const_expr(RELAY_PROBE != "v_nosleep"):
-                                nanosleep(SPIN_SLEEP_NS)
-                            seen = ld_acquire_gpu_s32(addr)
-                if const_expr(RELAY_PROBE != "v_nosync"):
-                    cute.arch.sync_warp()
-        elif const_expr(RELAY_PROBE == "v_alllanes"):
-            if turn > 0:
-                addr = self.address(off)
-                seen = ld_acquire_gpu_s32(addr)
-                while seen < turn:
-                    nanosleep(SPIN_SLEEP_NS)
-                    seen = ld_acquire_gpu_s32(addr)
-        elif const_expr(RELAY_PROBE == "v_shfl"):
-            if turn > 0:
-                addr = self.address(off)
-                seen = Int32(0)
-                if cute.arch.lane_idx() == 0:
-                    seen = ld_acquire_gpu_s32(addr)
-                seen = cute.arch.shuffle_sync(seen, 0)
-                while seen < turn:
-                    nanosleep(SPIN_SLEEP_NS)
-                    if cute.arch.lane_idx() == 0:
-                        seen = ld_acquire_gpu_s32(addr)
-                    seen = cute.arch.shuffle_sync(seen, 0)
-        elif const_expr(RELAY_PROBE == "asmspin"):
-            if turn > 0:
-                if cute.arch.lane_idx() == 0:
-                    spin_until_gpu_s32(self.address(off), turn, SPIN_SLEEP_NS)
-                cute.arch.sync_warp()
-        elif const_expr(RELAY_PROBE == "warp0"):
-            if turn > 0:
-                if cute.arch.thread_idx()[0] == 0:
-                    addr = self.address(off)
-                    seen = ld_acquire_gpu_s32(addr)
-                    while seen < turn:
-                        nanosleep(SPIN_SLEEP_NS)
-                        seen = ld_acquire_gpu_s32(addr)
-                cute.arch.barrier()
-        elif const_expr(RELAY_PROBE not in ("nowait", "free", "free_asc")):
+        if const_expr(RELAY_PROBE not in ("nowait", "free")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
                     addr = self.address(off)
@@ -275,7 +142,7 @@ class DqRelay:
         """Thread 0 passes the turn of the counter at ``off`` on (``off`` < 0: nothing pending).  Call after a CTA
         barrier that follows every thread's adds of that tile."""
         if tidx == 0 and off >= 0:
-            if const_expr(RELAY_PROBE in ("relaxed", "free", "free_asc")):
+            if const_expr(RELAY_PROBE in ("relaxed", "free")):
                 red_relaxed_gpu_add_s32(self.address(off), 1)
             else:
                 red_release_gpu_add_s32(self.address(off), 1)
