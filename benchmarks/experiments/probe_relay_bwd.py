@@ -19,7 +19,7 @@ they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.
 their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
 file's first copy (a separate probe script at commit 89851be), folded in here since.  Session 39 measured more
 forms, with probe hooks in the kernels that were taken out again afterwards (their last state, with this file's
-variants and benchmarks/experiments/probe_relay_waits.py, is commit ce7456d): the workspace in planes, early and
+variants and the waits probe benchmarks/experiments/probe_relay_waits, is commit ce7456d): the workspace in planes, early and
 single reads of the counter, one poller per CTA, the spin's sleep, the pass right after the adds, the wait before
 the dQ mma, the ascending walk, a spin loop that never turns, per-CTA wait counts and timelines
 (benchmarks/experiments/README.md, rows of this file; results/relay_*_h200_s39.jsonl).
