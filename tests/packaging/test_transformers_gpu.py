@@ -187,8 +187,8 @@ def check_generate_fp8_cache(r: dict, home: Path) -> None:
     assert r["generated"] == 3 * 12 and r["compared_steps"] >= 1
     assert_close(r, "generate with an FP8 cache")  # on the steps ours and ref took from the same context
     # on the compared steps (transformers' FP8 cache moves greedy paths on its own after they part: on the CPU
-    # harness ours reached 0.54 std on its own path at a step past the parting, ref 0.17 on its own, neither on a shared
-    # context, so that measure is recorded, worst_gap_all_steps / ref_worst_gap_all_steps, not judged)
+    # harness ours reached 0.54 std on its own path at a step past the parting, ref 0.17 on its own, neither on a
+    # shared context, so that measure is recorded, worst_gap_all_steps / ref_worst_gap_all_steps, not judged)
     assert r["worst_gap"] <= GAP_TOL, (f"a greedy token is {r['worst_gap']:.3f} std below gold's best logit on a "
                                        "step ours and ref took from the same context")
 

@@ -366,6 +366,12 @@ def scenario_train(args, device):
             "calls": CALLS}
 
 
+def greedy_gaps(logits, toks):
+    """How far each greedy token ``toks`` (B, steps) lies below the best of ``logits`` (B, steps, V) at its step, in
+    units of that step's logit std (0: the argmax)."""
+    return (logits.max(-1).values - logits.gather(-1, toks[..., None])[..., 0]) / logits.std(-1)
+
+
 def greedy_check(ref, seqs, prompt_lens, gen_tokens, masks=None):
     """Teacher forcing: the reference model's logits at every generated position, and how far each generated token
     is below the reference's best (0 when it is the reference's argmax), in units of the logits' std."""
@@ -399,7 +405,7 @@ def scenario_generate(args, device):
         ref_gen = ref.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                pad_token_id=cfg.pad_token_id)
     toks = gen.sequences[:, p:]
-    gaps = (gold_tf.max(-1).values - gold_tf.gather(-1, toks[..., None])[..., 0]) / gold_tf.std(-1)
+    gaps = greedy_gaps(gold_tf, toks)
     return {**info, **spy, **judge(step_logits, ref_tf, gold_tf), "worst_gap": float(gaps.max()),
             "argmax_mismatches": int((gold_tf.argmax(-1) != toks).sum()),
             "same_tokens_as_ref_generate": bool(torch.equal(ref_gen, gen.sequences)),
@@ -463,18 +469,18 @@ def scenario_generate_fp8_cache(args, device):
     toks, ref_toks = gen.sequences[:, p:], ref_gen.sequences[:, p:]
     # the same measure for ref's tokens on its own FP8 cache (recorded): how far the cache's quantization moves a
     # greedy path that no kernel of ours chose from gold's (which quantizes nothing)
-    ref_gaps = (gold_ref.max(-1).values - gold_ref.gather(-1, ref_toks[..., None])[..., 0]) / gold_ref.std(-1)
+    ref_gaps = greedy_gaps(gold_ref, ref_toks)
     # greedy paths of two bf16 implementations may part at a near tie; logits compare on the steps both took from
     # the same context (every step up to and including the first where a row's token differs)
     common = int((toks == ref_toks).all(0).long().cumprod(0).sum())
     k = min(common + 1, new)
-    gaps = (gold_tf.max(-1).values - gold_tf.gather(-1, toks[..., None])[..., 0]) / gold_tf.std(-1)
+    gaps = greedy_gaps(gold_tf, toks)
     return {**info, **spy, **judge(step[:, :k], ref_step[:, :k], gold_tf[:, :k]), "compared_steps": k,
             # the gap bar applies where ours and ref took the same context (the compared steps); past the step where
             # a row's greedy path parts from ref's, the quantized cache moves each path on its own (recorded only)
             "common_steps": common, "worst_gap": float(gaps[:, :k].max()), "worst_gap_all_steps": float(gaps.max()),
-            "ref_worst_gap_all_steps": float(ref_gaps.max()),
-            "generated": int(toks.numel()), "cache_layer": type(layer).__name__, "cache_storage_dtype": str(layer._quantized_keys[0].dtype),
+            "ref_worst_gap_all_steps": float(ref_gaps.max()), "generated": int(toks.numel()),
+            "cache_layer": type(layer).__name__, "cache_storage_dtype": str(layer._quantized_keys[0].dtype),
             "raw_cache_nan": raw_nan, "cache_nan": _cache_nan(caches[0]) + _cache_nan(caches[1]),
             "calls": CALLS}
 
