@@ -150,7 +150,7 @@ class Deadlock(Exception):
 
 
 def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, seed, ascending=True,
-              at_least=True):
+              at_least=True, heads_inner=False):
     """Play the relay out: CTAs dispatched in linear-index order into ``slots`` residency slots, resident CTAs
     stepping in a random interleaving; a CTA's next add waits until its tile's counter reaches its turn.  Returns
     {(tile, head): [key tiles in the order they added]}; raises Deadlock when no CTA can move."""
@@ -170,18 +170,21 @@ def _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slot
         walk = []
         if n * tn < sk:
             m_min, m_max = _q_range(n, tm, tn, windowed, sq, sk, left, right)
-            for head in range(h * (hq // hkv), (h + 1) * (hq // hkv)):
-                for m in reversed(range(m_min, max(m_max, m_min))):  # descending (bwd_dkdv dense_entry)
-                    blk = cu_q[b] // tm + b + m if cu_q is not None else b * -(-max(lens_q) // tm) + m
-                    first = first_key_tile(m, tm, tn, windowed, sq, sk, left)
-                    if ascending:
-                        turn = n - first
-                    else:  # the last contributor first
-                        last = max(j for j in range(-(-sk // tn)) if _q_range(j, tm, tn, windowed, sq, sk, left,
-                                                                               right)[0] <= m
-                                   < _q_range(j, tm, tn, windowed, sq, sk, left, right)[1])
-                        turn = last - n
-                    walk.append(((blk, head), turn, n))
+            heads = range(h * (hq // hkv), (h + 1) * (hq // hkv))
+            tiles = list(reversed(range(m_min, max(m_max, m_min))))  # descending (bwd_dkdv dense_entry)
+            order = ([(head, m) for m in tiles for head in heads] if heads_inner  # config_bwd.RELAY_HEADS_INNER
+                     else [(head, m) for head in heads for m in tiles])
+            for head, m in order:
+                blk = cu_q[b] // tm + b + m if cu_q is not None else b * -(-max(lens_q) // tm) + m
+                first = first_key_tile(m, tm, tn, windowed, sq, sk, left)
+                if ascending:
+                    turn = n - first
+                else:  # the last contributor first
+                    last = max(j for j in range(-(-sk // tn)) if _q_range(j, tm, tn, windowed, sq, sk, left,
+                                                                           right)[0] <= m
+                               < _q_range(j, tm, tn, windowed, sq, sk, left, right)[1])
+                    turn = last - n
+                walk.append(((blk, head), turn, n))
         ctas.append(walk)
     counters, order = {}, {}
     nxt, resident = 0, []
@@ -243,6 +246,20 @@ def test_relay_orders_every_tile_by_key_tile_and_never_deadlocks(case, slots):
         assert order == runs[0]  # the same order whatever the interleaving and launch order
         for adds in order.values():
             assert adds == sorted(adds) and len(set(adds)) == len(adds)
+
+
+@pytest.mark.parametrize("case", range(len(_CASES)))
+def test_relay_with_heads_inner_orders_the_same_and_never_deadlocks(case):
+    # config_bwd.RELAY_HEADS_INNER: query tiles outer, a GQA group's heads inner; every tile's adds still come in
+    # key-tile order, the same order as with heads outer
+    lens_q, lens_k, varlen, hq, hkv, (tm, tn), windowed, left, right = _CASES[case]
+    cu_q = _cu(lens_q) if varlen else None
+    outer = _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, 3, False, 0)
+    for slots in (1, 3, 64):
+        for lpt in (False, True):
+            inner = _simulate(lens_q, lens_k, cu_q, hq, hkv, tm, tn, windowed, left, right, slots, lpt, slots,
+                              heads_inner=True)
+            assert inner == outer
 
 
 def test_the_simulator_finds_the_deadlock_of_the_launch_inverted_order():

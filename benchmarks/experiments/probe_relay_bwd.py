@@ -17,7 +17,8 @@ ordering taken out (kernels/dq_relay.py ``RELAY_PROBE``: "relaxed" passes turns 
 skips the waits, "free" both, leaving the descending walk and the counter traffic).  They break the ordering, so
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
 their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
-file's first copy (a separate probe script at commit 89851be), folded in here since.  Session 39 measured more
+file's first copy (a separate probe script at commit 89851be), folded in here since.  ``heads_inner``: the relay's
+walk with query tiles outer and a GQA group's heads inner (config_bwd.RELAY_HEADS_INNER), checked as the relay is.  Session 39 measured more
 forms, with probe hooks in the kernels that were taken out again afterwards (their last state, with this file's
 variants and the waits probe benchmarks/experiments/probe_relay_waits, is commit ce7456d): the workspace in planes, early and
 single reads of the counter, one poller per CTA, the spin's sleep, the pass right after the adds, the wait before
@@ -42,11 +43,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* modules
 from bench_fwd import EXTRA_CELLS, SEQLENS, SHAPES, TOKENS, append_jsonl, flops, time_fn  # noqa: E402
 
-VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "pair")
+VARIANTS = ("default", "relay_top", "relay_after_s", "relaxed", "nowait", "free", "heads_inner", "pair")
 # the variants' (release place, RELAY_PROBE): each pair's kernels are compiled once and kept in their own jit memory
 PLACES = {"relay_after_s": ("after_s", None), "relaxed": ("top", "relaxed"), "nowait": ("top", "nowait"),
-          "free": ("top", "free")}
-CHECKED = ("relay_top", "relay_after_s")  # the variants that keep the ordering
+          "free": ("top", "free"), "heads_inner": ("top", None, True)}
+CHECKED = ("relay_top", "relay_after_s", "heads_inner")  # the variants that keep the ordering
 
 
 def main(argv=None):
@@ -70,10 +71,11 @@ def main(argv=None):
 
     def set_variant(variant: str):
         place = PLACES.get(variant, ("top", None))
-        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE)
+        place = place if len(place) == 3 else (*place, False)  # (release, probe, config_bwd.RELAY_HEADS_INNER)
+        now = (config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, config_bwd.RELAY_HEADS_INNER)
         if place != now:
             memory.setdefault(now, {}).update(jit._MEMORY)
-            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE = place
+            config_bwd.DQ_RELAY_RELEASE, dq_relay.RELAY_PROBE, config_bwd.RELAY_HEADS_INNER = place
             jit._MEMORY.clear()
             dispatch_bwd.clear_caches()  # the plans (and the fused kernels they hold) refill from this memory
             jit._MEMORY.update(memory.get(place, {}))
