@@ -321,8 +321,19 @@ DQ_RELAY_RELEASE = "top"
 # relay kernel at every fused tile.  Session 38 (H200, benchmarks/experiments/results/relay_cost_d*_h200_s38.jsonl):
 # on the 2 x 4 dK/dV grid d128's relay ran 0.52-0.70x the default against the pair's 0.74-0.81x, so d128 still
 # keeps the pair; the waits for the previous key tile's turn cost 20-45% (the relay without them 0.89-0.97x), the
-# release fence 1-3%.
+# release fence 1-3%.  Session 39 found that most of that was the spin loop's presence in the walk's body (ptxas
+# compiled the body worse), not waiting, and made the walk one loop (kernels/dq_relay.py "One loop"): relay / default
+# d64 0.79-0.82, d128 0.80-0.84 against the pair's 0.74-0.76 except S=1K causal GQA (0.66 against 0.81) (H200,
+# benchmarks/experiments/results/relay_oneloop_d*_h200_s39.jsonl); d128 stays with the pair until bench_bwd's grid
+# has measured the one-loop relay there.
 RELAY_HEAD_DIMS = frozenset({64})
+# The relay's walk order over a GQA group (kernels/bwd_dkdv.py ``dense_entry``): False, each head's query tiles in
+# turn (heads outer); True, each query tile for every head of the group (query tiles outer).  With heads outer a
+# causal walk's later key tiles, which see fewer query tiles, finish a head first and then wait at the next head's
+# first tile for the earlier key tiles (the one-loop relay's weakest cell, d128 S=1K causal GQA 0.66x the default);
+# with query tiles outer they stay in step.  Unmeasured: an A/B switch for benchmarks/experiments/probe_relay_bwd.py,
+# not part of the compile key.
+RELAY_HEADS_INNER = False
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",

@@ -32,6 +32,7 @@ when the call has them, full blocks only the sequence end.  A KV tile with no bl
 Constraints: fp16/bf16; config.bwd_tile_problems (SM120's 99 KB).
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import cutlass
@@ -44,9 +45,61 @@ from ..config_bwd import BwdKernelConfig, bwd_smem_bytes
 from . import cute_utils as cu
 from .fwd_base import DTYPES
 from .block_sparse import SparseQList
+from . import dq_relay as _dq_relay
 from .dq_relay import DqRelay
 from .kernel_state import KernelStateMixin
 from .rows import load_rows, store_rows_from_acc
+
+
+@dataclass(frozen=True)
+class WalkTile:
+    """Trace time: what every tile of the dK/dV walk reads (``FlashBwdDkdv.walk_tile``): the CTA's sequence, mask
+    and score views, the global and shared tensors, the mmas with their operands, the accumulators, the rows'
+    stats, and the walk's list of entries.  Frozen, so the DSL passes it through run-time branches unchanged."""
+    seq: object
+    block: object
+    score: object
+    mQ: object
+    mdO: object
+    mLSE: object
+    mDpsum: object
+    sQ: object
+    sdO: object
+    sP: object
+    sdS: object
+    copy_d: object
+    copy_dv: object
+    tidx: object
+    n_block: object
+    dt: object
+    relay: object
+    st_atom: object
+    st_s: object
+    tScS_mn: object
+    t0ScS_mn: object
+    num_rows: int
+    row_qpos: object
+    lse_log2: object
+    dpsum: object
+    mma_s: object
+    mma_n: object
+    mma_m: object
+    acc_shape_s: object
+    ops_S: tuple
+    ops_dP: tuple
+    ops_dV: tuple
+    ops_dK: tuple
+    acc_dV: object
+    acc_dK: object
+    where: object
+    num_iters: object
+    carry: bool
+    first_head: object
+    qheads: object
+    qlist: object = None  # block sparsity
+    m_min: object = None  # dense walks: the query tiles [m_min, m_max)
+    m_max: object = None
+    ops_dQ: tuple = None  # fused dQ
 
 
 def bwd_tiled_mma(dtype, tile_rows: int, num_warps: int, warp_rows: int = 16):
@@ -88,6 +141,11 @@ class FlashBwdDkdv(KernelStateMixin):
         # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
         # drain before the release's fence but makes the next CTA wait longer)
         self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
+        # the relay's walk is one loop (``process``; kernels/dq_relay.py "One loop")
+        self.oneloop = cfg.dq_relay
+        # the relay's walk with query tiles outer and a GQA group's heads inner (config_bwd.RELAY_HEADS_INNER, an A/B
+        # switch, not part of the compile key)
+        self.relay_heads_inner = cfg.dq_relay and _config_bwd.RELAY_HEADS_INNER
 
     @cute.jit
     def __call__(
@@ -236,14 +294,37 @@ class FlashBwdDkdv(KernelStateMixin):
             blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
         pend = Int32(-1)
         if blk < mDqAccum.shape[0]:
-            if const_expr(relay is not None):
+            if const_expr(relay is not None):  # the one-loop walk checked the turn (``dq_turn_ready``)
                 pend = relay.offset(blk, head)
-                relay.wait(pend, relay.turn(n_block, m_block))
             tile = mDqAccum[blk, head, None]
             addr = (tile.iterator + tidx * 2).toint()
             for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
                 cu.red_add_f32x2(addr + j * self.num_threads * 8, acc_dQ[2 * j], acc_dQ[2 * j + 1])
         return pend
+
+    @cute.jit
+    def dq_turn_ready(self, mDqAccum, relay, seq, rows_q, head, m_block, n_block):
+        """The relay's one-loop walk: 1 when this key tile's turn on query tile ``m_block`` of ``head`` has come
+        (lane 0's acquire read, broadcast to the warp, whose later operations bar.warp.sync orders after it), or
+        when the tile needs no wait; else 0.  RELAY_PROBE "nowait" / "free": always 1 (timing only)."""
+        if const_expr(_dq_relay.RELAY_PROBE in ("nowait", "free")):
+            return Int32(1)
+        if const_expr(self.cfg.varlen_q):
+            blk = seq.offset_q // self.tile_m + seq.batch + m_block
+        else:
+            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        ready = Int32(1)
+        if blk < mDqAccum.shape[0]:
+            turn = relay.turn(n_block, m_block)
+            if turn > 0:
+                seen = Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    seen = _dq_relay.ld_acquire_gpu_s32(relay.address(relay.offset(blk, head)))
+                seen = cute.arch.shuffle_sync(seen, 0)
+                cute.arch.sync_warp()
+                if seen < turn:
+                    ready = Int32(0)
+        return ready
 
     def score_tile_views(self, mTurns, block, mma, dt, tidx) -> tuple:
         """Trace time, shared with the V-in-registers tile: the relay of a ``dq_relay`` configuration (else None),
@@ -259,12 +340,123 @@ class FlashBwdDkdv(KernelStateMixin):
                 cute.size(tScS_mn, mode=[0]))
 
     @cute.jit
-    def dense_entry(self, first_head, m_min, num_m, it):
+    def dense_entry(self, first_head, m_min, num_m, qheads, it):
         """(head, query tile, masked) of entry ``it`` of the dense walk: heads outer, query tiles of the window
-        inner, ascending (the relay: descending, kernels/dq_relay.py)."""
+        inner, ascending (the relay: descending, kernels/dq_relay.py; with config_bwd.RELAY_HEADS_INNER the
+        relay's query tiles outer and the ``qheads`` heads of the group inner)."""
+        if const_expr(self.relay_heads_inner):
+            return first_head + it % qheads, m_min + num_m - 1 - it // qheads, Int32(1)
         if const_expr(self.cfg.dq_relay):
             return first_head + it // num_m, m_min + num_m - 1 - it % num_m, Int32(1)
         return first_head + it // num_m, m_min + it % num_m, Int32(1)
+
+    @cute.jit
+    def walk_tile(self, w, it, pend, acc_dQ, cur_head=None, cur_m_block=None, cur_masked=None):
+        """Entry ``it`` of the walk, both walks' tile (``process``; ``w``: what the tile reads, trace time): S and
+        dP, the score hook, dS, the P/dS stores, dV += P^T dO and dK += dS^T Q with the next entry's Q and dO
+        prefetched behind them, and (fused dQ) dQ = dS K into ``acc_dQ``, which the caller adds.  ``pend``: the
+        relay's counter whose turn is passed on after the first barrier; ``cur_*``: the carried entry (see
+        ``process``).  Returns (the next carried entry, this tile's head and query tile)."""
+        cfg = self.cfg
+        # the rows' stats are written in run-time branches: as locals (writing through ``w`` would make the DSL
+        # carry all of ``w`` through the branch)
+        row_qpos, lse_log2, dpsum = w.row_qpos, w.lse_log2, w.dpsum
+        if const_expr(w.carry):
+            head, m_block, masked = cur_head, cur_m_block, cur_masked
+        else:
+            head, m_block, masked = w.where(it)
+        first_q = m_block * self.tile_m
+        for r in cutlass.range_constexpr(w.num_rows):
+            pos = first_q + w.tScS_mn[r, 0][0]
+            row_qpos[r] = pos
+            lse_log2[r] = Float32.inf
+            dpsum[r] = 0.0
+            if pos < w.seq.seqlen_q:
+                idx = w.seq.row_stat_index(head, pos)
+                lse_log2[r] = w.score.lse_log2(w.mLSE[idx])
+                dpsum[r] = w.mDpsum[idx]
+        if const_expr(w.carry and cfg.block_sparse):
+            cur_head, cur_m_block, cur_masked = w.qlist.next_entry(it + 1, head, m_block, masked)
+        elif const_expr(w.carry and self.relay_heads_inner):  # heads inner (dense_entry)
+            cur_head, cur_m_block = head + 1, m_block
+            if cur_head == w.first_head + w.qheads:
+                cur_head, cur_m_block = w.first_head, m_block - 1
+        elif const_expr(w.carry and cfg.dq_relay):  # descending (dense_entry)
+            cur_head, cur_m_block = head, m_block - 1
+            if cur_m_block < w.m_min:
+                cur_head, cur_m_block = head + 1, w.m_max - 1
+        elif const_expr(w.carry):
+            cur_head, cur_m_block = head, m_block + 1
+            if cur_m_block == w.m_max:
+                cur_head, cur_m_block = head + 1, w.m_min
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
+            w.relay.pass_on(pend, w.tidx)  # issued (barrier): pass its turn on
+
+        # ---- S, then the score hook (softcap, masks)
+        drop_bits = None
+        if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
+            drop_bits = w.score.dropout.bits(w.tScS_mn, w.t0ScS_mn, row_qpos, (w.seq.batch << 16) | head, w.n_block)
+        acc_S = cute.make_rmem_tensor(w.acc_shape_s, Float32)
+        acc_S.fill(0.0)
+        cu.mma_ss(w.mma_s, acc_S, *w.ops_S, False)
+        if const_expr(self.relay_release_after_s):
+            w.relay.pass_on(pend, w.tidx)
+        acc_raw = None
+        if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
+            acc_raw = cute.make_rmem_tensor(w.acc_shape_s, Float32)
+        hook = w.score
+        if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
+            hook = w.score.for_sparse_block(masked != 0)
+        needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
+        if const_expr(self.branch_masks()):
+            needs_mask = w.block.tile_needs_mask(m_block, w.n_block)
+        hook.apply_backward(acc_S, w.tScS_mn, w.t0ScS_mn, row_qpos, w.n_block, head, acc_raw, needs_mask)
+        acc_P = cute.make_rmem_tensor(w.acc_shape_s, Float32)
+        w.score.backward_p(acc_S, lse_log2, acc_P)
+        # ---- dP, dS
+        acc_dP = cute.make_rmem_tensor(w.acc_shape_s, Float32)
+        acc_dP.fill(0.0)
+        cu.mma_ss(w.mma_s, acc_dP, *w.ops_dP, False)
+        # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
+        w.score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
+        if const_expr(self.wants_raw_scores()):
+            w.score.backward_mods(acc_dP, acc_raw, w.tScS_mn, w.t0ScS_mn, row_qpos, head, w.n_block)
+        rP = cute.make_rmem_tensor_like(acc_P, w.dt)
+        rP.store(acc_P.load().to(w.dt))
+        rdS = cute.make_rmem_tensor_like(acc_dP, w.dt)
+        rdS.store(acc_dP.load().to(w.dt))
+        cute.copy(w.st_atom, w.st_s.retile(rP), w.st_s.partition_D(w.sP))
+        cute.copy(w.st_atom, w.st_s.retile(rdS), w.st_s.partition_D(w.sdS))
+        cute.arch.barrier()
+
+        # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
+        cu.mma_ss(w.mma_n, w.acc_dV, *w.ops_dV, False)
+        cute.arch.barrier()
+        # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
+        # registers)
+        if it + 1 < w.num_iters:
+            if const_expr(w.carry):
+                next_head, next_m_block = cur_head, cur_m_block
+            else:
+                next_head, next_m_block, _ = w.where(it + 1)
+            self.load_q_do(w.seq, w.mQ, w.mdO, w.sQ, w.sdO, w.copy_d, w.copy_dv, w.tidx, next_head, next_m_block, False, True)
+        cu.mma_ss(w.mma_n, w.acc_dK, *w.ops_dK, False)
+        cute.arch.barrier()
+        if it + 1 < w.num_iters:
+            if const_expr(w.carry):
+                next_head, next_m_block = cur_head, cur_m_block
+            else:
+                next_head, next_m_block, _ = w.where(it + 1)
+            self.load_q_do(w.seq, w.mQ, w.mdO, w.sQ, w.sdO, w.copy_d, w.copy_dv, w.tidx, next_head, next_m_block, True, False)
+        if const_expr(cfg.fused_dq):
+            # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
+            # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
+            # iteration orders its sdS reads before the next block's writes
+            acc_dQ.fill(0.0)
+            cu.mma_ss(w.mma_m, acc_dQ, *w.ops_dQ, False)
+        return cur_head, cur_m_block, cur_masked, head, m_block
 
     def branch_masks(self) -> bool:
         """Trace time: whether the walk masks only the tiles that need it (``BlockInfo.tile_needs_mask``, a branch
@@ -348,7 +540,7 @@ class FlashBwdDkdv(KernelStateMixin):
             m_min, m_max = block.q_range(n_block)
             num_m = cutlass.max(m_max - m_min, 0)
             num_iters = num_m * qheads_per_kvhead
-            where = partial(self.dense_entry, first_head, m_min, num_m)
+            where = partial(self.dense_entry, first_head, m_min, num_m, qheads_per_kvhead)
         # prologue: Q and dO of the first (head, query block); later ones are prefetched inside the loop as soon
         # as the previous block's last reader of sdO (dV) / sQ (dK) is done, overlapping dK and the next S/dP.
         # Block sparsity with several query tiles per block carries the entry from one iteration to the next
@@ -370,100 +562,61 @@ class FlashBwdDkdv(KernelStateMixin):
             if num_iters > 0:
                 head0, m_block0, _ = where(Int32(0))
                 self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, head0, m_block0, True, True)
-        for it in cutlass.range(num_iters, unroll=1):
-            if const_expr(carry):
-                head, m_block, masked = cur_head, cur_m_block, cur_masked
-            else:
-                head, m_block, masked = where(it)
-            first_q = m_block * self.tile_m
-            for r in cutlass.range_constexpr(num_rows):
-                pos = first_q + tScS_mn[r, 0][0]
-                row_qpos[r] = pos
-                lse_log2[r] = Float32.inf
-                dpsum[r] = 0.0
-                if pos < seq.seqlen_q:
-                    idx = seq.row_stat_index(head, pos)
-                    lse_log2[r] = score.lse_log2(mLSE[idx])
-                    dpsum[r] = mDpsum[idx]
-            if const_expr(carry and cfg.block_sparse):
-                cur_head, cur_m_block, cur_masked = qlist.next_entry(it + 1, head, m_block, masked)
-            elif const_expr(carry and cfg.dq_relay):  # descending (dense_entry)
-                cur_head, cur_m_block = head, m_block - 1
-                if cur_m_block < m_min:
-                    cur_head, cur_m_block = head + 1, m_max - 1
-            elif const_expr(carry):
-                cur_head, cur_m_block = head, m_block + 1
-                if cur_m_block == m_max:
-                    cur_head, cur_m_block = head + 1, m_min
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            if const_expr(cfg.dq_relay and not self.relay_release_after_s):  # the previous tile's adds are
-                relay.pass_on(pend, tidx)  # issued (barrier): pass its turn on
-
-            # ---- S, then the score hook (softcap, masks)
-            drop_bits = None
-            if const_expr(cfg.has_dropout):  # before the S mma: S and dP are not live yet (score.py)
-                drop_bits = score.dropout.bits(tScS_mn, t0ScS_mn, row_qpos, (seq.batch << 16) | head, n_block)
-            acc_S = cute.make_rmem_tensor(acc_shape_s, Float32)
-            acc_S.fill(0.0)
-            cu.mma_ss(mma_s, acc_S, *ops_S, False)
-            if const_expr(self.relay_release_after_s):
-                relay.pass_on(pend, tidx)
-            acc_raw = None
-            if const_expr(self.wants_raw_scores()):  # the scaled scores before the score_mod, for its backward
-                acc_raw = cute.make_rmem_tensor(acc_shape_s, Float32)
-            hook = score
-            if const_expr(cfg.block_sparse and (cfg.windowed or self.has_mask_mod())):  # on mask blocks only
-                hook = score.for_sparse_block(masked != 0)
-            needs_mask = None  # every tile masked, or (branch_masks) only those a mask cuts
-            if const_expr(self.branch_masks()):
-                needs_mask = block.tile_needs_mask(m_block, n_block)
-            hook.apply_backward(acc_S, tScS_mn, t0ScS_mn, row_qpos, n_block, head, acc_raw, needs_mask)
-            acc_P = cute.make_rmem_tensor(acc_shape_s, Float32)
-            score.backward_p(acc_S, lse_log2, acc_P)
-            # ---- dP, dS
-            acc_dP = cute.make_rmem_tensor(acc_shape_s, Float32)
-            acc_dP.fill(0.0)
-            cu.mma_ss(mma_s, acc_dP, *ops_dP, False)
-            # dS; with dropout (drop_bits) from the dropped, rescaled dP, and acc_P becomes P * keep (for dV)
-            score.backward_ds(acc_S, acc_P, acc_dP, dpsum, drop_bits)
-            if const_expr(self.wants_raw_scores()):
-                score.backward_mods(acc_dP, acc_raw, tScS_mn, t0ScS_mn, row_qpos, head, n_block)
-            rP = cute.make_rmem_tensor_like(acc_P, dt)
-            rP.store(acc_P.load().to(dt))
-            rdS = cute.make_rmem_tensor_like(acc_dP, dt)
-            rdS.store(acc_dP.load().to(dt))
-            cute.copy(st_atom, st_s.retile(rP), st_s.partition_D(sP))
-            cute.copy(st_atom, st_s.retile(rdS), st_s.partition_D(sdS))
-            cute.arch.barrier()
-
-            # ---- dV += P^T dO, dK += dS^T Q (each followed by the prefetch of the next block into the freed buffer)
-            cu.mma_ss(mma_n, acc_dV, *ops_dV, False)
-            cute.arch.barrier()
-            # without the carry, the next entry is recomputed at each prefetch (not kept live across the dK mma:
-            # registers)
-            if it + 1 < num_iters:
-                if const_expr(carry):
-                    next_head, next_m_block = cur_head, cur_m_block
+        # what every tile of the walk reads (trace time; ``walk_tile``)
+        by_walk = {}
+        if const_expr(cfg.block_sparse):
+            by_walk["qlist"] = qlist
+        else:
+            by_walk["m_min"], by_walk["m_max"] = m_min, m_max
+        if const_expr(cfg.fused_dq):
+            by_walk["ops_dQ"] = ops_dQ
+        w = WalkTile(
+            seq=seq, block=block, score=score, mQ=mQ, mdO=mdO, mLSE=mLSE, mDpsum=mDpsum, sQ=sQ, sdO=sdO, sP=sP,
+            sdS=sdS, copy_d=copy_d, copy_dv=copy_dv, tidx=tidx, n_block=n_block, dt=dt, relay=relay, st_atom=st_atom,
+            st_s=st_s, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, num_rows=num_rows, row_qpos=row_qpos, lse_log2=lse_log2,
+            dpsum=dpsum, mma_s=mma_s, mma_n=mma_n, mma_m=mma_m, acc_shape_s=acc_shape_s, ops_S=ops_S, ops_dP=ops_dP,
+            ops_dV=ops_dV, ops_dK=ops_dK, acc_dV=acc_dV, acc_dK=acc_dK, where=where, num_iters=num_iters,
+            carry=carry, first_head=first_head, qheads=qheads_per_kvhead, **by_walk)
+        if const_expr(self.oneloop):
+            # the relay's walk, one loop without a spin loop inside (a spin loop in the walk's body made ptxas
+            # compile the body worse, 12-20% on the H200 proxy: benchmarks/experiments/README.md, session 39): a
+            # tile's dQ waits in registers for its turn and is added at the start of a later trip; a trip whose warp
+            # finds the turn not yet passed only sleeps.  Warps may take different numbers of trips: the barriers
+            # are all inside the tile's part of a trip, so every warp passes each of them once per tile
+            it = Int32(0)
+            has = Int32(0)  # acc_dQ holds a tile's dQ awaiting its turn
+            p_head, p_m = Int32(0), Int32(0)
+            acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
+            while (num_iters - it) + has > 0:
+                ready = Int32(1)
+                if has != 0:
+                    ready = self.dq_turn_ready(mDqAccum, relay, seq, rows_q, p_head, p_m, n_block)
+                if ready == 0:
+                    _dq_relay.nanosleep(_dq_relay.SPIN_SLEEP_NS)
                 else:
-                    next_head, next_m_block, _ = where(it + 1)
-                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, False, True)
-            cu.mma_ss(mma_n, acc_dK, *ops_dK, False)
-            cute.arch.barrier()
-            if it + 1 < num_iters:
+                    if has != 0:
+                        pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, p_head, p_m, n_block, tidx)
+                        has = Int32(0)
+                    if it < num_iters:
+                        if const_expr(carry):
+                            cur_head, cur_m_block, cur_masked, p_head, p_m = self.walk_tile(
+                                w, it, pend, acc_dQ, cur_head, cur_m_block, cur_masked)
+                        else:
+                            p_head, p_m = self.walk_tile(w, it, pend, acc_dQ)[3:]
+                        has = Int32(1)
+                        it = it + 1
+        else:
+            for it in cutlass.range(num_iters, unroll=1):
+                acc_dQ = None
+                if const_expr(cfg.fused_dq):
+                    acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
                 if const_expr(carry):
-                    next_head, next_m_block = cur_head, cur_m_block
+                    cur_head, cur_m_block, cur_masked, head, m_block = self.walk_tile(
+                        w, it, pend, acc_dQ, cur_head, cur_m_block, cur_masked)
                 else:
-                    next_head, next_m_block, _ = where(it + 1)
-                self.load_q_do(seq, mQ, mdO, sQ, sdO, copy_d, copy_dv, tidx, next_head, next_m_block, True, False)
-            if const_expr(cfg.fused_dq):
-                # dQ = dS K after dK, Q's last reader: the next Q tile loads under this mma, and the adds drain
-                # under the next block's S mma.  dQ reads sdS and sK only, and the barrier at the top of the next
-                # iteration orders its sdS reads before the next block's writes
-                acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
-                acc_dQ.fill(0.0)
-                cu.mma_ss(mma_m, acc_dQ, *ops_dQ, False)
-                pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
+                    head, m_block = self.walk_tile(w, it, pend, acc_dQ)[3:]
+                if const_expr(cfg.fused_dq):
+                    pend = self.add_dq(mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx)
             # the barrier at the top of the next iteration orders this block's reads of sdS before the next
             # block's writes of sP/sdS
 

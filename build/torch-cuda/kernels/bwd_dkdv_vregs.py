@@ -245,7 +245,7 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
         m_min, m_max = block.q_range(n_block)
         num_m = cutlass.max(m_max - m_min, 0)
         num_iters = num_m * qheads_per_kvhead
-        where = partial(self.dense_entry, first_head, m_min, num_m)
+        where = partial(self.dense_entry, first_head, m_min, num_m, qheads_per_kvhead)
         # the entry carried from one iteration to the next (advanced by increment), except with dropout (as
         # bwd_dkdv.py: the carried pair cost registers there)
         carry = const_expr(not cfg.has_dropout)

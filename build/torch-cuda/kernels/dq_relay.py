@@ -29,10 +29,17 @@ The wait is ``counter >= k``, not ``== k``: with honest metadata the counter of 
 contributors that are done, so the two are the same; with lying varlen metadata that makes two sequences share a
 workspace tile (their sums are wrong anyway) ``>=`` still lets every CTA through, where ``==`` could hang.
 
+One loop (kernels/bwd_dkdv.py ``process``).  The CTA's walk is a single loop: a trip first checks the turn of the
+tile whose dQ it holds in registers (lane 0 of each warp, one ``ld.acquire.gpu``, broadcast to the warp), adds it
+when the turn has come and then computes the next tile, or only sleeps (``nanosleep``) when it has not.  A spin loop
+inside the walk's loop (this module's ``DqRelay.wait``, the relay's first form) made ptxas allocate 188-190
+registers instead of 212-214 and schedule the walk's body worse: on the H200 proxy the relay ran 0.70-0.72x the
+default at d64 against 0.79-0.82x in one loop (benchmarks/experiments/README.md, session 39).
+
 Memory ordering (the PTX model's release / acquire patterns): all threads issue their reds, the CTA barrier orders
 them before thread 0's ``red.release.gpu`` increment (cumulative over what the barrier ordered); in the next CTA,
-lane 0 of each warp spins with ``ld.acquire.gpu`` until its turn and ``bar.warp.sync`` orders the warp's reds
-after the acquire.  The increment is made in the CTA's next iteration, after the barrier that is there anyway
+lane 0 of each warp reads the counter with ``ld.acquire.gpu`` and ``bar.warp.sync`` orders the warp's reds after
+that read.  The increment is made in the CTA's next iteration, after the barrier that is there anyway
 (right after it, or after the S mma: config_bwd.DQ_RELAY_RELEASE), so the reds drain under the next tile's loads
 instead of stalling the CTA on the release's fence; after the last tile, behind one more barrier.
 
@@ -126,7 +133,8 @@ class DqRelay:
     @cute.jit
     def wait(self, off, turn):
         """Lane 0 of each warp spins until the counter at ``off`` reaches ``turn``; the warp's later memory
-        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read."""
+        operations are ordered after that read (bar.warp.sync).  Turn 0 does not read.  (The V-in-registers tile's
+        relay form, which vregs_problems refuses; the dK/dV kernel's walk checks turns in one loop instead.)"""
         if const_expr(RELAY_PROBE not in ("nowait", "free")):
             if turn > 0:
                 if cute.arch.lane_idx() == 0:
