@@ -326,14 +326,14 @@ DQ_RELAY_RELEASE = "top"
 # d64 0.79-0.82, d128 0.80-0.84 against the pair's 0.74-0.76 except S=1K causal GQA (0.66 against 0.81) (H200,
 # benchmarks/experiments/results/relay_oneloop_d*_h200_s39.jsonl); d128 stays with the pair until bench_bwd's grid
 # has measured the one-loop relay there.
-RELAY_HEAD_DIMS = frozenset({64})
+RELAY_HEAD_DIMS = frozenset({64, 128})
 # The relay's walk order over a GQA group (kernels/bwd_dkdv.py ``dense_entry``): False, each head's query tiles in
 # turn (heads outer); True, each query tile for every head of the group (query tiles outer).  With heads outer a
 # causal walk's later key tiles, which see fewer query tiles, finish a head first and then wait at the next head's
 # first tile for the earlier key tiles (the one-loop relay's weakest cell, d128 S=1K causal GQA 0.66x the default);
 # with query tiles outer they stay in step.  Unmeasured: an A/B switch for benchmarks/experiments/probe_relay_bwd.py,
 # not part of the compile key.
-RELAY_HEADS_INNER = False
+RELAY_HEADS_INNER = True
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",
