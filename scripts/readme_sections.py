@@ -2,7 +2,7 @@
 
   <!-- features:begin --> ... <!-- features:end -->   support matrix from FEATURES (torch-ext/.../features.py)
   <!-- bench-fwd:begin --> ... <!-- bench-fwd:end -->  forward benchmark table from benchmarks/results/fwd_h100.jsonl
-  <!-- bench-bwd:begin --> ... <!-- bench-bwd:end -->  backward table from benchmarks/results/bwd_h200.jsonl
+  <!-- bench-bwd:begin --> ... <!-- bench-bwd:end -->  backward table from benchmarks/results/bwd_h100.jsonl
   <!-- bench-host:begin --> ... <!-- bench-host:end --> per-call host cost from benchmarks/results/host_h100.jsonl
   <!-- bench-decode:begin --> ... <!-- bench-decode:end --> decode bandwidth from benchmarks/results/decode_h100.jsonl
   <!-- bench-dropout:begin --> ... <!-- bench-dropout:end --> dropout cost from benchmarks/results/dropout_h100.jsonl
@@ -34,7 +34,7 @@ import readme_prebuilt  # noqa: E402  (the prebuilt set's sections: first-call l
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FWD_RESULTS = ROOT / "benchmarks" / "results" / "fwd_h100.jsonl"
-BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h200.jsonl"
+BWD_RESULTS = ROOT / "benchmarks" / "results" / "bwd_h100.jsonl"
 HOST_RESULTS = ROOT / "benchmarks" / "results" / "host_h100.jsonl"
 DECODE_RESULTS = ROOT / "benchmarks" / "results" / "decode_h100.jsonl"
 DROPOUT_RESULTS = ROOT / "benchmarks" / "results" / "dropout_h100.jsonl"
@@ -376,7 +376,7 @@ def bench_bwd_targets_section() -> str:
     cells).  Rows whose measurement the results file lacks are left out."""
     rows = _rows(BWD_RESULTS)
     cells = [r for r in rows if r.get("kind") != "summary" and r.get("ours_tflops")]
-    out = [f"Over the {len(cells)} timed cells of `benchmarks/results/bwd_h200.jsonl`:", "",
+    out = [f"Over the {len(cells)} timed cells of `benchmarks/results/bwd_h100.jsonl`:", "",
            "| target | measured | met |", "|---|---|---|"]
 
     def target(label, ratios, geo_min, low_min):
@@ -491,13 +491,13 @@ def differs_section() -> str:
          f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'fa4_sm120')}; backward: "
          f"{_split_geo(BWD_RESULTS, 'fa4_sm120')}{fa4_decode}. Paged K/V: ours serves it on both kernels, the "
          "benchmark found no paged call on that path",
-         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h200.jsonl`, `decode_h100.jsonl`; `tests/test_paged_gpu.py`"),
+         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h100.jsonl`, `decode_h100.jsonl`; `tests/test_paged_gpu.py`"),
         ("FlashAttention-2 (PyTorch SDPA, FLASH backend)",
          f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'sdpa_flash')}; backward: "
          f"{_split_geo(BWD_RESULTS, 'sdpa_flash')}. Ours keeps SM120's 99 KB per block on every tile (the compile "
          "gate checks each one); FA2's H100 tiles are not held to it, so the proxy's ratio is not an SM120 "
          "measurement",
-         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h200.jsonl`; `scripts/compile_gate.py`"),
+         "`benchmarks/results/fwd_h100.jsonl`, `bwd_h100.jsonl`; `scripts/compile_gate.py`"),
         ("cuDNN-frontend 1.32 (home of FROST): its CuTe-DSL SM80 forward kernel, `sdpa_fwd_wrapper_sm80`",
          f"ours ÷ it, forward: {_split_geo(FWD_RESULTS, 'cudnn_sm80')}; its backward was not benchmarked here",
          "`benchmarks/results/fwd_h100.jsonl`"),
