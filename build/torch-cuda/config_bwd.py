@@ -62,7 +62,8 @@ class BwdKernelConfig:
     # the fused backward's deterministic form (``deterministic=True``, kernels/dq_relay.py): the CTAs that add into
     # one query tile's workspace take turns, in the order of their key tiles (a turn counter per query tile, in
     # ``dq_turns``), so the fp32 sums are made in the same order on every run; the CTA walks its query tiles in
-    # descending order, so the contributors of a tile reach it together.  Only with ``fused_dq``
+    # descending order, each for every query head of the group (RELAY_HEADS_INNER), so the contributors of a tile
+    # reach it together.  Only with ``fused_dq``
     dq_relay: bool = False
 
     def __repr__(self) -> str:
@@ -315,25 +316,21 @@ BWD_LPT_MAX_PAIRS = 64
 # benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
 DQ_RELAY_RELEASE = "top"
 # Head dims (max(head_dim, head_dim_v), as _FUSED_TILES) where ``deterministic=True`` takes the relay form; the rest
-# keep the atomic-free dK/dV + dQ pair.  Measured against the pair in one process (H200, relay_bwd_h200_s35.jsonl):
-# d64 (64x128) 0.98-1.13x the pair (geomean 1.06); d128 (32x128) 0.62-0.90x, the serialised turns cost more than the
-# pair's extra GEMMs there, so d128 keeps the pair; d96 was not measured and keeps it.  Tests widen it to cover the
-# relay kernel at every fused tile.  Session 38 (H200, benchmarks/experiments/results/relay_cost_d*_h200_s38.jsonl):
-# on the 2 x 4 dK/dV grid d128's relay ran 0.52-0.70x the default against the pair's 0.74-0.81x, so d128 still
-# keeps the pair; the waits for the previous key tile's turn cost 20-45% (the relay without them 0.89-0.97x), the
-# release fence 1-3%.  Session 39 found that most of that was the spin loop's presence in the walk's body (ptxas
-# compiled the body worse), not waiting, and made the walk one loop (kernels/dq_relay.py "One loop"): relay / default
-# d64 0.79-0.82, d128 0.80-0.84 against the pair's 0.74-0.76 except S=1K causal GQA (0.66 against 0.81) (H200,
-# benchmarks/experiments/results/relay_oneloop_d*_h200_s39.jsonl); d128 stays with the pair until bench_bwd's grid
-# has measured the one-loop relay there.
-RELAY_HEAD_DIMS = frozenset({64})
-# The relay's walk order over a GQA group (kernels/bwd_dkdv.py ``dense_entry``): False, each head's query tiles in
-# turn (heads outer); True, each query tile for every head of the group (query tiles outer).  With heads outer a
+# keep the atomic-free dK/dV + dQ pair.  Tests widen it to cover the relay kernel at every fused tile.  Measured in
+# one process against the default and the pair (benchmarks/experiments/README.md, probe_relay_bwd.py): the first
+# relay (a spin loop inside the walk) beat the pair at d64 only (H200, relay_bwd_h200_s35.jsonl); the one-loop walk
+# (kernels/dq_relay.py "One loop", session 39) with a GQA group's heads inner (RELAY_HEADS_INNER, session 40) runs
+# relay / default d64 0.80-0.82 against the pair's 0.64-0.73, d128 (llama3-8b, qwen2.5-7b, S 1K/4K) 0.82-0.91
+# against 0.74-0.89 (H100, relay_d64_h100_s40.jsonl, relay_hi_*_h100_s40.jsonl).  d96 was not measured and keeps the
+# pair.
+RELAY_HEAD_DIMS = frozenset({64, 128})
+# The relay's walk order over a GQA group (kernels/bwd_dkdv.py ``dense_entry``): True, each query tile for every
+# head of the group (query tiles outer); False, each head's query tiles in turn (heads outer).  With heads outer a
 # causal walk's later key tiles, which see fewer query tiles, finish a head first and then wait at the next head's
-# first tile for the earlier key tiles (the one-loop relay's weakest cell, d128 S=1K causal GQA 0.66x the default);
-# with query tiles outer they stay in step.  Unmeasured: an A/B switch for benchmarks/experiments/probe_relay_bwd.py,
-# not part of the compile key.
-RELAY_HEADS_INNER = False
+# first tile for the earlier key tiles: relay / default at d128 S=1K causal GQA 0.68-0.72 heads outer, 0.91 heads
+# inner; the other cells within 0.01, or better heads inner (H100, relay_hi_*_h100_s40.jsonl).  An A/B switch for
+# benchmarks/experiments/probe_relay_bwd.py, not part of the compile key.
+RELAY_HEADS_INNER = True
 
 
 # The fused backward's tiles per max(head_dim, head_dim_v): ((tile_m, tile_n, num_warps), walks it serves: "all",

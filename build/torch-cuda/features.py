@@ -48,7 +48,7 @@ FEATURES: dict[str, Feature] = {
         Feature("torch_compile", SUPPORTED, "torch.compile(model, fullgraph=True)",
                 "forward and backward are torch.library ops with fake implementations: no graph breaks"),
         Feature("deterministic", SUPPORTED, "deterministic=True",
-                "bitwise reproducible gradients: at d64 the fused backward with its dQ adds taken in turns, in "
+                "bitwise reproducible gradients: at d64 and d128 the fused backward with its dQ adds taken in turns, in "
                 "key-tile order (a turn counter per query tile); elsewhere the atomic-free dK/dV + dQ kernel pair; "
                 "the default fused backward adds dQ with fp32 atomics in any order "
                 "(order-dependent in the last bits)"),

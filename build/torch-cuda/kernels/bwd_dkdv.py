@@ -141,10 +141,8 @@ class FlashBwdDkdv(KernelStateMixin):
         # DQ_RELAY_RELEASE: right after its first barrier, or after its S mma, which leaves the adds more time to
         # drain before the release's fence but makes the next CTA wait longer)
         self.relay_release_after_s = cfg.dq_relay and _config_bwd.DQ_RELAY_RELEASE == "after_s"
-        # the relay's walk is one loop (``process``; kernels/dq_relay.py "One loop")
-        self.oneloop = cfg.dq_relay
-        # the relay's walk with query tiles outer and a GQA group's heads inner (config_bwd.RELAY_HEADS_INNER, an A/B
-        # switch, not part of the compile key)
+        # the relay's walk (one loop, ``process``; kernels/dq_relay.py "One loop") with query tiles outer and a GQA
+        # group's heads inner (config_bwd.RELAY_HEADS_INNER, an A/B switch, not part of the compile key)
         self.relay_heads_inner = cfg.dq_relay and _config_bwd.RELAY_HEADS_INNER
 
     @cute.jit
@@ -577,7 +575,7 @@ class FlashBwdDkdv(KernelStateMixin):
             dpsum=dpsum, mma_s=mma_s, mma_n=mma_n, mma_m=mma_m, acc_shape_s=acc_shape_s, ops_S=ops_S, ops_dP=ops_dP,
             ops_dV=ops_dV, ops_dK=ops_dK, acc_dV=acc_dV, acc_dK=acc_dK, where=where, num_iters=num_iters,
             carry=carry, first_head=first_head, qheads=qheads_per_kvhead, **by_walk)
-        if const_expr(self.oneloop):
+        if const_expr(cfg.dq_relay):
             # the relay's walk, one loop without a spin loop inside (a spin loop in the walk's body made ptxas
             # compile the body worse, 12-20% on the H200 proxy: benchmarks/experiments/README.md, session 39): a
             # tile's dQ waits in registers for its turn and is added at the start of a later trip; a trip whose warp

@@ -34,7 +34,10 @@ tile whose dQ it holds in registers (lane 0 of each warp, one ``ld.acquire.gpu``
 when the turn has come and then computes the next tile, or only sleeps (``nanosleep``) when it has not.  A spin loop
 inside the walk's loop (this module's ``DqRelay.wait``, the relay's first form) made ptxas allocate 188-190
 registers instead of 212-214 and schedule the walk's body worse: on the H200 proxy the relay ran 0.70-0.72x the
-default at d64 against 0.79-0.82x in one loop (benchmarks/experiments/README.md, session 39).
+default at d64 against 0.79-0.82x in one loop (benchmarks/experiments/README.md, session 39).  The walk visits the
+query tiles in descending order, each for every query head of the GQA group (config_bwd.RELAY_HEADS_INNER), so the
+key tiles of a (KV head, batch) reach a tile in step; the order inside a CTA does not touch the deadlock argument
+above (a CTA still waits only for lower key tiles).
 
 Memory ordering (the PTX model's release / acquire patterns): all threads issue their reds, the CTA barrier orders
 them before thread 0's ``red.release.gpu`` increment (cumulative over what the barrier ordered); in the next CTA,
