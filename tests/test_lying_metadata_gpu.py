@@ -138,8 +138,8 @@ def _expected_out_shape(q):
 @pytest.mark.parametrize("case", list(CASES))
 def test_lying_metadata_stays_in_bounds(request, case, direction):
     # fwd_bwd_deterministic: the fused backward's relay form (kernels/dq_relay.py), whose CTAs wait for each other's
-    # turns: a lie must neither write out of bounds nor hang it (the test's timeout).  At this D the relay is not the
-    # default (config_bwd.RELAY_HEAD_DIMS), so the test widens it (conftest.wide_relay)
+    # turns: a lie must neither write out of bounds nor hang it (the test's timeout).  The test widens the relay to
+    # every fused tile (conftest.wide_relay), whatever config_bwd.RELAY_HEAD_DIMS holds
     if direction == "fwd_bwd_deterministic":
         request.getfixturevalue("wide_relay")
     grad = direction != "fwd"
