@@ -18,7 +18,8 @@ skips the waits, "free" both, leaving the descending walk and the counter traffi
 they are timed, not checked.  ``--relay-dims 128``: add head dims to config_bwd.RELAY_HEAD_DIMS for the run, so
 their relay runs on the default fused tile (d128's has no relay by default).  Session 38's rows were made by this
 file's first copy (a separate probe script at commit 89851be), folded in here since.  ``heads_inner``: the relay's
-walk with query tiles outer and a GQA group's heads inner (config_bwd.RELAY_HEADS_INNER), checked as the relay is.  Session 39 measured more
+walk with query tiles outer and a GQA group's heads inner (config_bwd.RELAY_HEADS_INNER), checked as the relay is; the
+shipped walk since session 40 (every other relay variant walks heads outer, the walk they were measured with).  Session 39 measured more
 forms, with probe hooks in the kernels that were taken out again afterwards (their last state, with this file's
 variants and the waits probe benchmarks/experiments/probe_relay_waits, is commit ce7456d): the workspace in planes, early and
 single reads of the counter, one poller per CTA, the spin's sleep, the pass right after the adds, the wait before
