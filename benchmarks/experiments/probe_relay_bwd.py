@@ -84,8 +84,8 @@ def main(argv=None):
 
     cells = [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d) in SHAPES.items()
              if not args.only or name in args.only for s in args.seqlens]
-    if not args.only:
-        cells += [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d, s) in EXTRA_CELLS.items()]
+    cells += [(name, hq, hkv, d, s, max(1, TOKENS // s)) for name, (hq, hkv, d, s) in EXTRA_CELLS.items()
+              if not args.only or name in args.only]
     rows = []
     try:
         for name, hq, hkv, d, s, b in cells:
