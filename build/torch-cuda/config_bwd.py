@@ -321,8 +321,8 @@ DQ_RELAY_RELEASE = "top"
 # relay (a spin loop inside the walk) beat the pair at d64 only (H200, relay_bwd_h200_s35.jsonl); the one-loop walk
 # (kernels/dq_relay.py "One loop", session 39) with a GQA group's heads inner (RELAY_HEADS_INNER, session 40) runs
 # relay / default d64 0.80-0.82 against the pair's 0.64-0.73, d128 (llama3-8b, qwen2.5-7b, S 1K/4K) 0.82-0.91
-# against 0.74-0.89 (H100, relay_d64_h100_s40.jsonl, relay_hi_*_h100_s40.jsonl).  d96 was not measured and keeps the
-# pair.
+# against 0.74-0.89 (H100, relay_d64_h100_s40.jsonl, relay_hi_*_h100_s40.jsonl); d96 (mha-d96 S=2K) 0.69-0.74
+# against the pair's 0.81-0.95, so d96 keeps the pair (relay_d96_h100_s40.jsonl).
 RELAY_HEAD_DIMS = frozenset({64, 128})
 # The relay's walk order over a GQA group (kernels/bwd_dkdv.py ``dense_entry``): True, each query tile for every
 # head of the group (query tiles outer); False, each head's query tiles in turn (heads outer).  With heads outer a

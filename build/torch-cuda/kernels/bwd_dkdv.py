@@ -279,17 +279,24 @@ class FlashBwdDkdv(KernelStateMixin):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def dq_tile(self, seq, rows_q, m_block):
+        """Index of query tile ``m_block``'s tile in the fp32 dQ workspace (``config_bwd.dq_accum_blocks``; the
+        convert kernel reads the same layout): dense, after the tiles of the batch entries before; varlen, from tile
+        cu_seqlens_q[b] // tile_m + b, so no two sequences share a tile.  Unclamped: callers check it against the
+        workspace."""
+        if const_expr(self.cfg.varlen_q):
+            return seq.offset_q // self.tile_m + seq.batch + m_block
+        return seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+
+    @cute.jit
     def add_dq(self, mDqAccum, relay, acc_dQ, seq, rows_q, head, m_block, n_block, tidx):
         """Add this thread's dQ values of query tile ``m_block`` of ``head`` into the workspace: value pair j at
         (j * threads + tidx) * 2 of the tile, so a warp's 32 adds of one pair cover 256 contiguous bytes.  The
         tile index (``config_bwd.dq_accum_blocks``) is clamped to the workspace: lying varlen metadata may give
-        wrong sums, never a write outside it.  With the relay (``relay`` not None), first wait for this key tile's
-        turn on the tile; returns the offset of the tile's counter, to pass on once every thread's adds are issued
-        (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
-        if const_expr(self.cfg.varlen_q):
-            blk = seq.offset_q // self.tile_m + seq.batch + m_block
-        else:
-            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        wrong sums, never a write outside it.  With the relay (``relay`` not None; the walk has checked this key
+        tile's turn, ``dq_turn_ready``) returns the offset of the tile's counter, to pass on once every thread's adds
+        are issued (-1: nothing to pass on; the counters have the workspace's tiles, so the clamp covers both)."""
+        blk = self.dq_tile(seq, rows_q, m_block)
         pend = Int32(-1)
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):  # the one-loop walk checked the turn (``dq_turn_ready``)
@@ -307,10 +314,7 @@ class FlashBwdDkdv(KernelStateMixin):
         when the tile needs no wait; else 0.  RELAY_PROBE "nowait" / "free": always 1 (timing only)."""
         if const_expr(_dq_relay.RELAY_PROBE in ("nowait", "free")):
             return Int32(1)
-        if const_expr(self.cfg.varlen_q):
-            blk = seq.offset_q // self.tile_m + seq.batch + m_block
-        else:
-            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        blk = self.dq_tile(seq, rows_q, m_block)
         ready = Int32(1)
         if blk < mDqAccum.shape[0]:
             turn = relay.turn(n_block, m_block)

@@ -130,10 +130,7 @@ class FlashBwdDkdvVRegs(FlashBwdDkdv):
         whole tile's fragment (``process`` checks that at trace time), so the workspace keeps the layout the
         convert kernel reads.  With the relay, only the first chunk (``wait``) waits for the turn; returns the
         counter offset to pass on (-1: none)."""
-        if const_expr(self.cfg.varlen_q):
-            blk = seq.offset_q // self.tile_m + seq.batch + m_block
-        else:
-            blk = seq.batch * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        blk = self.dq_tile(seq, rows_q, m_block)
         pend = Int32(-1)
         if blk < mDqAccum.shape[0]:
             if const_expr(relay is not None):
