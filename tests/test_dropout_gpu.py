@@ -122,7 +122,7 @@ def test_high_p_runs_the_complement_forward(monkeypatch):
     assert seen == [False, False, True], seen
 
 
-def _d_slack(out, ref_out, ref_lse, ref_in, g):
+def _d_slack(out, ref_out, ref_lse, ref_in, g, varlen=False):
     """The backward takes D = rowsum(dO * O) from the output as returned (rounded to bf16/fp16), as every
     FlashAttention does; the fp32 and same-dtype PyTorch references differentiate through the unrounded O.  The
     difference dD = rowsum(dO * (O_ours - O_fp32)) enters dS = P (dP - D) exactly as a gradient on the LSE does
@@ -130,8 +130,10 @@ def _d_slack(out, ref_out, ref_lse, ref_in, g):
     where PyTorch's own error is 0: with one key (S = 1) the true dQ and dK are exactly 0 (dS = P dP - P D = 0)
     and PyTorch's same-dtype softmax backward gives exactly 0, while O = keep * v / (1 - p) is not representable
     in bf16, so the kernel's D is off by ~1e-3 relative and dQ by ~1e-2.  Without dropout O = v is exact there."""
-    dd = (g.float() * (out.detach().float() - ref_out.detach().float())).sum(-1)  # (B, Sq, Hq)
-    return torch.autograd.grad(ref_lse, ref_in, dd.transpose(1, 2), retain_graph=True, allow_unused=True)
+    dd = (g.float() * (out.detach().float() - ref_out.detach().float())).sum(-1)  # (B, Sq, Hq); varlen (total, Hq)
+    cot = dd.transpose(0, 1) if varlen else dd.transpose(1, 2)  # as the LSE: (B, Hq, Sq); varlen (Hq, total)
+    return torch.autograd.grad(ref_lse, ref_in, torch.nan_to_num(cot, nan=0.0), retain_graph=True,
+                               allow_unused=True)
 
 
 # ---- forward / backward against the reference with the same mask ---------------------------------------------------
@@ -233,12 +235,17 @@ def test_dropout_varlen():
     ref, lse_ref = varlen_ref(*ref_in, cu_q, cu_k, keep_of=keep_of, causal=True, dropout_p=p)
     pt, _ = varlen_ref(*pt_in, cu_q, cu_k, keep_of=keep_of, causal=True, dropout_p=p, upcast=False)
     _close("out", out, ref, pt)
-    g_out = torch.randn_like(out)
+    # dO from the test's own generator: with torch.randn_like it came from the global RNG, whose state depends on
+    # the tests run before in the same process; and the bound takes the slack of D = rowsum(dO * O) from the
+    # rounded O (``_d_slack``) as _check does: with one key (the last sequence) PyTorch's dQ there is exactly 0
+    # and the kernel's is not (a run under pytest -n 3 failed on dQ, 3.4e-2 against 2 * 1.3e-2)
+    g_out = _rand(*out.shape, dtype=out.dtype, gen=g)
     ours = torch.autograd.grad(out, (q, k, v), g_out)
+    slack = _d_slack(out, ref, lse_ref, ref_in, g_out, varlen=True)
     refg = torch.autograd.grad(ref, ref_in, g_out.float())
     ptg = torch.autograd.grad(pt, pt_in, g_out)
-    for name, a, r, c in zip(("dq", "dk", "dv"), ours, refg, ptg):
-        _close(name, a, r, c)
+    for name, a, r, c, sl in zip(("dq", "dk", "dv"), ours, refg, ptg, slack):
+        _close(name, a, r, c, sl)
 
 
 # ---- generator contract ------------------------------------------------------------------------------------------
