@@ -106,16 +106,19 @@ class Variant:
 _FUSED = r"_{}x{}w{}f(r)?(_|,|$)"
 VARIANTS = {v.name: v for v in (
     Variant("default", "kept", "the library's default call (fused where a fused tile serves, else the pair)"),
-    Variant("deterministic", "kept", "deterministic=True: the relay form at d64, the pair at d96/d128",
-            deterministic=True, head_dims=(64, 96, 128)),
+    Variant("deterministic", "kept", "deterministic=True: the relay form at d64/d128 (one loop, a GQA group's "
+            "heads inner), the pair at d96", deterministic=True, head_dims=(64, 96, 128)),
     Variant("pair", "reverted", "the dK/dV + dQ kernel pair for the default call (the pre-fused default)",
             head_dims=(64, 96), hide_fused=True, expect=r"(^|,)dq_"),
     Variant("fused_64x64", "reverted", "fused tile 64x64, 8 warps on every walk (config_bwd._FUSED_TILES)",
             head_dims=(64, 128), fused_tile=(64, 64, 8), expect=_FUSED.format(64, 64, 8)),
     Variant("fused_32x32w4", "reverted", "fused tile 32x32, 4 warps at d256 (spills on sm_120a)",
             head_dims=(256,), fused_tile=(32, 32, 4), expect=_FUSED.format(32, 32, 4)),
-    Variant("relay_d128", "reverted", "deterministic=True in the relay form at d128 (RELAY_HEAD_DIMS + 128)",
-            deterministic=True, head_dims=(128,), relay_here=True, expect=r"w8(r\d+)?fr(_|,|$)"),
+    Variant("pair_deterministic_d128", "reverted", "deterministic=True on the dK/dV + dQ pair at d128 (its form "
+            "before the one-loop relay)", deterministic=True, head_dims=(128,), hide_fused=True, expect=r"(^|,)dq_"),
+    Variant("relay_heads_outer", "reverted", "the relay's walk with each head's query tiles in turn at d128 "
+            "(RELAY_HEADS_INNER=False)", deterministic=True, head_dims=(128,),
+            constants=(("RELAY_HEADS_INNER", False),), expect=r"w8(r\d+)?fr(_|,|$)"),
     Variant("relay_after_s", "reverted", "the relay's turn released after the S mma (DQ_RELAY_RELEASE)",
             deterministic=True, head_dims=(64,), constants=(("DQ_RELAY_RELEASE", "after_s"),),
             expect=r"fr(_|,|$)"),

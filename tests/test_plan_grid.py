@@ -8,7 +8,9 @@ backward at d96; re-recorded for issue 31's sm_80 reroutes, which changed 13 cal
 64x32 with dropout at d192, the forward's 64x16 two-stage tile for mods with dropout at d192, the 32x128 P/dS dK/dV
 tile for aux-reading mods at d128; re-recorded for issue 30's causal d128 backward tile, which changed 9 calls, all on the TMA device: d128 windowed backward walks without mods or dropout on the fused 32x128 tile; re-recorded for issue 30's
 deterministic relay, which added the field ``dq_relay`` to every backward configuration's repr and changed 6 calls,
-all ``grad_deterministic`` on the TMA device: the fused kernel's relay form and its convert instead of the pair),
+all ``grad_deterministic`` on the TMA device: the fused kernel's relay form and its convert instead of the pair;
+re-recorded for issue 30's relay at d128, which changed 3 calls, the d128 ``grad_deterministic`` ones on the TMA
+device: the relay form instead of the pair),
 refusals included (exception and message).  Equal configurations are equal compile keys: the same kernels, the same SASS.
 CPU only: the device, the compiler and the launches are stubbed (tests/plan_grid.py)."""
 

@@ -139,9 +139,12 @@ def test_job_plan():
     cells = [P.parse_cell(c) for c in P.DEFAULT_CELLS]
     assert cells[0] == P.Cell("llama3-8b", 32, 8, 128, 4096, 4, False) and cells[0].dq_elems == LLAMA_DQ
     groups = dict(P.plan_groups(list(P.VARIANTS.values()), cells))
-    assert list(groups) == ["main", "relay_after_s", "lpt_off", "peers"]
+    assert list(groups) == ["main", "relay_heads_outer", "relay_after_s", "lpt_off", "peers"]
+    assert groups["relay_heads_outer"] == [("llama3-8b:4096", "relay_heads_outer"),
+                                           ("llama3-8b:4096:causal", "relay_heads_outer")]
     main = groups["main"]
     assert ("mha-d64:4096:causal", "pair") in main and ("llama3-8b:4096", "pair") not in main
+    assert ("llama3-8b:4096", "pair_deterministic_d128") in main
     assert [c for c, v in main if v == "fused_32x32w4"] == ["mha-d256:4096:causal"]
     assert ("mha-d256:4096:causal", "deterministic") not in main  # the pair, as the default there
     assert groups["lpt_off"] == [("llama3-8b:4096:causal", "lpt_off"), ("mha-d64:4096:causal", "lpt_off")]
@@ -189,16 +192,18 @@ def test_forced_d256_fused_tile():
     assert config_bwd.fused_for(pair)[0] == default
 
 
-def test_forced_relay_at_d128():
-    from flash_attn_4_sm120 import config_bwd
+def test_forced_pair_at_d128():
+    from flash_attn_4_sm120 import config_bwd, dispatch_bwd
 
-    v = P.VARIANTS["relay_d128"]
+    v = P.VARIANTS["pair_deterministic_d128"]
     pair = config_bwd.select_bwd_config("bf16", 128, 128)
-    assert config_bwd.fused_for(pair, relay=True) is None
+    relay, _ = config_bwd.fused_for(pair, relay=True)  # deterministic=True's default at d128: the relay
+    assert relay.dq_relay and not re.search(v.expect, relay.name())
     with P.forced(v, 128):
-        relay, cvt = config_bwd.fused_for(pair, relay=True)
-        assert relay.dq_relay and re.search(v.expect, _names(relay, cvt))
-    assert config_bwd.fused_for(pair, relay=True) is None and 128 not in config_bwd.RELAY_HEAD_DIMS
+        assert dispatch_bwd.fused_plan(None, None, True) is None  # the pair
+    names = _names(pair, config_bwd.select_dq_config("bf16", 128, 128))
+    assert re.search(v.expect, names)
+    assert re.search(P.VARIANTS["relay_heads_outer"].expect, relay.name())
 
 
 def test_forced_pair_and_constants():
@@ -212,7 +217,8 @@ def test_forced_pair_and_constants():
     pair = config_bwd.select_bwd_config("bf16", 64, 64, windowed=True)
     names = _names(pair, config_bwd.select_dq_config("bf16", 64, 64, windowed=True))
     assert re.search(v.expect, names) and not re.search(v.expect, _names(*config_bwd.fused_for(pair)))
-    for name, attr, value in (("relay_after_s", "DQ_RELAY_RELEASE", "after_s"), ("lpt_off", "BWD_LPT_ORDER", False)):
+    for name, attr, value in (("relay_after_s", "DQ_RELAY_RELEASE", "after_s"), ("lpt_off", "BWD_LPT_ORDER", False),
+                              ("relay_heads_outer", "RELAY_HEADS_INNER", False)):
         before = getattr(config_bwd, attr)
         with P.forced(P.VARIANTS[name], 64):
             assert getattr(config_bwd, attr) == value != before
