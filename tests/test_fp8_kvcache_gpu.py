@@ -190,6 +190,76 @@ def test_decode_step_under_cuda_graph_replay():
     assert torch.equal(kc[1, 601].view(torch.uint8), expect[1].view(torch.uint8))
 
 
+def _kernel_names(fn):
+    """Names of the CUDA kernels one call of ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "emcpy" not in e.name and "emset" not in e.name]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_decode_step_launches_only_attention_kernels(paged):
+    """After the first call, a decode step over the e4m3 cache launches the FP8 kernel (and the split combine)
+    and nothing else: its offsets, lengths and unit descales are kept per device and stream (fp8_rows), where
+    each call made them with six small torch kernels before.  Another stream gets its own, and the results agree."""
+    b, cap, hq, hkv = 8, 4096, 32, 8
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, 1, seed=6)
+    kc, vc = kc[:b], vc[:b]
+    kw = dict(k_descale=kd, v_descale=None)
+    if paged:
+        table = torch.randperm(b * cap // 16, device="cuda").view(b, cap // 16).to(torch.int32)
+        def pool(c):  # key j of sequence i: row j % 16 of page table[i, j // 16]
+            p = torch.empty(b * cap // 16, 16, hkv, c.shape[-1], dtype=torch.uint8, device="cuda")
+            p[table.flatten().long()] = c.view(torch.uint8).reshape(b * cap // 16, 16, hkv, c.shape[-1])
+            return p.view(E4)
+
+        kc, vc = pool(kc), pool(vc)
+        kw["page_table"] = table
+
+    def call():
+        return fa.flash_attn_with_kvcache(q, kc, vc, **kw)
+
+    first = call()
+    names = _kernel_names(call)
+    assert names and all("Fp8" in n or "ombine" in n for n in names), names
+    assert sum("Fp8" in n for n in names) == 1, names
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(other, first, rtol=0, atol=0)
+    ref = fa.flash_attn_with_kvcache(q, kc, vc, k_descale=kd, v_descale=torch.ones_like(vd),
+                                     **({"page_table": kw["page_table"]} if paged else {}))
+    torch.testing.assert_close(first, ref, rtol=0, atol=0)  # a left-out descale is 1.0
+
+
+def test_constants_asked_for_under_capture_are_not_kept():
+    from flash_attn_4_sm120 import fp8_rows
+
+    b, cap, hq, hkv = 3, 512, 8, 2
+    q, k, v, kc, vc, kd, vd = _setup(b, cap, hq, hkv, 1, seed=7)
+    seqlens = torch.tensor([512, 17, 300], dtype=torch.int32, device="cuda")
+
+    def step():
+        return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+
+    eager = step()
+    torch.cuda.synchronize()
+    before = dict(fp8_rows._CONST)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert fp8_rows._CONST == before  # the capture stream's tensors live in the graph's pool: none kept
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_packed_bf16_query_over_e4m3_rows(causal):
     lens_q, lens_k = [1, 300, 0, 57], [640, 300, 10, 1200]
