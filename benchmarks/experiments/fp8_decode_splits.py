@@ -42,77 +42,6 @@ TILES = {"w1": (1, 1), "w2kw2": (2, 2)}  # (FP8_DECODE_WARPS, FP8_DECODE_KV_WARP
 B1_SPLITS = (16, 32, 64)
 
 
-STAGE_CELLS = ((8, 8192, False), (8, 8192, True), (64, 2048, False), (64, 2048, True))
-STAGES = (2, 3)
-STAGE_SPLITS = (None, 8, 12, 16)
-
-
-@contextlib.contextmanager
-def decode_stages(stages: int):
-    """Select the decode tile's K/V stage count for the calls inside (config_fp8.FP8_DECODE_STAGES)."""
-    from flash_attn_4_sm120 import config_fp8 as C
-
-    old = C.FP8_DECODE_STAGES
-    C.FP8_DECODE_STAGES = stages
-    try:
-        yield
-    finally:
-        C.FP8_DECODE_STAGES = old
-
-
-def run_stages(fa, Q, copy_bw):
-    """The --stages rows: issue 34's cells, contiguous and paged (pages of 16), the bf16 cache's default call and
-    the e4m3 cache's at each stage count of the decode tile (STAGES) and split count (STAGE_SPLITS; None: the
-    automatic count), every output first compared with the default's (a gap over 5e-2 RMS is an error)."""
-    from bench_fp8_decode import PAGE_SIZE, page_table, paged
-
-    rows = []
-    with torch.no_grad():
-        for b, kv, is_paged in STAGE_CELLS:
-            gen = torch.Generator(device="cuda").manual_seed(b * 7 + kv)
-            q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-            kc, vc = (torch.randn(b, kv, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
-            _, k8, v8, _, kd, vd = Q.quantize_qkv(q, kc, vc)
-            seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-            extra = {}
-            if is_paged:
-                table = page_table(b, kv, gen)
-                kc, vc, k8, v8 = (paged(t, table) for t in (kc, vc, k8, v8))
-                extra = dict(page_table=table)
-            cell = dict(batch=b, kv_len=kv, paged=PAGE_SIZE if is_paged else None)
-            fp8_bytes = 2 * b * kv * HKV * D
-            bf16_ms = time_graph(lambda: fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **extra))
-            rows.append(dict(cell, impl="bf16", ms=bf16_ms, pct_of_copy=2 * fp8_bytes / bf16_ms / 1e6 / copy_bw))
-            print(json.dumps(rows[-1]), flush=True)
-            base = None
-            for rnd in range(2):  # two rounds, alternating: the spread is the noise
-                for stages in STAGES:
-                    for splits in STAGE_SPLITS:
-                        row = dict(cell, impl="fp8", stages=stages, num_splits=splits, round=rnd)
-                        with decode_stages(stages):
-                            def call():
-                                return fa.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd,
-                                                                  v_descale=vd, num_splits=splits, **extra)
-
-                            try:
-                                out = call().float()
-                                if base is None:
-                                    base = out
-                                gap = float((out - base).pow(2).mean().sqrt())
-                                row["rms_vs_default"] = gap
-                                if gap > 5e-2:
-                                    raise RuntimeError(f"rms {gap:.3e} against the default")
-                                ms = time_graph(call)
-                            except Exception as exc:  # noqa: BLE001 - recorded, the other rows still run
-                                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                            else:
-                                row.update(ms=ms, speedup_vs_bf16=bf16_ms / ms,
-                                           pct_of_copy=fp8_bytes / ms / 1e6 / copy_bw)
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
-    return rows
-
-
 @contextlib.contextmanager
 def decode_tile(warps: int, kv_warps: int):
     """Select the packed decode tile for the calls inside (config_fp8.select_config reads these at call time)."""
@@ -179,7 +108,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tiles", action="store_true", help="time the packed decode tiles (TILES) instead")
-    ap.add_argument("--stages", action="store_true", help="time the decode tile's K/V stage counts instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_decode_splits: no CUDA GPU; nothing to measure", file=sys.stderr)
@@ -189,9 +117,9 @@ def main(argv=None):
 
     copy_bw = copy_gbps()
     rows = [dict(kind="meta", device=torch.cuda.get_device_name(), copy_gbps=copy_bw)]
-    if args.tiles or args.stages:
-        rows += run_tiles(fa, Q, copy_bw) if args.tiles else run_stages(fa, Q, copy_bw)
-        out = args.out or HERE / "results" / f"fp8_decode_{'tiles' if args.tiles else 'stages'}_{gpu_tag()}.jsonl"
+    if args.tiles:
+        rows += run_tiles(fa, Q, copy_bw)
+        out = args.out or HERE / "results" / f"fp8_decode_tiles_{gpu_tag()}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {out}")

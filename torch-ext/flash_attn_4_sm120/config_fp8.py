@@ -27,11 +27,9 @@ FP8_TILE_M = 64  # 4 warps x 16 query rows
 # four such CTAs fit an H100 SM (registers), two an SM120 one (shared memory).  Instructions per step: benchmarks/
 # experiments/results/fp8_decode_tile_sass_cpu.jsonl; the timing: benchmarks/experiments/fp8_decode_splits.py --tiles
 FP8_DECODE_TILE_M, FP8_DECODE_WARPS, FP8_DECODE_KV_WARPS = 16, 2, 2
-FP8_DECODE_STAGES = 2  # K/V tiles the decode tile keeps in flight
 FP8_TILE_N = 64  # keys per K/V tile
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2  # K/V tiles in flight (cp.async double buffer)
-FP8_STAGES = (2, 3)  # stage counts the kernel's ring serves
 # compile targets whose cubins carry mma.sync e4m3 (PTX needs sm_89+): sm_80 cubins, which 8.0/8.6/8.9 devices
 # load (device.CAPABILITIES), do not; ptxas rejects "mma with FP8 floating point type" there
 # (benchmarks/results/fp8_gate_sm80.jsonl)
@@ -157,8 +155,8 @@ def can_implement(cfg: Fp8FwdConfig) -> None:
                          f"tile_m={FP8_TILE_M})")
     if cfg.tile_n % 32 != 0 or cfg.head_dim % 32 != 0:
         raise ValueError(f"tile_n={cfg.tile_n} and head_dim={cfg.head_dim} must be multiples of 32 (the k32 mma)")
-    if cfg.num_stages not in FP8_STAGES:
-        raise ValueError(f"num_stages={cfg.num_stages}: the FP8 kernel keeps {FP8_STAGES} K/V tiles in flight")
+    if cfg.num_stages != 2:
+        raise ValueError(f"num_stages={cfg.num_stages}: the FP8 kernel double-buffers K/V (num_stages=2 only)")
     if smem_bytes(cfg) > SMEM_LIMIT:
         raise ValueError(f"{cfg.name()} needs {smem_bytes(cfg)} B of shared memory, over SM120's {SMEM_LIMIT} B")
 
@@ -181,8 +179,7 @@ def select_config(head_dim: int, head_dim_v: int, causal: bool, out_dtype: str, 
                        varlen=varlen, pack_gqa=pack_gqa, split=split, paged=paged, q_dtype=q_dtype, softcap=softcap,
                        tile_m=FP8_DECODE_TILE_M if decode else FP8_TILE_M,
                        num_warps=FP8_DECODE_WARPS if decode else FP8_NUM_WARPS,
-                       kv_warps=FP8_DECODE_KV_WARPS if decode else 1,
-                       num_stages=FP8_DECODE_STAGES if decode else FP8_NUM_STAGES)
+                       kv_warps=FP8_DECODE_KV_WARPS if decode else 1)
     can_implement(cfg)
     return cfg
 

@@ -277,36 +277,30 @@ class FlashFwdFp8(Fp8KvLoader):
         row_l.fill(0.0)
         acc_s = cute.make_rmem_tensor((n_acc_s * 4,), Float32)
 
-        # the first stages - 1 tiles, one cp.async group each (the first one with Q's copies)
-        ahead_n = self.stages - 1  # tiles the loop's load runs ahead of the tile it computes
-        for j in cutlass.range_constexpr(ahead_n):
-            if j < n_iters:
-                self.load_kv(n_max - 1 - j, j, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
-            cp_async_commit()
+        if n_iters > 0:
+            self.load_kv(n_max - 1, 0, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
+        cp_async_commit()
         ahead = None  # page_ahead: (page, row) pairs of the next tile to load, as lookup_pages gives them
         if const_expr(self.page_ahead):
             ahead = cute.make_rmem_tensor((2 * ((self.tile_n // self.cfg.num_warps + 31) // 32),), Int32)
-            self.keep_pages(ahead, self.lookup_pages(cutlass.max(n_max - 1 - ahead_n, 0), tidx, sk, pages))
+            self.keep_pages(ahead, self.lookup_pages(cutlass.max(n_max - 2, 0), tidx, sk, pages))
         if const_expr(self.hp_q):  # while the first K/V tile is in flight; the loop's first barrier publishes it
             dq = self.quantize_q_rows(mQ, bq, h, m_block, wr, kw, g, t, pack, sq, q_off, sQ_addr)
             sl2 = (sl2k * dq[0], sl2k * dq[1])
         for it in cutlass.range(n_iters, unroll=1):
             nb = n_max - 1 - it
-            stage = it % self.stages
-            # tile it + stages - 1 lands in the stage computed last step while this one is used
-            load_stage = 1 - stage if const_expr(self.stages == 2) else (it + ahead_n) % self.stages
-            if it + ahead_n < n_iters:
+            stage = it % 2
+            if it + 1 < n_iters:  # the next tile lands in the other stage while this one is used
                 if const_expr(self.page_ahead):
-                    self.copy_pages(load_stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
+                    self.copy_pages(1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages,
                                     [(self.clamp_page(ahead[2 * i], pages), ahead[2 * i + 1])
                                      for i in range(cute.size(ahead.shape) // 2)])
                 else:
-                    self.load_kv(nb - ahead_n, load_stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr,
-                                 pages)
+                    self.load_kv(nb - 1, 1 - stage, tidx, sk, k_base, v_base, k_rs, v_rs, sK_addr, sV_addr, pages)
             cp_async_commit()
-            if const_expr(self.page_ahead):  # the tile after that (or any valid one past the range: never copied)
-                self.keep_pages(ahead, self.lookup_pages(cutlass.max(nb - ahead_n - 1, 0), tidx, sk, pages))
-            cp_async_wait(ahead_n)  # all but the newest stages - 1 groups (empty ones near the end) have landed
+            if const_expr(self.page_ahead):  # tile nb - 2 (or any valid one past the range: never copied)
+                self.keep_pages(ahead, self.lookup_pages(cutlass.max(nb - 2, 0), tidx, sk, pages))
+            cp_async_wait(1)  # all but the newest group (an empty one on the last tile) have landed
             cute.arch.barrier()
             k_addr = sK_addr + stage * (self.tile_n * self.k_row)
             v_addr = sV_addr + stage * (self.tile_n * self.v_row)
@@ -337,7 +331,7 @@ class FlashFwdFp8(Fp8KvLoader):
                         res = mma_e4m3_16832(a_frag, [halves[0][i], halves[1][i]], [acc_o[4 * j + e] for e in range(4)])
                         for e in cutlass.range_constexpr(4):
                             acc_o[4 * j + e] = res[e]
-            cute.arch.barrier()  # every warp is done with this stage before a later load refills it
+            cute.arch.barrier()  # every warp is done with this stage before the next load refills it
         cp_async_wait(0)  # a CTA without KV tiles still has its Q copy in flight
         # v_descale read after the loop: a value live across it spilled where the mma is emulated (sm_90a)
         # with split, out / lse's leading index is the split (the varlen form has one batch of packed rows)
