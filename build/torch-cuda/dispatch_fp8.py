@@ -43,7 +43,9 @@ def is_fp8(*tensors) -> bool:
 
 def _check_descale(name, d, b, hkv, device):
     if d is None:
-        return torch.ones(b, hkv, dtype=torch.float32, device=device)
+        from .fp8_rows import unit_descale
+
+        return unit_descale(b, hkv, device)
     if not isinstance(d, torch.Tensor):
         raise ValueError(f"{name} must be an fp32 tensor of shape ({b}, {hkv}) (batch, KV heads), got "
                          f"{type(d).__name__}")
@@ -119,8 +121,10 @@ def check_fp8_call(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, needs
     out_dtype = (q.dtype if hp_q else torch.bfloat16) if out_dtype is None else out_dtype
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    descales = tuple(_check_descale(n, x, b, hkv, q.device)
-                     for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    # a bf16/fp16 q has no q_descale (refused above): its entry is None, replaced where q is quantized
+    descales = ((None if hp_q else _check_descale("q_descale", q_descale, b, hkv, q.device)),
+                _check_descale("k_descale", k_descale, b, hkv, q.device),
+                _check_descale("v_descale", v_descale, b, hkv, q.device))
     require_cuda(q, k, v)
     return descales, _OUT[out_dtype], out_dtype
 
@@ -414,10 +418,9 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
             from . import fp8_rows as R
 
             b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-            cu_k = R.dense_cu(b, sk, q.device)
             out, lse = run_fp8_packed(
-                R.flatten_q(q), R.flatten(k, "k"), R.flatten(v, "v"), R.dense_cu(b, sq, q.device), cu_k,
-                cu_k[1:] - cu_k[:-1], sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
+                R.flatten_q(q), R.flatten(k, "k"), R.flatten(v, "v"), R.dense_cu(b, sq, q.device),
+                R.dense_cu(b, sk, q.device), R.uniform_lengths(b, sk, q.device), sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
                 out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa,
                 num_splits=splits, max_seqlen_k=sk, rows_covered=True, softcap=softcap)
             return R.unpack(out, lse, b, sq, True, return_lse)

@@ -30,7 +30,7 @@ import torch
 from . import compat
 from . import dispatch_fp8 as F8
 from . import fp8_quant as Q
-from .fp8_rows import dense_cu, flatten, flatten_q, unpack
+from .fp8_rows import dense_cu, flatten, flatten_q, uniform_lengths, unpack
 from . import validate as V
 
 _E4 = torch.float8_e4m3fn
@@ -114,13 +114,13 @@ def fp8_varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     if paged:  # the pools themselves, no cu_seqlens_k: the kernel's paged form
         kp, vp, cu_k = k, v, None
         capacity = page_table.shape[1] * k.shape[1]
-        used_k = (seqused_k if seqused_k is not None
-                  else torch.full((batch,), capacity, dtype=torch.int32, device=dev))
+        used_k = seqused_k if seqused_k is not None else uniform_lengths(batch, capacity, dev)
     else:
         kp = k.unsqueeze(0) if varlen_k else flatten(k, "k")
         vp = v.unsqueeze(0) if varlen_k else flatten(v, "v")
         cu_k = cu_seqlens_k if varlen_k else dense_cu(batch, k.shape[1], dev)
-        used_k = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1])
+        used_k = seqused_k if seqused_k is not None else (
+            uniform_lengths(batch, k.shape[1], dev) if not varlen_k else cu_k[1:] - cu_k[:-1])
     max_q = V.max_len(cu_seqlens_q, None, qp.shape[1], "q", max_seqlen_q) if varlen_q else q.shape[1]
     max_k = max_seqlen_k if max_seqlen_k.__class__ is int else (None if varlen_k else
                                                                 (capacity if paged else k.shape[1]))
@@ -219,11 +219,9 @@ def fp8_kvcache_attention(q, k_cache, v_cache, k, v, *, cache_seqlens, q_descale
                   seqlens, page_table, None)
     if paged:
         kp, vp, cu_k = k_cache, v_cache, None  # the pools themselves: the kernel's paged form reads no cu_seqlens_k
-        full = torch.full((batch,), capacity, dtype=torch.int32, device=dev) if seqlens is None else None
     else:
         cu_k = dense_cu(batch, k_cache.shape[1], dev)
-        full = cu_k[1:] - cu_k[:-1]
-    used_k = full if seqlens is None else (seqlens + new if new else seqlens)
+    used_k = (uniform_lengths(batch, capacity, dev) if seqlens is None else (seqlens + new if new else seqlens))
     if q.dtype != _E4:  # a bf16/fp16 query over the e4m3 cache (check_fp8_call let only those through)
         q, descales = _query(q, descales, k_cache.shape[2], out_torch)
     qp = flatten_q(q)

@@ -24,8 +24,47 @@ def flatten_q(q):
     return flatten(q if ok else q.contiguous(), "q")
 
 
+# Small read-only device tensors that every FP8 call on dense or KV-cache inputs would otherwise rebuild with one
+# or two torch kernels each (cu_seqlens 0, s, 2s, ...; per-sequence lengths; descales of 1.0): six such kernels
+# sat in front of each FP8-cache decode step, about 8 us of a 53 us step (Nsight Compute, B=8 KV 8K:
+# benchmarks/experiments/results/fp8_decode_ncu_h200_s41.jsonl).  Kept per (device, stream, what, sizes): a tensor
+# made on one stream is used only behind the kernel that wrote it.  Never evicted, so a CUDA graph that captured one
+# keeps reading live memory; a tensor asked for under capture is not kept (its memory is the graph's and is written
+# only on replay).  Bounded: past _CONST_MAX entries new ones are made per call, as before.
+_CONST: dict = {}
+_CONST_MAX = 4096
+
+
+def _device_constant(what, sizes, device, make):
+    device = torch.device(device)
+    if device.type != "cuda":
+        return make(device)
+    stream = torch.cuda.current_stream(device)
+    key = (what, sizes, device.index, stream.cuda_stream)
+    t = _CONST.get(key)
+    if t is None:
+        t = make(device)
+        if len(_CONST) < _CONST_MAX and not torch.cuda.is_current_stream_capturing():
+            _CONST[key] = t
+    return t
+
+
 def dense_cu(batch, s, device):
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * s
+    """(batch + 1,) int32 offsets 0, s, 2s, ... of a dense (batch, s) side read as packed rows (read-only)."""
+    return _device_constant("cu", (batch, s), device,
+                            lambda dev: torch.arange(batch + 1, dtype=torch.int32, device=dev) * s)
+
+
+def uniform_lengths(batch, s, device):
+    """(batch,) int32 of s: every sequence's length when a dense side has no per-sequence lengths (read-only)."""
+    return _device_constant("len", (batch, s), device,
+                            lambda dev: torch.full((batch,), s, dtype=torch.int32, device=dev))
+
+
+def unit_descale(b, hkv, device):
+    """(b, hkv) fp32 ones: a descale the caller left out (FlashAttention-3: 1.0), read-only."""
+    return _device_constant("one", (b, hkv), device,
+                            lambda dev: torch.ones(b, hkv, dtype=torch.float32, device=dev))
 
 
 def unpack(out, lse, batch, sq, dense_q, return_lse):
