@@ -9,7 +9,8 @@ then profiles one call between torch.cuda.profiler.start() and stop(): every ker
 forward and the combine).  The CSV of each run is kept as DIR/<cell>_<path>.csv, and a summary line per kernel
 (duration, DRAM throughput % of peak, achieved occupancy, registers, shared memory, the top warp stall reasons) is
 printed and written to DIR/summary.jsonl.  Paths: ``fp8`` (e4m3 cache, bf16 query, the default call), ``fp8_p16``
-(the same over shuffled pages of 16), ``bf16`` (the bf16 cache, default call).
+(the same over shuffled pages of 16), ``bf16`` (the bf16 cache, default call), ``fp8_e4m3q`` (the e4m3 cache with
+a query quantized beforehand, fp8_quant.quantize_query: the e4m3-query kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CELLS = {"b8_kv8k": (8, 8192), "b64_kv2k": (64, 2048)}
-PATHS = ("fp8", "fp8_p16", "bf16")
+PATHS = ("fp8", "fp8_p16", "bf16", "fp8_e4m3q")
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis",
             "SchedulerStats")
 
@@ -53,6 +54,12 @@ def child(cell: str, path: str) -> int:
     elif path == "fp8":
         def fn():
             return fa.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    elif path == "fp8_e4m3q":  # the query quantized beforehand per (batch, KV head): the e4m3-query kernel
+        q8, qd = Q.quantize_query(q, HKV)
+
+        def fn():
+            return fa.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, q_descale=qd, k_descale=kd,
+                                              v_descale=vd)
     else:
         table = page_table(b, kv, gen)
         k8p, v8p = paged(k8, table), paged(v8, table)
