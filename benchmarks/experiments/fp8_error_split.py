@@ -2,8 +2,8 @@
 FlashAttention-3's outlier input (N(0, 1), 0.1% of entries N(0, 10); B 1, S 2048, Hq / Hkv 4 / 2), the RMS error
 against the fp32 attention of the unquantized inputs when only some of q / k / v are quantized (e4m3 with
 ``fp8_quant.quantize_qkv(rotate=True)``'s per (batch, KV head) scales, Q and K Hadamard-rotated; the others exact
-in fp32), the query quantized per (row, head) instead (``tests/fp8_emulation.quantize_rows``: the kernel's form
-for a bf16 query), and V rotated too with the output rotated back (a form the helper does not offer).  Attention
+in fp32), the query or the keys quantized per (row, head) instead (``tests/fp8_emulation.quantize_rows``: the kernel's
+form for a bf16 query; per-key scales are a form the kernel does not take), and V rotated too with the output rotated back (a form the helper does not offer).  Attention
 in plain fp32 torch (P not rounded: the kernel's P rounding adds <= 1e-4 here, fp8_accuracy_cpu.jsonl's
 ``fp8_head_rot_p_fp32``).
 
@@ -51,12 +51,14 @@ def main():
                 qr, kr = q.float() @ hm, k.float() @ hm
                 qrow8, qrowd = quantize_rows(qr)
                 v8r, vdr = Q._quantize_grouped(v.float() @ hm, 2, "head", 128)
+                krow8, krowd = quantize_rows(kr)
                 row = dict(d=d, causal=causal, seed=seed,
                            all_quantized=rms(attn(dq, dk, dv, causal), ref),
                            qk_only=rms(attn(dq, dk, v, causal), ref),
                            v_only=rms(attn(qr, kr, dv, causal), ref),
                            q_exact=rms(attn(qr, dk, dv, causal), ref),
                            q_per_row=rms(attn(qrow8.float() * qrowd[..., None], dk, dv, causal), ref),
+                           k_per_row=rms(attn(dq, krow8.float() * krowd[..., None], dv, causal), ref),
                            v_rotated_too=rms(attn(dq, dk, Q.dequantize(v8r, vdr, 2), causal) @ hm.T, ref))
                 rows.append(row)
                 print(json.dumps({k: (round(x, 5) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
