@@ -205,7 +205,8 @@ def check_generate_batch(r: dict, home: Path, on_cuda: bool = True) -> None:
     """``on_cuda``: transformers 5.22.2 enables its block-table decode path (flash_attn_with_kvcache) only when
     CUDA is available (continuous_batching/initialization.py), so the CPU harness run cannot expect it."""
     assert_our_kernel_loaded(r, "llama", home)
-    assert r["errors"] == [] and r["n_results"] == r["n_prompts"] and r["prompts_match"], r
+    assert r["errors"] == [] and r["n_results"] == r["n_prompts"] and r["prompts_match"], (
+        r["errors"], r["n_results"], r["n_prompts"], r["prompts_match"], r.get("stderr", "")[-6000:])
     assert r["lengths"] == [r["new_tokens"]] * r["n_prompts"]
     assert r["ours_impl_after"] == REPO  # not switched to another flash implementation
     assert r["worst_gap"] <= GAP_TOL, f"a greedy token is {r['worst_gap']:.3f} std below gold's best logit"

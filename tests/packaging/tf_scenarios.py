@@ -106,12 +106,29 @@ def allow_for_gpt_oss(repo: str) -> None:
 CALLS: list[dict] = []
 
 
+FINITE_CHECK_MAX_NUMEL = 1 << 26  # larger tensors (a continuous-batching paged cache) are not scanned
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _finite(t):
+    """Whether every element is finite; None where the harness must not look: under CUDA-graph capture (the read
+    back is a sync, which invalidates the capture) and for tensors over FINITE_CHECK_MAX_NUMEL elements
+    (transformers sizes its continuous-batching paged cache to 90% of free memory: a scan of it went out of memory
+    on an H100, and its unused pages hold whatever the allocator left)."""
+    if not t.is_floating_point() or t.numel() > FINITE_CHECK_MAX_NUMEL or (t.is_cuda and _capturing()):
+        return None
+    return bool(torch.isfinite(t).all())
+
+
 def _layout(t):
     """Shape, strides, storage offset and finiteness of a tensor handed to the kernel (what a layout bug needs)."""
     if not isinstance(t, torch.Tensor):
         return None
     return {"shape": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
-            "contiguous": t.is_contiguous(), "finite": bool(torch.isfinite(t).all()) if t.is_floating_point() else None}
+            "contiguous": t.is_contiguous(), "finite": _finite(t)}
 
 
 def _describe(name, args, kwargs):
@@ -138,7 +155,7 @@ def _spy(name, fn):
         CALLS.append(_describe(name, args, kwargs))
         out = fn(*args, **kwargs)
         o = out[0] if isinstance(out, tuple) else out
-        CALLS[-1]["out_finite"] = bool(torch.isfinite(o).all()) if isinstance(o, torch.Tensor) else None  # harness: a sync is fine
+        CALLS[-1]["out_finite"] = _finite(o) if isinstance(o, torch.Tensor) else None  # harness: a sync is fine, not in capture
         return out
     spy.__signature__ = inspect.signature(fn)
     return spy
