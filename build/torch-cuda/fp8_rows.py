@@ -39,10 +39,9 @@ def _device_constant(what, sizes, device, make):
     device = torch.device(device)
     if device.type != "cuda":
         return make(device)
-    stream = torch.cuda.current_stream(device)
-    key = (what, sizes, device.index, stream.cuda_stream)
+    key = (what, sizes, device.index, torch.cuda.current_stream(device).cuda_stream)
     t = _CONST.get(key)
-    if t is None:
+    if t is None:  # the capture state is asked on a miss only (a host query)
         t = make(device)
         if len(_CONST) < _CONST_MAX and not torch.cuda.is_current_stream_capturing():
             _CONST[key] = t
