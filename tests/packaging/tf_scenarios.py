@@ -155,7 +155,7 @@ def _spy(name, fn):
         CALLS.append(_describe(name, args, kwargs))
         out = fn(*args, **kwargs)
         o = out[0] if isinstance(out, tuple) else out
-        CALLS[-1]["out_finite"] = _finite(o) if isinstance(o, torch.Tensor) else None  # harness: a sync is fine, not in capture
+        CALLS[-1]["out_finite"] = _finite(o) if isinstance(o, torch.Tensor) else None  # a sync; never in capture
         return out
     spy.__signature__ = inspect.signature(fn)
     return spy
