@@ -420,9 +420,10 @@ def fp8_attention(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, ou
             b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
             out, lse = run_fp8_packed(
                 R.flatten_q(q), R.flatten(k, "k"), R.flatten(v, "v"), R.dense_cu(b, sq, q.device),
-                R.dense_cu(b, sk, q.device), R.uniform_lengths(b, sk, q.device), sq, descales, softmax_scale=softmax_scale, causal=causal, out_name=out_name,
-                out_dtype=out_torch, window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa,
-                num_splits=splits, max_seqlen_k=sk, rows_covered=True, softcap=softcap)
+                R.dense_cu(b, sk, q.device), R.uniform_lengths(b, sk, q.device), sq, descales,
+                softmax_scale=softmax_scale, causal=causal, out_name=out_name, out_dtype=out_torch,
+                window_size=window_size, learnable_sink=learnable_sink, pack_gqa=pack_gqa, num_splits=splits,
+                max_seqlen_k=sk, rows_covered=True, softcap=softcap)
             return R.unpack(out, lse, b, sq, True, return_lse)
         if splits > 1:  # an explicit split over K/V whose batch stride is not seqlen x row stride
             compat.refuse("fp8_unserved", feature=f"num_splits={splits} with k/v strides {k.stride()} / "

@@ -39,6 +39,8 @@ def _device_constant(what, sizes, device, make):
     device = torch.device(device)
     if device.type != "cuda":
         return make(device)
+    if device.index is None:  # "cuda": the current device, named so the key does not follow a later switch
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (what, sizes, device.index, torch.cuda.current_stream(device).cuda_stream)
     t = _CONST.get(key)
     if t is None:  # the capture state is asked on a miss only (a host query)
